@@ -1,0 +1,48 @@
+"""attnhub: every scaled-dot-product-attention call on the fastest correct kernel.
+
+Quick tour::
+
+    import attnhub
+    out = attnhub.attention(q, k, v, causal=True)          # best eligible backend
+    print(attnhub.explain(q, k, v, causal=True))           # why, and why not the others
+    with attnhub.use_backend("torch_sdpa"):                # restrict / order backends
+        out = attnhub.attention(q, k, v)
+    attnhub.list_backends()
+
+Importing attnhub changes nothing: backends are registered at first use, no torch
+flag is touched and nothing is patched.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata as _metadata
+
+from .api import attention, explain, list_backends
+from .backend import Backend
+from .dispatch import Decision, RankingPolicy, set_policy, use_backend
+from .errors import NoBackendError
+from .hookspecs import hookimpl
+from .registry import BackendRegistry, get_registry
+from .request import AttentionParams, AttentionRequest
+
+try:
+    __version__ = _metadata.version("attnhub")
+except _metadata.PackageNotFoundError:  # running from a source tree without install
+    __version__ = "0+unknown"
+
+__all__ = [
+    "AttentionParams",
+    "AttentionRequest",
+    "Backend",
+    "BackendRegistry",
+    "Decision",
+    "NoBackendError",
+    "RankingPolicy",
+    "attention",
+    "explain",
+    "get_registry",
+    "hookimpl",
+    "list_backends",
+    "set_policy",
+    "use_backend",
+]

@@ -1,0 +1,27 @@
+"""Exceptions raised by attnhub.
+
+Bad input is a plain ``ValueError`` or ``TypeError`` naming the argument; these
+classes are for what only attnhub can say: no backend can serve a call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class NoBackendError(RuntimeError):
+    """No registered backend can serve a call, or the backend asked for cannot.
+
+    The message holds the call's signature and one line per backend with the
+    reasons it was not eligible. ``signature`` and ``reasons`` carry the same
+    information as data.
+    """
+
+    def __init__(self, headline: str, signature: str, reasons: Sequence[tuple[str, Sequence[str]]]):
+        self.signature = signature
+        self.reasons = {name: list(why) for name, why in reasons}
+        width = max((len(name) for name, _ in reasons), default=0)
+        lines = [f"{headline}", f"  call: {signature}"]
+        for name, why in reasons:
+            lines.append(f"  {name:<{width}}  {'; '.join(why) if why else 'eligible'}")
+        super().__init__("\n".join(lines))

@@ -1,0 +1,129 @@
+"""The normalized form of one attention call.
+
+``AttentionParams`` holds the call's options (what a backend needs to compute);
+``AttentionRequest`` is a frozen, hashable summary of a call's *metadata* (what
+dispatch needs to choose). Dispatch reads only the request, so its decisions can be
+cached per request and explained. Sequence lengths are bucketed to powers of two so
+that a new length does not mean a new decision (or a recompile under
+``torch.compile``); the facts that depend on exact lengths (``Nq == Nk``,
+``Nq > Nk``) are kept as flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MASK_KINDS = ("none", "bool", "float")
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def seqlen_bucket(n: int) -> int:
+    """The power of two at or above ``n`` (0 stays 0): the request's sequence-length key."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """What a backend computes, beyond the tensors.
+
+    ``scale`` is resolved (never None). ``window`` sides are key counts; None on a
+    side means unbounded. ``block_sparse`` is a :class:`attnhub.BlockSparseLayout`.
+    """
+
+    causal: bool = False
+    alignment: str = "top_left"
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
+    scale: float = 1.0
+    dropout_p: float = 0.0
+    block_sparse: Any = None
+    return_lse: bool = False
+
+    @property
+    def bottom_right(self) -> bool:
+        return self.alignment == "bottom_right"
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """Frozen summary of one call's metadata; the only input to dispatch.
+
+    Shapes: query (batch, heads_q, Nq, head_dim), key (batch, heads_kv, Nk, head_dim),
+    value (batch, heads_kv, Nk, head_dim_v). ``seqlen_q``/``seqlen_k`` are buckets
+    (see :func:`seqlen_bucket`).
+    """
+
+    device_type: str
+    capability: tuple[int, int] | None
+    dtype: torch.dtype
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    same_seqlen: bool
+    q_longer: bool
+    head_dim: int
+    head_dim_v: int
+    mask: str = "none"
+    mask_needs_grad: bool = False
+    causal: bool = False
+    alignment: str = "top_left"
+    window: bool = False
+    softcap: bool = False
+    dropout: bool = False
+    needs_grad: bool = False
+    deterministic: bool = False
+    last_dim_contiguous: bool = True
+    block_sparse: bool = False
+    return_lse: bool = False
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.heads_q // self.heads_kv if self.heads_kv else 1
+
+    @property
+    def device_label(self) -> str:
+        if self.capability is None:
+            return self.device_type
+        return f"{self.device_type} sm{self.capability[0]}{self.capability[1]}"
+
+    def describe(self) -> str:
+        """One line, e.g. ``q=(2,16,~4096,128) k/v=(2,4,~4096,128) bfloat16 cuda sm90, causal``."""
+        flags = []
+        if self.causal:
+            flags.append(f"causal ({self.alignment})")
+        for name in ("window", "softcap", "dropout", "block_sparse", "return_lse"):
+            if getattr(self, name):
+                flags.append(name)
+        if self.mask != "none":
+            flags.append(f"{self.mask} mask" + (" with grad" if self.mask_needs_grad else ""))
+        if self.needs_grad:
+            flags.append("backward")
+        if self.deterministic:
+            flags.append("deterministic")
+        if not self.last_dim_contiguous:
+            flags.append("last dim strided")
+        lengths = "Nq==Nk" if self.same_seqlen else ("Nq>Nk" if self.q_longer else "Nq<Nk")
+        text = (
+            f"q=({self.batch},{self.heads_q},~{self.seqlen_q},{self.head_dim}) "
+            f"k/v=({self.batch},{self.heads_kv},~{self.seqlen_k},{self.head_dim}/{self.head_dim_v}) "
+            f"{lengths} {dtype_name(self.dtype)} {self.device_label}"
+        )
+        return text + (", " + ", ".join(flags) if flags else "")
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """Compute capability for CUDA devices, None elsewhere."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    return (major, minor)

@@ -1,0 +1,1 @@
+"""Conformance kit (filled below)."""

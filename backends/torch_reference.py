@@ -1,0 +1,115 @@
+"""``torch_reference``: the contract as plain PyTorch operations.
+
+This is the executable form of contract.md: every feature, any device, every float
+dtype, gradients by autograd. It materializes the (B, Hq, Nq, Nk) score matrix, so it
+is declared memory-quadratic and dispatch chooses it only when nothing else can serve
+a call (and says so). Tests compare every other backend against it, in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnhub.backend import FLOAT_DTYPES, Backend
+from attnhub.request import AttentionParams
+
+
+def keep_mask(
+    nq: int,
+    nk: int,
+    params: AttentionParams,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """The (Nq, Nk) bool mask of positions kept by ``causal`` and ``window`` (None: all).
+
+    Query row i sits at key position ``i`` (top_left) or ``i + Nk - Nq`` (bottom_right).
+    """
+    if not params.causal and params.window is None:
+        return None
+    offset = nk - nq if params.bottom_right else 0
+    position = torch.arange(nq, device=device).unsqueeze(1) + offset
+    key_pos = torch.arange(nk, device=device).unsqueeze(0)
+    keep = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if params.causal:
+        keep &= key_pos <= position
+    if params.window is not None:
+        left, right = params.window
+        if left is not None:
+            keep &= key_pos >= position - left
+        if right is not None:
+            keep &= key_pos <= position + right
+    return keep
+
+
+def reference_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    params: AttentionParams,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention by the contract, computed in the inputs' dtype.
+
+    Shapes: query (B, Hq, Nq, D), key (B, Hkv, Nk, D), value (B, Hkv, Nk, Dv).
+    Returns ``(out, lse)``: out (B, Hq, Nq, Dv) in the query's dtype, lse float32
+    (B, Hq, Nq). Rows with every key masked give zeros and lse = -inf, with zero
+    gradients and no NaN anywhere.
+    """
+    b, hq, nq, _ = query.shape
+    hkv, nk = key.shape[1], key.shape[2]
+    if hkv != hq:  # grouped-query attention: query head h reads key/value head h // group
+        group = hq // hkv
+        key = key.repeat_interleave(group, dim=1)
+        value = value.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, key.transpose(-2, -1)) * params.scale
+    if params.softcap is not None:
+        scores = params.softcap * torch.tanh(scores / params.softcap)
+    keep = keep_mask(nq, nk, params, query.device)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            keep = attn_mask if keep is None else keep & attn_mask
+        else:
+            scores = scores + attn_mask.to(scores.dtype)
+    if params.block_sparse is not None:
+        layout_mask = params.block_sparse.to_dense_mask(nq, nk).to(query.device)
+        keep = layout_mask if keep is None else keep & layout_mask
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    scores = scores.expand(b, hq, nq, nk)
+    # A safe softmax: shift by the (detached) row maximum, and give rows whose
+    # every score is -inf zero weights and lse = -inf instead of 0/0.
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    empty = total == 0
+    safe_total = torch.where(empty, torch.ones_like(total), total)
+    probs = weights / safe_total
+    lse = torch.where(empty, torch.full_like(total, float("-inf")), torch.log(safe_total) + row_max)
+    if params.dropout_p > 0.0:
+        keep_drop = torch.rand(probs.shape, device=probs.device) >= params.dropout_p
+        probs = probs * keep_drop.to(probs.dtype) / (1.0 - params.dropout_p)
+    out = torch.matmul(probs.to(value.dtype), value)
+    return out.to(query.dtype), lse.squeeze(-1).float()
+
+
+class TorchReference(Backend):
+    name = "torch_reference"
+    description = "plain PyTorch, the executable contract (materializes Nq x Nk scores)"
+    priority = -100
+    devices = frozenset({"cpu", "cuda", "mps", "xpu", "meta"})
+    dtypes = FLOAT_DTYPES
+    value_head_dim = True
+    mask_kinds = frozenset({"none", "bool", "float"})
+    mask_grad = True
+    causal_alignments = frozenset({"top_left", "bottom_right"})
+    window = softcap = dropout = gqa = block_sparse = lse = True
+    backward = True
+    deterministic = True
+    memory = "quadratic"
+    compile_safe = True
+    copies_strided = False
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        out, lse = reference_attention(query, key, value, attn_mask, params)
+        return (out, lse) if params.return_lse else out

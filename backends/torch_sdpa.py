@@ -1,0 +1,205 @@
+"""PyTorch's own fused attention: ``torch_sdpa`` and one backend per CUDA kernel.
+
+``torch_sdpa`` calls ``F.scaled_dot_product_attention`` and lets PyTorch pick its
+kernel. ``torch_sdpa_flash``, ``torch_sdpa_efficient`` and ``torch_sdpa_cudnn`` pin
+one kernel each by calling its ATen op directly: that costs nothing per call (the
+``sdpa_kernel`` context costs 25-70 us, see anchors-h200.md), PyTorch's autograd
+formulas for those ops still give the backward, and the ops return the log-sum-exp.
+Each declares the constraints PyTorch enforces for its kernel, so dispatch never hands
+it a call it would reject or quietly route to the math kernel.
+
+What no kernel here offers (window, softcap) is declared unsupported. Bottom-right
+causal, which ``F.scaled_dot_product_attention`` lacks, is served by the flash op
+natively (FlashAttention-2 aligns bottom-right), and by ``torch_sdpa`` through an
+explicit mask (declared memory-quadratic for those calls).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attnhub.backend import FLOAT_DTYPES, Backend
+from attnhub.request import AttentionParams, AttentionRequest
+
+from .torch_reference import keep_mask
+
+_HALF = frozenset({torch.float16, torch.bfloat16})
+
+
+def _combined_mask(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    params: AttentionParams,
+) -> torch.Tensor | None:
+    """Fold causal into ``attn_mask`` when SDPA's ``is_causal`` cannot express it."""
+    keep = keep_mask(query.shape[2], key.shape[2], params, query.device)
+    if attn_mask is None:
+        return keep
+    if keep is None:
+        return attn_mask
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & keep
+    return attn_mask.masked_fill(~keep, float("-inf"))
+
+
+class TorchSDPA(Backend):
+    name = "torch_sdpa"
+    description = "torch.nn.functional.scaled_dot_product_attention, PyTorch picks the kernel"
+    priority = 10
+    devices = frozenset({"cpu", "cuda"})
+    dtypes = FLOAT_DTYPES
+    value_head_dim = True
+    mask_kinds = frozenset({"none", "bool", "float"})
+    mask_grad = True
+    causal_alignments = frozenset({"top_left", "bottom_right"})
+    dropout = True
+    gqa = True
+    backward = True
+    memory = "linear"
+    compile_safe = True
+    copies_strided = False
+
+    def memory_class(self, request: AttentionRequest) -> str:
+        # Causal that is_causal cannot say (bottom-right, or beside a mask) becomes a
+        # materialized (Nq, Nk) mask.
+        if request.causal and (request.alignment == "bottom_right" or request.mask != "none"):
+            return "quadratic"
+        return self.memory
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        is_causal = params.causal and attn_mask is None and not params.bottom_right
+        if params.causal and not is_causal:
+            attn_mask = _combined_mask(query, key, attn_mask, params)
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.to(query.dtype)
+        return F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=params.dropout_p,
+            is_causal=is_causal,
+            scale=params.scale,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
+
+
+def _square_causal_only(request: AttentionRequest) -> list[str]:
+    if request.causal and request.alignment == "top_left" and not request.same_seqlen:
+        return ["top-left causal with Nq != Nk is not supported (the kernel aligns bottom-right)"]
+    return []
+
+
+class _PinnedSDPA(Backend):
+    """One CUDA kernel of PyTorch's SDPA, called through its ATen op."""
+
+    devices = frozenset({"cuda"})
+    causal_alignments = frozenset({"top_left"})
+    lse = True
+    backward = True
+    memory = "linear"
+    compile_safe = True
+    copies_strided = True
+    # Each pinned kernel's availability flag in torch.backends.cuda.
+    _available_flag = ""
+
+    def unavailable_reason(self) -> str | None:
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        flag = getattr(torch.backends.cuda, self._available_flag, None)
+        if flag is not None and not flag():
+            return f"torch.backends.cuda.{self._available_flag}() is False in this PyTorch build"
+        return None
+
+    def extra_reasons(self, request: AttentionRequest) -> list[str]:
+        if request.causal and request.q_longer and request.alignment == "bottom_right":
+            # Rows above the diagonal have no key; the fused kernels disagree with the
+            # contract there (lse of +inf in FlashAttention-2), so do not offer them.
+            return ["bottom-right causal with Nq > Nk leaves rows with no key"]
+        return []
+
+    @staticmethod
+    def _contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+class TorchSDPAFlash(_PinnedSDPA):
+    name = "torch_sdpa_flash"
+    description = "PyTorch's FlashAttention-2 kernel (aten::_scaled_dot_product_flash_attention)"
+    priority = 30
+    min_capability = (8, 0)
+    dtypes = _HALF
+    head_dims = (8, 256)
+    head_dim_multiple = 8
+    # FlashAttention-2 aligns causal bottom-right natively; top-left needs Nq == Nk
+    # (where the two coincide), the same rule PyTorch's SDPA enforces.
+    causal_alignments = frozenset({"top_left", "bottom_right"})
+    dropout = True
+    _available_flag = "is_flash_attention_available"
+
+    def extra_reasons(self, request: AttentionRequest) -> list[str]:
+        return _square_causal_only(request) + super().extra_reasons(request)
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        query, key, value = self._contiguous(query, key, value)
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, params.dropout_p, params.causal, False, scale=params.scale
+        )
+        return (out, lse) if params.return_lse else out
+
+
+class TorchSDPAEfficient(_PinnedSDPA):
+    name = "torch_sdpa_efficient"
+    description = "PyTorch's memory-efficient kernel (aten::_scaled_dot_product_efficient_attention)"
+    priority = 20
+    min_capability = (5, 0)
+    dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
+    head_dims = (8, 512)
+    head_dim_multiple = 8
+    value_head_dim = True
+    dropout = True
+    _available_flag = ""
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        query, key, value = self._contiguous(query, key, value)
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, None, params.return_lse, params.dropout_p, params.causal,
+            scale=params.scale,
+        )  # fmt: skip
+        # The kernel pads the lse's query dimension to a multiple of 32.
+        return (out, lse[..., : query.shape[2]]) if params.return_lse else out
+
+
+class TorchSDPACudnn(_PinnedSDPA):
+    name = "torch_sdpa_cudnn"
+    description = "PyTorch's cuDNN attention (aten::_scaled_dot_product_cudnn_attention)"
+    priority = 40
+    min_capability = (9, 0)
+    dtypes = _HALF
+    head_dims = (8, 128)
+    head_dim_multiple = 8
+    _available_flag = ""
+
+    def extra_reasons(self, request: AttentionRequest) -> list[str]:
+        return _square_causal_only(request) + super().extra_reasons(request)
+
+    def unavailable_reason(self) -> str | None:
+        why = super().unavailable_reason()
+        if why is None and not torch.backends.cudnn.is_available():
+            why = "cuDNN is not available"
+        return why
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        query, key, value = self._contiguous(query, key, value)
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            query, key, value, None, params.return_lse, 0.0, params.causal, False,
+            scale=params.scale,
+        )  # fmt: skip
+        if params.return_lse:
+            return out, lse.reshape(query.shape[:3]).float()
+        return out
+
+
+PINNED = (TorchSDPAFlash, TorchSDPAEfficient, TorchSDPACudnn)
