@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
 from . import dispatch
-from .backend import Backend
+from .backend import Runner
 from .registry import get_registry
 from .request import AttentionParams
-from .validation import build_request, check_block_sparse, check_tensors, make_params
+from .stats import record as record_served
+from .validation import (
+    TensorMeta,
+    build_request,
+    check_block_sparse,
+    check_tensors,
+    make_params,
+)
 
 _CallKey = tuple[Any, ...]
-_call_cache: dict[_CallKey, tuple[Backend, AttentionParams]] = {}
+_call_cache: dict[_CallKey, tuple[str, Runner]] = {}
 _call_cache_lock = threading.Lock()
 _CALL_CACHE_LIMIT = 4096
 
@@ -75,16 +82,16 @@ def _call_key(
     )
     return (
         query.shape,
-        key.shape,
-        value.shape,
         query.stride(),
-        key.stride(),
-        value.stride(),
         query.dtype,
-        key.dtype,
-        value.dtype,
         query.device,
+        key.shape,
+        key.stride(),
+        key.dtype,
         key.device,
+        value.shape,
+        value.stride(),
+        value.dtype,
         value.device,
         mask_meta,
         options,
@@ -92,8 +99,65 @@ def _call_key(
         grad,
         grad and torch.are_deterministic_algorithms_enabled(),
         dispatch._context_selection.get(),
-        dispatch.environment_selection(),
+        dispatch.environment_key(),
     )
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
+    alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    block_sparse: Any = None,
+    return_lse: Literal[False] = False,
+    backend: str | Sequence[str] | None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
+    alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    block_sparse: Any = None,
+    return_lse: Literal[True],
+    backend: str | Sequence[str] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
+    alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    block_sparse: Any = None,
+    return_lse: bool = False,
+    backend: str | Sequence[str] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention(
@@ -155,18 +219,17 @@ def attention(
     except (TypeError, AttributeError):  # unhashable options, or not tensors at all
         call_key, hit = None, None
     if hit is None:
-        decision, params = _prepare(
-            query, key, value, attn_mask, _options_dict(options), backend
-        )
-        chosen = _chosen_backend(decision)
+        decision, params = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
+        chosen = dispatch.choose(decision)
+        hit = (chosen.name, chosen.prepare(decision.request, params))
         if call_key is not None:
             with _call_cache_lock:
                 if len(_call_cache) >= _CALL_CACHE_LIMIT:
                     _call_cache.clear()
-                _call_cache[call_key] = (chosen, params)
-    else:
-        chosen, params = hit
-    return chosen.forward(query, key, value, attn_mask, params)
+                _call_cache[call_key] = hit
+    name, runner = hit
+    record_served(name)  # attnhub.stats(): per-thread counters, no lock
+    return runner(query, key, value, attn_mask)
 
 
 def _options_dict(options: tuple[Any, ...]) -> dict[str, Any]:
@@ -175,10 +238,31 @@ def _options_dict(options: tuple[Any, ...]) -> dict[str, Any]:
     return dict(zip(names, options))
 
 
-def _chosen_backend(decision: dispatch.Decision) -> Backend:
-    if decision.chosen is None or (decision.fallback and decision.selection.strict):
-        raise decision.error()
-    return get_registry().get(decision.chosen)
+def _meta(t: Any) -> Any:
+    """A tensor's metadata as Python constants (what Dynamo can hand to a constant function)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return (tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), t.requires_grad)
+
+
+def _traced_choice(
+    metas: tuple[Any, ...], options: tuple[Any, ...], backend: Any, grad: bool
+) -> str:
+    """Validate and decide from metadata alone; Dynamo runs this once, at trace time.
+
+    Its result (a backend name) is baked into the graph: the ``use_backend`` context
+    and ``ATTNHUB_BACKEND`` in force while tracing decide, as the docs say.
+    """
+    query, key, value, attn_mask = (None if m is None else TensorMeta(*m) for m in metas)
+    with torch.set_grad_enabled(grad):
+        decision, _ = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
+    return dispatch.choose(decision).name
+
+
+# What torch.compiler.assume_constant_result(_traced_choice) does (it only sets this
+# attribute, torch/_dynamo/decorators.py), without importing torch._dynamo and Triton
+# at `import attnhub`, which takes seconds. test_dispatch's compile test checks it.
+_traced_choice._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _attention_traced(
@@ -190,12 +274,15 @@ def _attention_traced(
 ) -> Any:
     """The same call while ``torch.compile`` traces it.
 
-    The choice is made once, at trace time, from metadata that Dynamo treats as
-    constant; the chosen backend's ``forward`` is then traced into the graph.
+    Dynamo cannot trace the decision machinery (context variables, caches, logging),
+    so the choice is made by :func:`_traced_choice` from constant metadata, and the
+    chosen backend's ``forward`` is traced into the graph.
     """
     *option_values, backend = options
-    decision, params = _prepare(query, key, value, attn_mask, _options_dict(tuple(option_values)), backend)
-    return _chosen_backend(decision).forward(query, key, value, attn_mask, params)
+    metas = tuple(_meta(t) for t in (query, key, value, attn_mask))
+    name = _traced_choice(metas, tuple(option_values), backend, torch.is_grad_enabled())
+    params = make_params(query, **_options_dict(tuple(option_values)))
+    return get_registry().get(name).forward(query, key, value, attn_mask, params)
 
 
 def explain(

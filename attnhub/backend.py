@@ -27,6 +27,11 @@ FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.fl
 MEMORY_CLASSES = ("linear", "quadratic")
 _NO_LIMIT = 1 << 30
 
+Runner = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
+    "torch.Tensor | tuple[torch.Tensor, torch.Tensor]",
+]
+
 
 class Backend:
     """Base class of every attention backend, built-in or plugin.
@@ -94,6 +99,16 @@ class Backend:
     def memory_class(self, request: AttentionRequest) -> str:
         """Memory class for this request; override when a route materializes a mask."""
         return self.memory
+
+    def prepare(self, request: AttentionRequest, params: AttentionParams) -> Runner:
+        """A callable ``(query, key, value, attn_mask) -> output`` for such calls.
+
+        Called once per call signature; the result is cached and called for every
+        matching call, so per-signature work (argument lists, launch configurations)
+        belongs here rather than in :meth:`forward`. The default runs ``forward``.
+        """
+        forward = self.forward
+        return lambda query, key, value, attn_mask: forward(query, key, value, attn_mask, params)
 
     def forward(
         self,
@@ -172,7 +187,9 @@ def _capability(b: Backend, r: AttentionRequest) -> str | None:
 
 def _dtype(b: Backend, r: AttentionRequest) -> str | None:
     if r.dtype not in b.dtypes:
-        return f"dtype {dtype_name(r.dtype)} is not one of {_names([dtype_name(d) for d in b.dtypes])}"
+        return (
+            f"dtype {dtype_name(r.dtype)} is not one of {_names([dtype_name(d) for d in b.dtypes])}"
+        )
     return None
 
 

@@ -27,7 +27,7 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from .backend import Backend, declared_reasons
 from .errors import NoBackendError
@@ -58,8 +58,25 @@ def _parse_names(value: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in value.split(",") if name.strip())
 
 
+# os.environ.get encodes the key and decodes the value on every call (about 0.7 us);
+# CPython's posix os.environ keeps its raw bytes in ``_data``, which stays in sync
+# with os.environ and monkeypatch.setenv. Read that where it exists.
+_ENV_DATA: Any = getattr(os.environ, "_data", None)
+_ENV_KEYS: tuple[Any, ...] = ("ATTNHUB_BACKEND", "ATTNHUB_STRICT")
+if isinstance(_ENV_DATA, dict):
+    _ENV_KEYS = tuple(os.environ.encodekey(k) for k in _ENV_KEYS)
+else:  # pragma: no cover - non-CPython or a platform without _data
+    _ENV_DATA = None
+
+
+def environment_key() -> tuple[object, object]:
+    """The raw values of ``ATTNHUB_BACKEND`` and ``ATTNHUB_STRICT`` (cheap; for cache keys)."""
+    source: Any = _ENV_DATA if _ENV_DATA is not None else os.environ
+    return source.get(_ENV_KEYS[0]), source.get(_ENV_KEYS[1])
+
+
 def environment_selection() -> Selection | None:
-    """``ATTNHUB_BACKEND=a,b`` and ``ATTNHUB_STRICT=1``, read on every call (cheap)."""
+    """``ATTNHUB_BACKEND=a,b`` and ``ATTNHUB_STRICT=1``, read on every call."""
     names = os.environ.get("ATTNHUB_BACKEND")
     strict = os.environ.get("ATTNHUB_STRICT", "") not in ("", "0")
     if not names and not strict:
@@ -148,9 +165,7 @@ class DeclaredPriority:
             eligible,
             key=lambda b: (b.memory_class(request) != "linear", -b.priority, b.name),
         )
-        return [
-            (b, f"{b.memory_class(request)} memory, priority {b.priority}") for b in ordered
-        ]
+        return [(b, f"{b.memory_class(request)} memory, priority {b.priority}") for b in ordered]
 
 
 _policy: RankingPolicy = DeclaredPriority()
@@ -267,7 +282,9 @@ def _decide(registry: BackendRegistry, request: AttentionRequest, selection: Sel
         for b in registry.backends()
     )
     if not ranked:
-        return Decision(request, selection, None, candidates, "nothing eligible", policy=policy_name)
+        return Decision(
+            request, selection, None, candidates, "nothing eligible", policy=policy_name
+        )
     chosen, why = ranked[0]
     fallback = chosen.name == REFERENCE and (allowed is None or len(allowed) > 1)
     if len(ranked) > 1:
@@ -282,31 +299,45 @@ _decisions_lock = threading.Lock()
 
 
 def decide(request: AttentionRequest, selection: Selection = _DEFAULT_SELECTION) -> Decision:
-    """The (cached) decision for a request; logs each new one once."""
+    """The (cached) decision for a request."""
     key = (request, selection)
     decision = _decisions.get(key)
     if decision is None:
         decision = _decide(get_registry(), request, selection)
         with _decisions_lock:
             _decisions[key] = decision
-        if decision.chosen is not None:
-            log.info("attnhub: %s serves %s", decision.chosen, decision.signature)
-            if decision.fallback:
-                log.warning(
-                    "attnhub: falling back to %s (slow, memory O(N^2)) for %s; "
-                    "no faster backend can serve it:\n%s",
-                    REFERENCE,
-                    decision.signature,
-                    decision,
-                )
     return decision
 
 
-def choose(request: AttentionRequest, selection: Selection) -> Backend:
-    """The backend to run, or :class:`NoBackendError` (also for a strict-mode fallback)."""
-    decision = decide(request, selection)
-    if decision.chosen is None or (decision.fallback and selection.strict):
+_announced: set[tuple[AttentionRequest, Selection]] = set()
+
+
+def announce(decision: Decision) -> None:
+    """Log a decision the first time a call runs on it: INFO, or WARNING for a fallback."""
+    key = (decision.request, decision.selection)
+    if key in _announced:
+        return
+    with _decisions_lock:
+        _announced.add(key)
+    log.info("attnhub: %s serves %s", decision.chosen, decision.signature)
+    if decision.fallback:
+        log.warning(
+            "attnhub: falling back to %s (slow, memory O(N^2)) for %s; "
+            "no faster backend can serve it:\n%s",
+            REFERENCE,
+            decision.signature,
+            decision,
+        )
+
+
+def choose(decision: Decision) -> Backend:
+    """The backend to run for a decision, or :class:`NoBackendError`.
+
+    Strict mode turns a fallback to the reference into the same error.
+    """
+    if decision.chosen is None or (decision.fallback and decision.selection.strict):
         raise decision.error()
+    announce(decision)
     return get_registry().get(decision.chosen)
 
 
@@ -316,4 +347,5 @@ def clear_cache() -> None:
 
     with _decisions_lock:
         _decisions.clear()
+        _announced.clear()
     api.clear_call_cache()

@@ -16,6 +16,7 @@ Environment (read when the registry loads):
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -114,7 +115,9 @@ class BackendRegistry:
         if isinstance(backend, type) and issubclass(backend, Backend):
             backend = backend()
         if not isinstance(backend, Backend):
-            raise TypeError(f"registry.add expects an attnhub.Backend, got {type(backend).__name__}")
+            raise TypeError(
+                f"registry.add expects an attnhub.Backend, got {type(backend).__name__}"
+            )
         problems = _declaration_problems(backend)
         if problems:
             raise ValueError(f"backend {backend.name!r} declares nonsense: " + "; ".join(problems))
@@ -198,15 +201,18 @@ class BackendRegistry:
         trace = _env_flag("ATTNHUB_TRACE_PLUGINS")
         pm = plugin_manager or pluggy.PluginManager(hookspecs.PROJECT)
         pm.add_hookspecs(hookspecs)
-        from . import backends as builtin
-
+        # By name: the built-ins live in the wheel as attnhub.backends (source folder
+        # backends/, mapped by pyproject.toml), which static tools cannot follow.
+        builtin = importlib.import_module("attnhub.backends")
         pm.register(builtin, name="attnhub.backends")
         self._call_plugin(pm, builtin, "attnhub.backends", BUILTIN)
         if trace:
             log.warning("attnhub: loaded built-in backends from %s", builtin.__file__)
         if _env_flag("ATTNHUB_DISABLE_PLUGIN_AUTOLOAD"):
             if trace:
-                log.warning("attnhub: ATTNHUB_DISABLE_PLUGIN_AUTOLOAD is set; skipping entry points")
+                log.warning(
+                    "attnhub: ATTNHUB_DISABLE_PLUGIN_AUTOLOAD is set; skipping entry points"
+                )
             return
         blocked = _env_list("ATTNHUB_DISABLE_PLUGINS")
         # Sorted: the order plugins load in must not depend on install order.

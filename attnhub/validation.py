@@ -19,7 +19,40 @@ from .request import ALIGNMENTS, AttentionParams, AttentionRequest, device_capab
 _TENSOR_NAMES = ("query", "key", "value")
 
 
-def _shape(t: torch.Tensor) -> str:
+class TensorMeta:
+    """The metadata of a tensor, standing in for it where only metadata is read.
+
+    Validation and request building read nothing else, so they accept either.
+    """
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        stride: tuple[int, ...],
+        dtype: torch.dtype,
+        device: str | torch.device,
+        requires_grad: bool,
+    ) -> None:
+        self.shape = torch.Size(shape)
+        self._stride = tuple(stride)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.requires_grad = requires_grad
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def stride(self, dim: int | None = None) -> Any:
+        return self._stride if dim is None else self._stride[dim]
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+_TENSOR_TYPES = (torch.Tensor, TensorMeta)
+
+
+def _shape(t: Any) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
@@ -27,7 +60,7 @@ def check_tensors(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
     """Types, ranks, dtypes, devices and shapes of the tensors (see contract.md, Errors)."""
     tensors = (query, key, value)
     for name, t in zip(_TENSOR_NAMES, tensors):
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, _TENSOR_TYPES):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             layout = "(B, Hq, Nq, D)" if name == "query" else "(B, Hkv, Nk, D)"
@@ -41,9 +74,13 @@ def check_tensors(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
             )
     for name, t in zip(_TENSOR_NAMES[1:], tensors[1:]):
         if t.dtype != query.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but query has {query.dtype}; they must match")
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but query has {query.dtype}; they must match"
+            )
         if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device} but query is on {query.device}; they must match")
+            raise ValueError(
+                f"{name} is on {t.device} but query is on {query.device}; they must match"
+            )
     b, hq, _, d = query.shape
     bk, hkv, nk, dk = key.shape
     bv, hv, nv, _ = value.shape
@@ -57,7 +94,7 @@ def check_tensors(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
         raise ValueError(f"key and value must have the same sequence length, got {nk} and {nv}")
     if dk != d:
         raise ValueError(f"query and key must have the same head dim D, got {d} and {dk}")
-    if hkv == 0 and hq != 0 or hkv and hq % hkv:
+    if (hkv == 0 and hq != 0) or (hkv and hq % hkv):
         raise ValueError(
             f"query heads Hq={hq} must be a multiple of key/value heads Hkv={hkv} "
             "(grouped-query attention)"
@@ -67,10 +104,12 @@ def check_tensors(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
 
 
 def check_mask(attn_mask: Any, query: torch.Tensor, key: torch.Tensor) -> None:
-    if not isinstance(attn_mask, torch.Tensor):
+    if not isinstance(attn_mask, _TENSOR_TYPES):
         raise TypeError(f"attn_mask must be None or a torch.Tensor, got {type(attn_mask).__name__}")
     if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
-        raise TypeError(f"attn_mask must be bool (True = may attend) or floating, got {attn_mask.dtype}")
+        raise TypeError(
+            f"attn_mask must be bool (True = may attend) or floating, got {attn_mask.dtype}"
+        )
     if attn_mask.device != query.device:
         raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
     target = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
@@ -98,7 +137,7 @@ def _check_window(window: Any) -> tuple[int | None, int | None] | None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be None or a (left, right) pair, got {window!r}")
-    sides = []
+    sides: list[int | None] = []
     for side, value in zip(("left", "right"), window):
         if value is None:
             sides.append(None)
@@ -106,7 +145,9 @@ def _check_window(window: Any) -> tuple[int | None, int | None] | None:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"window {side} side must be an int >= 0 or None, got {value!r}")
         if value < 0:
-            raise ValueError(f"window sides must be >= 0 (or None for unbounded), got {side}={value}")
+            raise ValueError(
+                f"window sides must be >= 0 (or None for unbounded), got {side}={value}"
+            )
         sides.append(int(value))
     return (sides[0], sides[1])
 

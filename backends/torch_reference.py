@@ -78,7 +78,10 @@ def reference_attention(
     scores = scores.expand(b, hq, nq, nk)
     # A safe softmax: shift by the (detached) row maximum, and give rows whose
     # every score is -inf zero weights and lse = -inf instead of 0/0.
-    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    if nk:
+        row_max = scores.amax(dim=-1, keepdim=True).detach()
+    else:  # no keys at all (amax of an empty dim raises): every row is fully masked
+        row_max = scores.new_full((*scores.shape[:-1], 1), float("-inf"))
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     weights = torch.exp(scores - row_max)
     total = weights.sum(dim=-1, keepdim=True)

@@ -16,10 +16,13 @@ explicit mask (declared memory-quadratic for those calls).
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from attnhub.backend import FLOAT_DTYPES, Backend
+from attnhub.backend import FLOAT_DTYPES, Backend, Runner
 from attnhub.request import AttentionParams, AttentionRequest
 
 from .torch_reference import keep_mask
@@ -68,6 +71,31 @@ class TorchSDPA(Backend):
             return "quadratic"
         return self.memory
 
+    def prepare(self, request: AttentionRequest, params: AttentionParams) -> Runner:
+        if params.causal and (request.mask != "none" or params.bottom_right):
+            return super().prepare(request, params)  # the mask depends on exact lengths
+        # Only the arguments that differ from SDPA's defaults: each keyword costs
+        # PyTorch's argument parser about 0.3-0.8 us, a large part of attnhub's budget.
+        static: dict[str, Any] = {}
+        if params.scale != 1.0 / math.sqrt(request.head_dim):
+            static["scale"] = params.scale
+        if params.dropout_p:
+            static["dropout_p"] = params.dropout_p
+        if params.causal:
+            static["is_causal"] = True
+        if request.heads_q != request.heads_kv:
+            static["enable_gqa"] = True
+        sdpa = F.scaled_dot_product_attention
+        if request.mask == "none":
+            return lambda query, key, value, attn_mask: sdpa(query, key, value, **static)
+        if request.mask == "float":
+            return lambda query, key, value, attn_mask: sdpa(
+                query, key, value, attn_mask=attn_mask.to(query.dtype), **static
+            )
+        return lambda query, key, value, attn_mask: sdpa(
+            query, key, value, attn_mask=attn_mask, **static
+        )
+
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         is_causal = params.causal and attn_mask is None and not params.bottom_right
         if params.causal and not is_causal:
@@ -75,15 +103,10 @@ class TorchSDPA(Backend):
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             attn_mask = attn_mask.to(query.dtype)
         return F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            dropout_p=params.dropout_p,
-            is_causal=is_causal,
-            scale=params.scale,
+            query, key, value, attn_mask=attn_mask, dropout_p=params.dropout_p,
+            is_causal=is_causal, scale=params.scale,
             enable_gqa=query.shape[1] != key.shape[1],
-        )
+        )  # fmt: skip
 
 
 def _square_causal_only(request: AttentionRequest) -> list[str]:
@@ -152,7 +175,9 @@ class TorchSDPAFlash(_PinnedSDPA):
 
 class TorchSDPAEfficient(_PinnedSDPA):
     name = "torch_sdpa_efficient"
-    description = "PyTorch's memory-efficient kernel (aten::_scaled_dot_product_efficient_attention)"
+    description = (
+        "PyTorch's memory-efficient kernel (aten::_scaled_dot_product_efficient_attention)"
+    )
     priority = 20
     min_capability = (5, 0)
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})

@@ -25,23 +25,34 @@ from attnhub.request import AttentionRequest
 
 
 @contextlib.contextmanager
-def _quiet() -> Any:
+def _quiet(sink: io.StringIO | None = None) -> Any:
     """xformers prints build warnings on import; keep them out of the user's output."""
+    sink = sink if sink is not None else io.StringIO()
     logger = logging.getLogger("xformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    handler = logging.StreamHandler(sink)
+    propagate = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        with warnings.catch_warnings(), contextlib.redirect_stderr(sink):
             warnings.simplefilter("ignore")
             yield
     finally:
-        logger.setLevel(level)
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+# What xformers printed when it was first imported: its own account of missing kernels.
+_import_messages: list[str] = []
 
 
 def _import_xformers() -> Any:
-    with _quiet():
+    sink = io.StringIO()
+    with _quiet(sink):
         import xformers.ops as xops
 
+    if sink.getvalue():
+        _import_messages.append(sink.getvalue())
     return xops
 
 
@@ -63,6 +74,15 @@ class XFormers(Backend):
             _import_xformers()
         except Exception as exc:
             return f"xformers does not import: {type(exc).__name__}: {exc}"
+        import xformers
+
+        if not getattr(xformers, "_has_cpp_library", True):
+            said = " ".join(" ".join(_import_messages).split())
+            return "xformers has no compiled kernels here" + (
+                f" (xformers: {said[:300]})" if said else ""
+            )
+        if not torch.cuda.is_available():
+            return "CUDA is not available (xformers' attention kernels are CUDA-only)"
         return None
 
     def extra_reasons(self, request: AttentionRequest) -> list[str]:
@@ -75,7 +95,9 @@ class XFormers(Backend):
 
         device = torch.device(request.device_type)
         q = torch.empty(1, 4, request.heads_q, request.head_dim, device=device, dtype=request.dtype)
-        kv = torch.empty(1, 4, request.heads_q, request.head_dim, device=device, dtype=request.dtype)
+        kv = torch.empty(
+            1, 4, request.heads_q, request.head_dim, device=device, dtype=request.dtype
+        )
         bias = _causal_bias(xops, request.alignment) if request.causal else None
         try:
             with _quiet():

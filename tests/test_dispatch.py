@@ -1,0 +1,327 @@
+"""Dispatch with fake backends and fake devices: choice, reasons, caching, selection.
+
+Requests are built by hand where a device is faked (dispatch reads only the request),
+and through ``attnhub.attention`` where the whole path runs on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import attnhub
+from attnhub import api, dispatch
+from attnhub import registry as registry_module
+from attnhub.backend import Backend
+from attnhub.registry import BackendRegistry
+from attnhub.request import AttentionRequest
+
+BF16_CUDA_SM80 = AttentionRequest(
+    device_type="cuda",
+    capability=(8, 0),
+    dtype=torch.bfloat16,
+    batch=2,
+    heads_q=16,
+    heads_kv=16,
+    seqlen_q=4096,
+    seqlen_k=4096,
+    same_seqlen=True,
+    q_longer=False,
+    head_dim=96,
+    head_dim_v=96,
+    causal=True,
+)
+
+
+class _Fake(Backend):
+    """A backend that records its calls and returns the reference's answer."""
+
+    devices = frozenset({"cpu", "cuda"})
+    dtypes = frozenset({torch.float32, torch.bfloat16, torch.float16})
+    causal_alignments = frozenset({"top_left", "bottom_right"})
+    mask_kinds = frozenset({"none", "bool", "float"})
+    memory = "linear"
+    backward = True
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.extra_calls = 0
+
+    def extra_reasons(self, request):  # type: ignore[no-untyped-def]
+        self.extra_calls += 1
+        return []
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        from attnhub.backends.torch_reference import reference_attention
+
+        self.calls += 1
+        out, lse = reference_attention(query, key, value, attn_mask, params)
+        return (out, lse) if params.return_lse else out
+
+
+def fake(name: str, **declarations):  # type: ignore[no-untyped-def]
+    """A fresh fake backend class named ``name`` with the given declarations."""
+    return type(name.title(), (_Fake,), {"name": name, **declarations})()
+
+
+@pytest.fixture
+def fake_registry(monkeypatch):  # type: ignore[no-untyped-def]
+    """Swap the process registry for an empty one; caches are cleared both ways."""
+    fresh = BackendRegistry()
+    monkeypatch.setattr(registry_module, "_registry", fresh)
+    monkeypatch.delenv("ATTNHUB_BACKEND", raising=False)
+    monkeypatch.delenv("ATTNHUB_STRICT", raising=False)
+    dispatch.clear_cache()
+    yield fresh
+    dispatch.clear_cache()
+
+
+def decide(reg: BackendRegistry, request: AttentionRequest, names=None, strict=False):  # type: ignore[no-untyped-def]
+    return dispatch._decide(reg, request, dispatch.Selection(names, strict, "test"))
+
+
+def test_highest_priority_eligible_backend_wins_and_rejections_say_why(fake_registry):
+    fake_registry.add(fake("hopper_only", min_capability=(9, 0), priority=100))
+    fake_registry.add(fake("small_heads", head_dims=(16, 64), priority=90))
+    fake_registry.add(fake("fp16_only", dtypes=frozenset({torch.float16}), priority=80))
+    fake_registry.add(fake("general", priority=10))
+    fake_registry.add(fake("slow", priority=50, memory="quadratic"))
+    decision = decide(fake_registry, BF16_CUDA_SM80)
+    assert decision.chosen == "general"
+    reasons = decision.reasons()
+    assert reasons["hopper_only"] == ["needs compute capability >= 9.0, device has 8.0"]
+    assert reasons["small_heads"] == ["head_dim=96 is not in 16..64"]
+    assert reasons["fp16_only"] == ["dtype bfloat16 is not one of float16"]
+    # Linear memory ranks above quadratic even at lower priority.
+    assert reasons["slow"] == [] and "ranked above slow" in decision.why
+    on_hopper = dataclasses.replace(BF16_CUDA_SM80, capability=(9, 0))
+    assert decide(fake_registry, on_hopper).chosen == "hopper_only"
+
+
+def test_reasons_come_from_declarations_for_each_feature(fake_registry):
+    fake_registry.add(fake("plain"))
+    request = dataclasses.replace(
+        BF16_CUDA_SM80, window=True, softcap=True, dropout=True, heads_kv=4, return_lse=True,
+        mask="bool", alignment="bottom_right", same_seqlen=False,
+    )  # fmt: skip
+    fake_registry.add(
+        fake("no_causal", causal_alignments=frozenset(), mask_kinds=frozenset({"none"}))
+    )
+    reasons = decide(fake_registry, request).reasons()
+    assert reasons["plain"] == [
+        "grouped-query attention (Hq=16, Hkv=4) is not supported",
+        "window (local attention) is not supported",
+        "softcap is not supported",
+        "dropout_p > 0 is not supported",
+        "return_lse=True is not supported",
+    ]
+    assert "bool attn_mask is not supported (masks: none)" in reasons["no_causal"]
+    assert (
+        "causal with bottom_right alignment is not supported (no causal at all)"
+        in reasons["no_causal"]
+    )
+
+
+def test_choice_does_not_depend_on_registration_order():
+    backends = [fake("alpha", priority=5), fake("beta", priority=5), fake("gamma", priority=1)]
+    chosen = set()
+    for order in (backends, backends[::-1], [backends[1], backends[2], backends[0]]):
+        reg = BackendRegistry()
+        for b in order:
+            reg.add(b)
+        decision = decide(reg, BF16_CUDA_SM80)
+        chosen.add((decision.chosen, tuple(c.name for c in decision.candidates)))
+    assert chosen == {("alpha", ("alpha", "beta", "gamma"))}
+
+
+def test_named_backend_that_cannot_serve_raises_with_every_reason(fake_registry):
+    fake_registry.add(fake("small_heads", head_dims=(16, 64)))
+    fake_registry.add(fake("general"))
+    q = torch.randn(1, 2, 8, 96)
+    with pytest.raises(attnhub.NoBackendError) as info:
+        attnhub.attention(q, q, q, backend="small_heads")
+    message = str(info.value)
+    assert "q=(1,2,~8,96)" in message and "float32 cpu" in message
+    assert "small_heads  head_dim=96 is not in 16..64" in message
+    assert "general" in message and "not selected" in message
+    assert info.value.reasons["small_heads"] == ["head_dim=96 is not in 16..64"]
+
+
+def test_unknown_backend_name_is_a_value_error_listing_known_names(fake_registry):
+    fake_registry.add(fake("general"))
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match=r"unknown backend 'nope'; known backends: general"):
+        attnhub.attention(q, q, q, backend="nope")
+    with pytest.raises(ValueError, match="known backends: general"), attnhub.use_backend("nope"):
+        pass
+
+
+def test_nothing_eligible_raises_no_backend_error(fake_registry):
+    fake_registry.add(fake("fp16_only", dtypes=frozenset({torch.float16})))
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(attnhub.NoBackendError, match="no registered backend can serve"):
+        attnhub.attention(q, q, q)
+    decision = attnhub.explain(q, q, q)
+    assert decision.chosen is None and "fp16_only" in str(decision)
+
+
+def test_decisions_and_validation_are_cached_per_signature(fake_registry, monkeypatch):
+    backend = fake("general")
+    fake_registry.add(backend)
+    checked = []
+    original = api.check_tensors
+    monkeypatch.setattr(api, "check_tensors", lambda *a: checked.append(1) or original(*a))
+    q = torch.randn(2, 2, 8, 16)
+    for _ in range(3):
+        attnhub.attention(q, q, q)
+    assert (len(checked), backend.extra_calls, backend.calls) == (1, 1, 3)
+    attnhub.attention(q, q, q, causal=True)  # a new signature decides again
+    attnhub.attention(torch.randn(2, 2, 9, 16), q, q)  # so does a new shape
+    assert (len(checked), backend.extra_calls) == (3, 3)
+
+
+def test_sequence_lengths_share_a_decision_within_a_bucket(fake_registry):
+    fake_registry.add(fake("general"))
+    d1 = attnhub.explain(*(torch.randn(1, 1, 33, 8),) * 3)
+    d2 = attnhub.explain(*(torch.randn(1, 1, 60, 8),) * 3)
+    assert d1.request == d2.request and d1 is dispatch.decide(d1.request, d1.selection)
+
+
+def test_use_backend_restricts_orders_and_is_thread_local(fake_registry):
+    fake_registry.add(fake("first", priority=10))
+    fake_registry.add(fake("second", priority=5))
+    q = torch.randn(1, 1, 4, 8)
+    assert attnhub.explain(q, q, q).chosen == "first"
+    seen_in_thread = []
+    with attnhub.use_backend("second", "first"):
+        assert attnhub.explain(q, q, q).chosen == "second"
+        thread = threading.Thread(
+            target=lambda: seen_in_thread.append(attnhub.explain(q, q, q).chosen)
+        )
+        thread.start()
+        thread.join()
+        # An explicit argument overrides the context.
+        assert attnhub.explain(q, q, q, backend="first").chosen == "first"
+    assert seen_in_thread == ["first"]
+    assert attnhub.explain(q, q, q).chosen == "first"
+
+
+def test_environment_variable_selects_process_wide(fake_registry, monkeypatch):
+    fake_registry.add(fake("first", priority=10))
+    second = fake("second", priority=5)
+    fake_registry.add(second)
+    q = torch.randn(1, 1, 4, 8)
+    monkeypatch.setenv("ATTNHUB_BACKEND", "second")
+    attnhub.attention(q, q, q)
+    assert second.calls == 1
+    assert attnhub.explain(q, q, q).selection.source == "ATTNHUB_BACKEND"
+    monkeypatch.delenv("ATTNHUB_BACKEND")
+    assert attnhub.explain(q, q, q).chosen == "first"
+
+
+def test_fallback_to_reference_is_logged_once_and_strict_mode_raises(fake_registry, caplog):
+    fake_registry.add(fake("torch_reference", priority=-100, memory="quadratic", window=True))
+    fake_registry.add(fake("fast", priority=10))
+    q = torch.randn(1, 1, 4, 8)
+    with caplog.at_level(logging.INFO, logger="attnhub"):
+        for _ in range(3):
+            attnhub.attention(q, q, q, window=(1, 1))
+    fallbacks = [r for r in caplog.records if "falling back to torch_reference" in r.getMessage()]
+    assert len(fallbacks) == 1 and fallbacks[0].levelno == logging.WARNING
+    assert "window (local attention) is not supported" in fallbacks[0].getMessage()
+    with (
+        pytest.raises(attnhub.NoBackendError, match="strict mode"),
+        attnhub.use_backend(strict=True),
+    ):
+        attnhub.attention(q, q, q, window=(1, 1))
+    # Naming the reference explicitly is a choice, not a fallback.
+    with attnhub.use_backend("torch_reference", strict=True):
+        attnhub.attention(q, q, q, window=(1, 1))
+
+
+def test_explain_table_lists_every_backend_and_why_the_winner_won(fake_registry):
+    fake_registry.add(fake("winner", priority=3))
+    fake_registry.add(fake("runner_up", priority=2))
+    fake_registry.add(fake("rejected", dtypes=frozenset({torch.float64})))
+    q = torch.randn(1, 1, 4, 8)
+    text = str(attnhub.explain(q, q, q))
+    lines = text.splitlines()
+    assert lines[0].startswith("attention(q=(1,1,~4,8)")
+    assert any("winner" in line and "CHOSEN" in line for line in lines)
+    assert any("runner_up" in line and "eligible #2" in line for line in lines)
+    assert any(
+        "rejected" in line and "dtype float32 is not one of float64" in line for line in lines
+    )
+    assert lines[-1] == (
+        "chosen: winner (linear memory, priority 3; ranked above runner_up by declared priority)"
+    )
+
+
+def test_a_ranking_policy_can_replace_the_declared_priority(fake_registry):
+    fake_registry.add(fake("high", priority=10))
+    fake_registry.add(fake("low", priority=1))
+
+    class Reverse:
+        name = "reverse priority"
+
+        def rank(self, request, eligible):  # type: ignore[no-untyped-def]
+            return [(b, "measured") for b in sorted(eligible, key=lambda b: b.priority)]
+
+    q = torch.randn(1, 1, 4, 8)
+    attnhub.set_policy(Reverse())
+    try:
+        decision = attnhub.explain(q, q, q)
+        assert decision.chosen == "low" and decision.policy == "reverse priority"
+    finally:
+        attnhub.set_policy(None)
+    assert attnhub.explain(q, q, q).chosen == "high"
+
+
+def test_torch_compile_traces_dispatch_without_graph_break():
+    q, k, v = (torch.randn(1, 2, 16, 32) for _ in range(3))
+
+    def f(q, k, v):  # type: ignore[no-untyped-def]
+        return attnhub.attention(q, k, v, causal=True) * 2
+
+    explanation = torch._dynamo.explain(f)(q, k, v)
+    assert explanation.graph_break_count == 0
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+
+
+def test_import_changes_nothing_and_loads_no_optional_library():
+    code = (
+        "import sys, torch; flags = (torch.backends.cuda.matmul.allow_tf32,"
+        " torch.get_float32_matmul_precision());"
+        "import attnhub, attnhub.registry as r;"
+        "assert r._registry is None, 'registry loaded at import';"
+        "assert flags == (torch.backends.cuda.matmul.allow_tf32,"
+        " torch.get_float32_matmul_precision());"
+        "assert not {'triton', 'xformers', 'transformers'} & set(sys.modules), sys.modules.keys()"
+    )
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+
+
+@pytest.mark.parametrize("command", [["info"], ["explain", "--shape", "2,4,64,32", "--causal"]])
+def test_command_line(command):
+    env = {**os.environ, "ATTNHUB_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "attnhub", *command], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert "torch_reference" in result.stdout and "torch_sdpa" in result.stdout
+    if command[0] == "explain":
+        assert "chosen: torch_sdpa" in result.stdout
+    else:
+        assert "available here" in result.stdout and "declared capabilities" in result.stdout
