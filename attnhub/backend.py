@@ -162,7 +162,7 @@ _FEATURE_ROWS: tuple[tuple[str, str, str], ...] = (
     ("window", "window", "window (local attention)"),
     ("softcap", "softcap", "softcap"),
     ("dropout", "dropout", "dropout_p > 0"),
-    ("block_sparse", "block_sparse", "block_sparse layouts"),
+    ("block_sparse", "block_sparse", "block_sparse"),
     ("return_lse", "lse", "return_lse=True"),
     ("needs_grad", "backward", "backward (an input requires grad)"),
     ("mask_needs_grad", "mask_grad", "a gradient for attn_mask"),

@@ -1,0 +1,118 @@
+"""The built-in backends' own promises, beyond the generated conformance suite."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from attnhub.backends.torch_reference import reference_attention
+
+import attnhub
+from attnhub.registry import get_registry
+from attnhub.request import AttentionParams
+
+cuda_missing = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+
+
+def _params(**kw) -> AttentionParams:  # type: ignore[no-untyped-def]
+    kw.setdefault("scale", 0.3)
+    return AttentionParams(**kw)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        _params(),
+        _params(causal=True, alignment="bottom_right"),
+        _params(window=(2, 1), softcap=1.5),
+        _params(causal=True, window=(None, 0)),
+    ],
+    ids=["plain", "causal_br", "window_softcap", "causal_window_left_unbounded"],
+)
+def test_reference_gradients_pass_gradcheck_in_float64(params):
+    """The reference's hand-made safe softmax has the true gradient, mask included."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(1, 2, 7, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(1, 2, 7, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+    mask = torch.randn(5, 7, dtype=torch.float64, generator=gen, requires_grad=True)
+
+    def f(q, k, v, mask):  # type: ignore[no-untyped-def]
+        return reference_attention(q, k, v, mask, params)[0]  # the lse is float32 by contract
+
+    assert torch.autograd.gradcheck(f, (q, k, v, mask))
+
+
+def test_reference_matches_the_textbook_formula():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 6, 4, dtype=torch.float64, generator=gen) for _ in range(3))
+    out, lse = reference_attention(q, k, v, None, _params(scale=0.5))
+    scores = 0.5 * q @ k.transpose(-1, -2)
+    torch.testing.assert_close(out, torch.softmax(scores, -1) @ v)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1).float())
+
+
+def test_reference_fully_masked_rows_give_zeros_minus_inf_and_zero_grads():
+    q, k, v = (torch.randn(1, 1, 4, 8, requires_grad=True) for _ in range(3))
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    mask[2] = False
+    out, lse = attnhub.attention(q, k, v, mask, return_lse=True, backend="torch_reference")
+    assert torch.equal(out[0, 0, 2], torch.zeros(8)) and lse[0, 0, 2] == -math.inf
+    (out.sum() + lse[lse.isfinite()].sum()).backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[0, 0, 2], torch.zeros(8))
+
+
+def test_bottom_right_causal_with_more_queries_than_keys_leaves_empty_rows_as_zeros():
+    q = torch.randn(1, 2, 6, 8)
+    k = v = torch.randn(1, 2, 3, 8)
+    for name in ("torch_reference", "torch_sdpa"):
+        out = attnhub.attention(q, k, v, causal=True, alignment="bottom_right", backend=name)
+        # Rows 0..2 sit before key 0: nothing to attend to.
+        assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3])), name
+        assert not out.isnan().any()
+
+
+def test_torch_sdpa_declares_memory_quadratic_only_where_it_builds_a_mask():
+    q = torch.randn(1, 2, 8, 16)
+    assert attnhub.explain(q, q, q, causal=True).chosen == "torch_sdpa"
+    decision = attnhub.explain(q, q[:, :, :5], q[:, :, :5], causal=True, alignment="bottom_right")
+    chosen = next(c for c in decision.candidates if c.name == decision.chosen)
+    assert decision.chosen == "torch_sdpa" and chosen.note.startswith("quadratic memory")
+
+
+@cuda_missing
+@pytest.mark.parametrize("name", ["torch_sdpa_flash", "torch_sdpa_efficient", "torch_sdpa_cudnn"])
+def test_pinned_kernels_are_unavailable_without_cuda(name):
+    assert get_registry().unavailable_reason(name) == "CUDA is not available"
+    q = torch.randn(1, 1, 4, 8, dtype=torch.float16)
+    with pytest.raises(attnhub.NoBackendError, match=f"{name} +unavailable: CUDA is not available"):
+        attnhub.attention(q, q, q, backend=name)
+
+
+@cuda_missing
+def test_xformers_without_kernels_quotes_its_own_reason():
+    reason = get_registry().unavailable_reason("xformers")
+    if importlib.util.find_spec("xformers") is None:
+        assert reason.startswith("xformers does not import: ModuleNotFoundError")
+    else:
+        # The PyPI wheel on a CPU machine: xformers says why it has no kernels.
+        assert reason.startswith("xformers has no compiled kernels here (xformers: ")
+        assert "C++/CUDA extensions" in reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_kernels_return_the_log_sum_exp_of_the_reference():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    _, ref = reference_attention(q.double(), k.double(), v.double(), None, _params(scale=0.125))
+    for name in ("torch_sdpa_flash", "torch_sdpa_efficient", "torch_sdpa_cudnn"):
+        if get_registry().unavailable_reason(name):
+            continue
+        _, lse = attnhub.attention(q, k, v, return_lse=True, backend=name)
+        assert lse.shape == (2, 4, 300) and lse.dtype == torch.float32, name
+        torch.testing.assert_close(lse, ref, atol=2e-2, rtol=0, msg=name)
