@@ -7,6 +7,9 @@ Quick tour::
     print(attnhub.explain(q, k, v, causal=True))           # why, and why not the others
     with attnhub.use_backend("torch_sdpa"):                # restrict / order backends
         out = attnhub.attention(q, k, v)
+    with attnhub.patch():                                  # existing models, unchanged
+        model(x)                                           # (F.scaled_dot_product_attention)
+    attnhub.stats()                                        # calls served per backend
     attnhub.list_backends()
 
 Importing attnhub changes nothing: backends are registered at first use, no torch
@@ -19,11 +22,14 @@ from importlib import metadata as _metadata
 
 from .api import attention, explain, list_backends
 from .backend import Backend
+from .block_sparse import BlockSparseLayout
 from .dispatch import Decision, RankingPolicy, set_policy, use_backend
 from .errors import NoBackendError
 from .hookspecs import hookimpl
+from .patching import PatchHandle, patch
 from .registry import BackendRegistry, get_registry
 from .request import AttentionParams, AttentionRequest
+from .call_stats import reset_stats, stats
 
 try:
     __version__ = _metadata.version("attnhub")
@@ -35,14 +41,19 @@ __all__ = [
     "AttentionRequest",
     "Backend",
     "BackendRegistry",
+    "BlockSparseLayout",
     "Decision",
     "NoBackendError",
+    "PatchHandle",
     "RankingPolicy",
     "attention",
     "explain",
     "get_registry",
     "hookimpl",
     "list_backends",
+    "patch",
+    "reset_stats",
     "set_policy",
+    "stats",
     "use_backend",
 ]

@@ -18,7 +18,7 @@ from . import dispatch
 from .backend import Runner
 from .registry import get_registry
 from .request import AttentionParams
-from .stats import record as record_served
+from .call_stats import record as record_served
 from .validation import (
     TensorMeta,
     build_request,

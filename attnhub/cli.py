@@ -133,12 +133,26 @@ def _add_explain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", help="restrict to these backends, comma-separated")
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """A small model stock and patched: which backend served each call, deviation, time."""
+    from .demo import run
+
+    return run(args)
+
+
+def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from .demo import add_arguments
+
+    add_arguments(parser)
+
+
 _Command = tuple[
     Callable[[argparse.Namespace], int], Callable[[argparse.ArgumentParser], None] | None
 ]
 _COMMANDS: dict[str, _Command] = {
     "info": (cmd_info, None),
     "explain": (cmd_explain, _add_explain_arguments),
+    "demo": (cmd_demo, _add_demo_arguments),
 }
 
 

@@ -1,0 +1,198 @@
+"""Hugging Face transformers: ``attn_implementation="attnhub"``.
+
+Usage::
+
+    from attnhub.integrations.transformers import register
+    register()                                   # once; idempotent
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="attnhub")
+    # or, on a loaded model: model.set_attn_implementation("attnhub")
+
+:func:`register` adds an attention function to transformers' ``AttentionInterface``
+and a mask function to its ``AttentionMaskInterface`` under the same name (both are
+needed: transformers builds no mask at all for an implementation without a mask
+function). The other route, :func:`attnhub.patch`, needs no registration and serves
+models running transformers' ``"sdpa"`` implementation.
+
+What reaches attnhub
+    - Grouped-query attention natively (key/value are never repeated).
+    - Causality as ``causal=True`` when transformers needs no mask (no padding);
+      otherwise transformers' boolean (B, 1, Nq, Nk) mask, True = attend.
+    - Sliding windows (Mistral, Qwen2, Gemma, ...): transformers' ``sliding_window=W``
+      keeps keys with ``kv_idx > q_idx - W``, which is ``window=(W - 1, 0)`` with
+      ``causal=True``. Without padding, the mask function hands the window to attnhub
+      as ``window`` (no mask is built) during prefill/training (Nq == Nk) and during
+      decoding (Nq == 1) when the query is the newest key; otherwise (padding, static
+      caches, chunked prefill) the window is part of the boolean mask.
+    - ``scaling`` as ``scale``, ``dropout`` as ``dropout_p``, ``softcap`` (Gemma 2)
+      as ``softcap``, ``position_bias`` (T5-style) folded into a float mask.
+    - Attention sinks (``s_aux``) are not supported: such calls raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..api import attention
+from ..dispatch import normalize_backend_arg
+
+__all__ = ["attention_forward", "mask", "register"]
+
+
+def _sliding_window_verified(mask_function: Callable[..., Any], window: int, device: Any) -> bool:
+    """Whether ``mask_function`` is exactly transformers' sliding-window causal mask.
+
+    ``local_size`` is also passed for chunked attention, so the function is probed on
+    a few query rows around the window's size (chunked and sliding masks differ there).
+    """
+    q_idx = torch.tensor([0, window - 1, window, window + 1, 2 * window], device=device)
+    kv_idx = torch.arange(2 * window + 1, device=device)
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    try:
+        got = mask_function(
+            zero[:, None, None, None], zero[None, :, None, None], q_idx[None, None, :, None],
+            kv_idx[None, None, None, :],
+        )  # fmt: skip
+    except Exception:  # a custom function that cannot take index tensors
+        return False
+    q, k = q_idx[:, None], kv_idx[None, :]
+    expected = (k <= q) & (k > q - window)
+    return isinstance(got, torch.Tensor) and bool(
+        torch.equal(got.reshape(expected.shape), expected)
+    )
+
+
+def mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: Any = 0,
+    kv_offset: int = 0,
+    mask_function: Callable[..., Any] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """transformers' mask function for attnhub: ``sdpa_mask``, plus windows as data.
+
+    Returns None where :func:`attention_forward` can say the pattern with ``causal``
+    and ``window`` (see the module docstring), else ``sdpa_mask``'s boolean mask
+    (B, 1, Nq, Nk), True = attend (or its None when it needs none).
+    """
+    from transformers.masking_utils import (
+        causal_mask_function,
+        prepare_padding_mask,
+        sdpa_mask,
+    )
+
+    if mask_function is None:
+        mask_function = causal_mask_function
+    if (
+        # Reading the mask's values would break a torch.compile graph.
+        not torch.compiler.is_compiling()
+        and local_size is not None
+        and allow_is_causal_skip
+        and isinstance(q_offset, int)
+        # The query rows are the newest keys (bottom-right), and Nq == Nk (where
+        # top-left and bottom-right coincide) or Nq == 1 (decoding).
+        and q_offset + q_length == kv_offset + kv_length
+        and (q_length == kv_length or q_length == 1)
+    ):
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        if padding is not None:
+            padding = padding[:, kv_offset : kv_offset + kv_length]
+        if (padding is None or bool(padding.all())) and _sliding_window_verified(
+            mask_function, local_size, kwargs.get("device", "cpu")
+        ):
+            return None
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=allow_is_causal_skip,
+        **kwargs,
+    )
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    position_bias: torch.Tensor | None = None,
+    backend: str | Sequence[str] | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention function for attnhub.
+
+    Shapes: query (B, Hq, Nq, D), key/value (B, Hkv, Nk, D); returns
+    ``(output (B, Nq, Hq, Dv), None)`` (attention weights are never materialized).
+    """
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(
+            "attnhub does not support attention sinks (s_aux); use 'eager' for this model"
+        )
+    q_length = query.shape[2]
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(is_causal) and attention_mask is None and q_length > 1
+    window = None
+    alignment = "top_left"
+    if attention_mask is None and sliding_window is not None and is_causal:
+        # No mask: either mask() left the window to us, or transformers found it
+        # irrelevant (every key within it). Decoding aligns the query with the newest key.
+        window = (sliding_window - 1, 0)
+        alignment = "bottom_right" if q_length == 1 else "top_left"
+    if position_bias is not None:
+        if attention_mask is None:
+            attention_mask = position_bias
+            if causal:
+                keep = torch.ones(q_length, key.shape[2], dtype=torch.bool, device=query.device)
+                attention_mask = attention_mask.masked_fill(~keep.tril(), float("-inf"))
+                causal = False
+        elif attention_mask.dtype == torch.bool:
+            attention_mask = position_bias.masked_fill(~attention_mask, float("-inf"))
+        else:
+            attention_mask = position_bias + attention_mask
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask.to(query.dtype)
+    out = attention(
+        query, key, value, attention_mask,
+        causal=causal, alignment=alignment, window=window, softcap=softcap, scale=scaling,
+        dropout_p=dropout, backend=backend,
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register(name: str = "attnhub", backend: str | Sequence[str] | None = None) -> str:
+    """Register attnhub with transformers as ``attn_implementation=name``; returns the name.
+
+    ``backend`` restricts/orders attnhub's backends for this implementation (another
+    name, e.g. ``register("attnhub_flash", backend="triton_flash")``, can hold another
+    choice). Registering the same name again replaces it. Needs transformers >= 4.48.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    names = normalize_backend_arg(backend)
+    function: Callable[..., Any] = attention_forward
+    if names is not None:
+        function = functools.partial(attention_forward, backend=names)
+        functools.update_wrapper(function, attention_forward)
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, mask)
+    return name

@@ -1,0 +1,347 @@
+"""Put attnhub under an existing model: :func:`patch` replaces
+``torch.nn.functional.scaled_dot_product_attention``.
+
+Usage::
+
+    handle = attnhub.patch()               # every F.scaled_dot_product_attention call
+    model(x)                               # now goes through attnhub's dispatch
+    handle.undo()                          # and back
+
+    with attnhub.patch(backend=["triton_flash", "torch_sdpa"]):
+        model(x)                           # only these two, in this order
+
+What is replaced
+    The attribute ``torch.nn.functional.scaled_dot_product_attention`` itself, so every
+    caller that looks the function up at call time is covered: ``F.scaled_dot_product_attention(...)``,
+    ``torch.nn.functional.scaled_dot_product_attention(...)``, and code inside
+    ``torch/nn/functional.py`` (``F.multi_head_attention_forward``, which
+    ``nn.MultiheadAttention`` uses with ``need_weights=False`` and
+    ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer`` use outside
+    their fused inference fast path).
+
+    Aliases: with ``aliases=True`` (the default), a module-level global named
+    ``scaled_dot_product_attention`` bound to the original function before patching
+    (``from torch.nn.functional import scaled_dot_product_attention``) is rebound too,
+    and restored on undo if nobody has changed it since. Other names (``import ... as
+    sdpa``, ``orig = F.scaled_dot_product_attention``) are left alone: such a handle is
+    as often a deliberate way to reach PyTorch's own function. Modules of torch, attnhub, attention-kernel libraries and
+    attnhub's backend plugins are skipped: they must keep reaching PyTorch's own
+    function. Not covered: references held anywhere else (object attributes, closures,
+    default arguments, ``functools.partial``, dicts), and calls to
+    ``torch._C._nn.scaled_dot_product_attention`` or ``torch.ops.aten`` ops.
+
+Semantics
+    The replacement takes exactly PyTorch's signature ``(query, key, value,
+    attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False)``
+    and keeps its meaning (top-left causal, bool mask True = attend, float mask
+    added). Calls outside attnhub's domain go to PyTorch's original function, so they
+    behave, and fail, exactly as before: inputs that are not 4-D tensors (PyTorch
+    accepts 3-D and more), nested tensors, ``is_causal`` together with ``attn_mask``,
+    head counts that differ without ``enable_gqa``, a float mask whose dtype differs
+    from the query's, broadcast batch dimensions, and anything else attnhub rejects
+    with ``ValueError``/``TypeError``. A call no attnhub backend can serve
+    (:class:`attnhub.NoBackendError`) goes there too, unless ``strict=True``.
+
+    The one documented difference: a query row whose every key is masked gives zeros
+    (PyTorch's fused kernels may give NaN there). Dropout draws from PyTorch's
+    generator but not necessarily the same stream as PyTorch's kernels.
+
+Logging and counting
+    The first call of each new signature is logged at INFO (``attnhub`` logger) with
+    the backend that serves it; the first call of each kind handed to PyTorch's own
+    function is logged at INFO with why. :func:`attnhub.stats` counts the calls each
+    backend served, and those handed back under ``"pytorch_original"``.
+
+Nesting
+    Patches stack: the newest one's options are in force, and undoing it (in any
+    order) puts the newest remaining one in force, or PyTorch's function back when
+    none remains. ``undo()`` is idempotent. Nothing is patched at import.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .api import attention
+from .call_stats import ORIGINAL, record
+from .dispatch import normalize_backend_arg
+from .errors import NoBackendError
+
+log = logging.getLogger("attnhub")
+
+__all__ = ["PatchHandle", "active_patches", "is_patched", "patch"]
+
+# Top-level packages whose aliases are never rebound: they implement attention (or
+# dispatch to it) and must keep calling PyTorch's own function.
+_NEVER_REBIND = frozenset(
+    {"torch", "torchvision", "functorch", "attnhub", "triton", "xformers", "flash_attn"}
+)
+
+_NAME = "scaled_dot_product_attention"
+_lock = threading.RLock()
+_stack: list[PatchHandle] = []
+_original: Callable[..., torch.Tensor] | None = None
+# Per thread: set while a patched call runs attnhub, so that a backend calling
+# F.scaled_dot_product_attention (torch_sdpa does) reaches PyTorch's function instead
+# of recursing. Dynamo traces threading.local reads and writes without a graph break.
+_inside = threading.local()
+_logged_fallbacks: set[str] = set()
+_LOGGED_LIMIT = 4096
+
+
+class PatchHandle:
+    """One active :func:`patch`; ``undo()`` it, or use it as a context manager."""
+
+    def __init__(self, backend: tuple[str, ...] | None, strict: bool, aliases: bool) -> None:
+        self.backend = backend
+        self.strict = strict
+        self.aliases = aliases
+        self.function = _make_replacement(self)
+        # (module, name) pairs this handle rebound.
+        self._rebound: list[tuple[types.ModuleType, str]] = []
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def undo(self) -> None:
+        """Remove this patch (no-op if already undone); the newest remaining one takes over."""
+        with _lock:
+            if not self._active:
+                return
+            self._active = False
+            _stack.remove(self)
+            _install(_stack[-1].function if _stack else None, replacing=self.function)
+            for module, name in self._rebound:
+                if getattr(module, name, None) is self.function:
+                    setattr(module, name, _stack[-1].function if _stack else _original)
+            self._rebound.clear()
+
+    def __enter__(self) -> PatchHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.undo()
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "undone"
+        return f"<attnhub.PatchHandle {state} backend={self.backend} strict={self.strict}>"
+
+
+def patch(
+    backend: str | Sequence[str] | None = None,
+    *,
+    strict: bool = False,
+    aliases: bool = True,
+) -> PatchHandle:
+    """Route ``torch.nn.functional.scaled_dot_product_attention`` through attnhub.
+
+    Args:
+        backend: None (every registered backend, ranked as usual), a backend name, or
+            names to choose among in that order, for the patched calls.
+        strict: raise :class:`attnhub.NoBackendError` when no allowed backend can
+            serve a call, instead of handing it to PyTorch's original function.
+            (``attnhub.use_backend(strict=True)`` or ``ATTNHUB_STRICT=1`` additionally
+            forbid the fallback to ``torch_reference``.)
+        aliases: also rebind module-level aliases of the function bound before
+            patching (see the module docstring for what is and is not covered).
+
+    Returns:
+        A :class:`PatchHandle`; the patch is in force until ``handle.undo()`` or the
+        end of a ``with attnhub.patch(...):`` block.
+    """
+    names = normalize_backend_arg(backend)
+    if names is not None:
+        from .registry import get_registry
+
+        registry = get_registry()
+        for name in names:
+            registry.get(name)  # ValueError listing the known names
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    handle = PatchHandle(names, strict, aliases)
+    global _original
+    with _lock:
+        current = F.scaled_dot_product_attention
+        if not _stack:
+            _original = current
+        previous = _stack[-1].function if _stack else _original
+        _install(handle.function, replacing=previous)
+        _stack.append(handle)
+        handle._active = True
+        if aliases:
+            handle._rebound = _rebind_aliases(previous, handle.function)
+    return handle
+
+
+def is_patched() -> bool:
+    """Whether an attnhub patch is in force."""
+    return bool(_stack)
+
+
+def active_patches() -> list[PatchHandle]:
+    """The patches in force, oldest first (the last one's options apply)."""
+    with _lock:
+        return list(_stack)
+
+
+def original_function() -> Callable[..., torch.Tensor]:
+    """PyTorch's ``scaled_dot_product_attention`` as it was before the first patch."""
+    return _original if _original is not None else F.scaled_dot_product_attention
+
+
+def _install(function: Callable[..., Any] | None, replacing: Callable[..., Any] | None) -> None:
+    target = function if function is not None else _original
+    if (
+        F.scaled_dot_product_attention is not replacing
+        and F.scaled_dot_product_attention is not target
+    ):
+        # Someone else replaced the function after us: leave theirs in place.
+        log.warning(
+            "attnhub.patch: torch.nn.functional.scaled_dot_product_attention was replaced "
+            "by %r outside attnhub; leaving it in place",
+            F.scaled_dot_product_attention,
+        )
+        return
+    F.scaled_dot_product_attention = target  # type: ignore[assignment]
+
+
+def _skip_module(module_name: str) -> bool:
+    top = module_name.partition(".")[0]
+    if top in _NEVER_REBIND:
+        return True
+    # Backend plugins (built-in or third-party) keep PyTorch's function.
+    return top in _backend_packages()
+
+
+def _backend_packages() -> frozenset[str]:
+    from .registry import get_registry
+
+    return frozenset(type(b).__module__.partition(".")[0] for b in get_registry().backends())
+
+
+def _rebind_aliases(
+    previous: Callable[..., Any] | None, function: Callable[..., Any]
+) -> list[tuple[types.ModuleType, str]]:
+    """Rebind module globals that are ``previous`` (the function before this patch)."""
+    rebound: list[tuple[types.ModuleType, str]] = []
+    if previous is None:
+        return rebound
+    for module_name, module in list(sys.modules.items()):
+        if not isinstance(module, types.ModuleType) or _skip_module(module_name):
+            continue
+        try:
+            namespace = vars(module)
+        except TypeError:
+            continue
+        # Only the function's own name: a differently named reference is more often
+        # a deliberate handle on PyTorch's function (to compare, or to call it
+        # unpatched) than an import alias.
+        for name, value in list(namespace.items()):
+            if name == _NAME and value is previous:
+                setattr(module, name, function)
+                rebound.append((module, name))
+    if rebound:
+        log.info(
+            "attnhub.patch: also rebound %s",
+            ", ".join(f"{m.__name__}.{n}" for m, n in rebound),
+        )
+    return rebound
+
+
+def _outside_domain(
+    query: Any, key: Any, value: Any, attn_mask: Any, is_causal: Any, enable_gqa: Any
+) -> str | None:
+    """Why a call is not attnhub's to serve (None: it is), from metadata alone."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is not a tensor"
+        if t.is_nested:
+            return f"{name} is a nested tensor"
+        if t.dim() != 4:
+            return f"{name} is {t.dim()}-D"
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            return "attn_mask is not a tensor"
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
+            return f"attn_mask dtype {attn_mask.dtype} differs from the query's {query.dtype}"
+        if is_causal:
+            return "is_causal with attn_mask"
+    if query.shape[1] != key.shape[1] and enable_gqa is not True:
+        return f"Hq={query.shape[1]} != Hkv={key.shape[1]} without enable_gqa"
+    if not isinstance(is_causal, bool):
+        return "is_causal is not a bool"
+    return None
+
+
+def _note_original(why: str, query: Any, key: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    record(ORIGINAL)
+    shapes = tuple(getattr(t, "shape", None) for t in (query, key))
+    note = f"{why}; query/key shapes {shapes}"
+    if note in _logged_fallbacks:
+        return
+    with _lock:
+        if len(_logged_fallbacks) >= _LOGGED_LIMIT:
+            _logged_fallbacks.clear()
+        _logged_fallbacks.add(note)
+    log.info("attnhub.patch: PyTorch's own scaled_dot_product_attention serves a call: %s", note)
+
+
+def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
+    backend = handle.backend
+    strict = handle.strict
+
+    def scaled_dot_product_attention(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        *,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        original = _original
+        assert original is not None
+        if getattr(_inside, "active", False):
+            # A backend's own call to F.scaled_dot_product_attention.
+            return original(query, key, value, attn_mask, dropout_p, is_causal,
+                            scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+        why = _outside_domain(query, key, value, attn_mask, is_causal, enable_gqa)
+        if why is None:
+            _inside.active = True
+            try:
+                return attention(
+                    query, key, value, attn_mask,
+                    causal=is_causal, scale=scale, dropout_p=dropout_p, backend=backend,
+                )  # fmt: skip
+            except (ValueError, TypeError) as exc:
+                why = f"attnhub rejects it ({type(exc).__name__}: {exc})"
+            except NoBackendError as exc:
+                if strict:
+                    raise
+                why = f"no attnhub backend can serve it ({exc.signature})"
+            finally:
+                _inside.active = False
+        _note_original(why, query, key)
+        return original(query, key, value, attn_mask, dropout_p, is_causal,
+                        scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+
+    scaled_dot_product_attention.__doc__ = (
+        "attnhub's replacement for torch.nn.functional.scaled_dot_product_attention "
+        "(see attnhub.patch).\n\n" + (torch._C._nn.scaled_dot_product_attention.__doc__ or "")
+    )
+    scaled_dot_product_attention.__attnhub_patch__ = handle  # type: ignore[attr-defined]
+    return scaled_dot_product_attention

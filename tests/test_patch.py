@@ -1,0 +1,308 @@
+"""attnhub.patch(): the replacement keeps F.scaled_dot_product_attention's behaviour.
+
+Every numeric check compares against PyTorch's own function, called on the same inputs
+before patching (or through the saved original).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnhub
+from attnhub import patching as patch_module
+from attnhub.call_stats import ORIGINAL as SERVED_BY_PYTORCH
+
+ORIGINAL = F.scaled_dot_product_attention
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    assert not patch_module.is_patched()
+    attnhub.reset_stats()
+    yield
+    for handle in reversed(patch_module.active_patches()):
+        handle.undo()
+    assert F.scaled_dot_product_attention is ORIGINAL
+
+
+def _qkv(b=2, hq=4, hkv=4, nq=7, nk=7, d=16, requires_grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, nq, d, generator=g)
+    k = torch.randn(b, hkv, nk, d, generator=g)
+    v = torch.randn(b, hkv, nk, d, generator=g)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def test_nothing_patched_at_import():
+    code = (
+        "import torch.nn.functional as F; before = F.scaled_dot_product_attention; "
+        "import attnhub, attnhub.integrations, attnhub.integrations.transformers; "
+        "assert F.scaled_dot_product_attention is before; assert not attnhub.stats()"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+CASES = {
+    "plain": {},
+    "causal": {"is_causal": True},
+    "causal-nq<nk": {"is_causal": True, "nk": 11},
+    "causal-nq>nk": {"is_causal": True, "nq": 9, "nk": 5},
+    "scale": {"scale": 0.3},
+    "gqa": {"hkv": 2, "enable_gqa": True, "is_causal": True},
+    "bool-mask": {"mask": "bool"},
+    "float-mask": {"mask": "float"},
+    "mask-2d": {"mask": "bool2d"},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_pytorch_forward_and_backward(case):
+    opts = dict(CASES[case])
+    shape = {k: opts.pop(k) for k in ("hkv", "nq", "nk") if k in opts}
+    q, k, v = _qkv(**shape, requires_grad=True)
+    mask_kind = opts.pop("mask", None)
+    g = torch.Generator().manual_seed(1)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(2, 1, q.shape[2], k.shape[2], generator=g) > 0.3
+        mask[..., 0] = True  # no fully masked rows: PyTorch's NaN/zero choice differs there
+    elif mask_kind == "float":
+        mask = torch.randn(2, 4, q.shape[2], k.shape[2], generator=g)
+    elif mask_kind == "bool2d":
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    ref = ORIGINAL(q, k, v, mask, **opts)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    with attnhub.patch():
+        out = F.scaled_dot_product_attention(q, k, v, mask, **opts)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    served = attnhub.stats()
+    assert SERVED_BY_PYTORCH not in served and sum(served.values()) == 1
+
+
+def test_positional_arguments_and_keyword_only_like_pytorch():
+    q, k, v = _qkv()
+    with attnhub.patch():
+        out = F.scaled_dot_product_attention(q, k, v, None, 0.0, True)
+        torch.testing.assert_close(out, ORIGINAL(q, k, v, None, 0.0, True))
+        # scale and enable_gqa are keyword-only in PyTorch: keep that.
+        with pytest.raises(TypeError):
+            F.scaled_dot_product_attention(q, k, v, None, 0.0, False, 0.5)
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except Exception as exc:
+        return type(exc), str(exc)
+    return None
+
+
+OUTSIDE = {
+    # PyTorch accepts these; attnhub does not serve them: same result as PyTorch.
+    "3-d": lambda q, k, v: ((q[0], k[0], v[0]), {}),
+    "5-d": lambda q, k, v: ((q[None], k[None], v[None]), {}),
+    "broadcast-batch": lambda q, k, v: ((q, k[:1], v[:1]), {}),
+    # PyTorch raises on these; so must the patched function, the same way.
+    "causal-with-mask": lambda q, k, v: ((q, k, v), {"attn_mask": torch.ones(7, 7, dtype=torch.bool), "is_causal": True}),
+    "heads-differ-without-gqa": lambda q, k, v: ((q, k[:, :2], v[:, :2]), {}),
+    "gqa-not-multiple": lambda q, k, v: ((q, k[:, :3], v[:, :3]), {"enable_gqa": True}),
+    "mixed-dtype": lambda q, k, v: ((q, k.double(), v), {}),
+    "int-mask": lambda q, k, v: ((q, k, v), {"attn_mask": torch.ones(7, 7, dtype=torch.int64)}),
+    "mask-dtype-differs": lambda q, k, v: ((q.double(), k.double(), v.double()), {"attn_mask": torch.zeros(7, 7)}),
+    "bad-mask-shape": lambda q, k, v: ((q, k, v), {"attn_mask": torch.ones(3, 5, dtype=torch.bool)}),
+    "d-differs": lambda q, k, v: ((q, k[..., :8], v), {}),
+    "not-tensor": lambda q, k, v: (([1.0], k, v), {}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(OUTSIDE))
+def test_outside_the_domain_behaves_exactly_as_pytorch(case):
+    q, k, v = _qkv()
+    args, kwargs = OUTSIDE[case](q, k, v)
+    expected_error = _error_of(lambda: ORIGINAL(*args, **kwargs))
+    with attnhub.patch():
+        got_error = _error_of(lambda: F.scaled_dot_product_attention(*args, **kwargs))
+        if expected_error is None:
+            torch.testing.assert_close(
+                F.scaled_dot_product_attention(*args, **kwargs), ORIGINAL(*args, **kwargs)
+            )
+    assert got_error == expected_error
+    assert set(attnhub.stats()) == {SERVED_BY_PYTORCH}
+
+
+def test_fully_masked_rows_give_zeros():
+    q, k, v = _qkv()
+    mask = torch.ones(2, 1, 7, 7, dtype=torch.bool)
+    mask[:, :, 3] = False  # row 3 attends to nothing
+    with attnhub.patch():
+        out = F.scaled_dot_product_attention(q, k, v, mask)
+    assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+    keep = torch.arange(7) != 3
+    torch.testing.assert_close(out[:, :, keep], ORIGINAL(q, k, v, mask)[:, :, keep])
+
+
+def test_undo_context_manager_nesting_and_options():
+    q, k, v = _qkv()
+    outer = attnhub.patch()
+    assert F.scaled_dot_product_attention is not ORIGINAL and outer.active
+    with attnhub.patch(backend="torch_reference") as inner:
+        F.scaled_dot_product_attention(q, k, v)
+        assert attnhub.stats() == {"torch_reference": 1}
+    assert not inner.active
+    assert F.scaled_dot_product_attention is outer.function  # the outer patch is back
+    F.scaled_dot_product_attention(q, k, v)
+    assert attnhub.stats()["torch_sdpa"] == 1
+    # Undoing out of order: the newest remaining patch stays in force.
+    a, b = attnhub.patch(backend="torch_reference"), attnhub.patch(backend="torch_sdpa")
+    a.undo()
+    assert F.scaled_dot_product_attention is b.function
+    b.undo()
+    assert F.scaled_dot_product_attention is outer.function
+    outer.undo()
+    outer.undo()  # idempotent
+    assert F.scaled_dot_product_attention is ORIGINAL
+    assert not patch_module.is_patched()
+
+
+def test_backend_order_and_strict():
+    q, k, v = _qkv()
+    with attnhub.patch(backend=["torch_reference", "torch_sdpa"]):
+        F.scaled_dot_product_attention(q, k, v)
+    assert attnhub.stats() == {"torch_reference": 1}
+    with pytest.raises(ValueError, match="nonexistent"):
+        attnhub.patch(backend="nonexistent")
+    assert F.scaled_dot_product_attention is ORIGINAL
+    # No backend among those named can serve the call: PyTorch's function serves it,
+    # or, with strict=True, NoBackendError.
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine where torch_sdpa_flash is unavailable")
+    qd, kd, vd = (t.to(torch.float16) for t in (q, k, v))
+    attnhub.reset_stats()
+    names = ["torch_sdpa_flash"]  # a CUDA-only kernel: it cannot serve CPU calls
+    with attnhub.patch(backend=names):
+        torch.testing.assert_close(F.scaled_dot_product_attention(qd, kd, vd), ORIGINAL(qd, kd, vd))
+    assert attnhub.stats() == {SERVED_BY_PYTORCH: 1}
+    with attnhub.patch(backend=names, strict=True), pytest.raises(attnhub.NoBackendError):
+        F.scaled_dot_product_attention(qd, kd, vd)
+
+
+def test_first_call_of_a_signature_is_logged(caplog):
+    attnhub.dispatch.clear_cache()
+    q, k, v = _qkv(nq=5, nk=5, d=8)
+    with caplog.at_level(logging.INFO, logger="attnhub"), attnhub.patch():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    served = [r for r in caplog.records if "serves attention(" in r.getMessage()]
+    assert len(served) == 1 and "torch_sdpa" in served[0].getMessage()
+
+
+def test_aliases_rebound_only_where_safe():
+    module = types.ModuleType("user_model_with_alias")
+    module.scaled_dot_product_attention = ORIGINAL  # from torch.nn.functional import ...
+    module.keep_original = ORIGINAL  # a deliberate handle on PyTorch's function
+    sys.modules[module.__name__] = module
+    try:
+        with attnhub.patch() as handle:
+            assert module.scaled_dot_product_attention is handle.function
+            assert module.keep_original is ORIGINAL
+            assert torch._C._nn.scaled_dot_product_attention is ORIGINAL
+        assert module.scaled_dot_product_attention is ORIGINAL
+        with attnhub.patch(aliases=False):
+            assert module.scaled_dot_product_attention is ORIGINAL
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_threads_share_the_patch_and_count_every_call():
+    q, k, v = _qkv()
+    ref = ORIGINAL(q, k, v, is_causal=True)
+    errors: list[BaseException] = []
+
+    def work():
+        try:
+            for _ in range(50):
+                torch.testing.assert_close(
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True), ref
+                )
+        except BaseException as exc:
+            errors.append(exc)
+
+    with attnhub.patch():
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors
+    assert attnhub.stats() == {"torch_sdpa": 200}
+    attnhub.reset_stats()
+    assert attnhub.stats() == {}
+
+
+def test_multihead_attention_and_encoder_layer():
+    """Which torch.nn modules go through F.scaled_dot_product_attention (torch 2.13)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 6, 32)
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[0, 4:] = True
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(6)
+    ref_mha = mha(x, x, x, need_weights=False, key_padding_mask=pad)[0]
+    ref_weights = mha(x, x, x)[0]
+    ref_layer = layer(x, src_mask=causal, src_key_padding_mask=pad)
+    with attnhub.patch():
+        out_mha = mha(x, x, x, need_weights=False, key_padding_mask=pad)[0]
+        assert sum(attnhub.stats().values()) == 1  # need_weights=False: the function
+        attnhub.reset_stats()
+        out_weights = mha(x, x, x)[0]  # need_weights=True (the default): explicit bmm
+        assert attnhub.stats() == {}
+        out_layer = layer(x, src_mask=causal, src_key_padding_mask=pad)  # training mode
+        assert sum(attnhub.stats().values()) == 1
+        attnhub.reset_stats()
+        with torch.no_grad():
+            layer.eval()  # the fused inference fast path calls no Python function
+            out_fast = layer(x, src_key_padding_mask=pad)
+            assert attnhub.stats() == {}
+    for a, b in ((out_mha, ref_mha), (out_weights, ref_weights), (out_layer, ref_layer)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        ref_fast = layer(x, src_key_padding_mask=pad)
+    torch.testing.assert_close(out_fast, ref_fast, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 4, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(1)
+
+
+def test_torch_compile_patched_model_without_graph_break():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = _Block()
+    x = torch.randn(2, 9, 32)
+    ref = block(x)
+    with attnhub.patch():
+        explanation = torch._dynamo.explain(block)(x)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        compiled = torch.compile(block, fullgraph=True, backend="eager")
+        torch.testing.assert_close(compiled(x), ref, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()

@@ -1,0 +1,213 @@
+"""Hugging Face models on attnhub, both routes, against stock transformers ("sdpa").
+
+Tiny models built from configs (2 layers, hidden 64, no downloads). Each compares
+attnhub's route with the same weights running transformers' own SDPA path on
+PyTorch's unpatched function: logits (left-padded batches included), greedy
+generation with the KV cache, and a training step's gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+import attnhub  # noqa: E402
+from attnhub.integrations import transformers as hf  # noqa: E402
+
+ORIGINAL = F.scaled_dot_product_attention
+VOCAB = 128
+WINDOW = 4
+COMMON = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "vocab_size": VOCAB, "max_position_embeddings": 64}  # fmt: skip
+
+
+def _configs():
+    t = transformers
+    return {
+        "gpt2": (t.GPT2LMHeadModel, t.GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
+            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)),
+        "llama-gqa": (t.LlamaForCausalLM, t.LlamaConfig(num_key_value_heads=2, **COMMON)),
+        "mistral-sliding": (t.MistralForCausalLM, t.MistralConfig(
+            num_key_value_heads=2, sliding_window=WINDOW, **COMMON)),
+        # Layer 0 full attention, layer 1 sliding window.
+        "qwen2-mixed": (t.Qwen2ForCausalLM, t.Qwen2Config(
+            num_key_value_heads=2, use_sliding_window=True, sliding_window=WINDOW,
+            max_window_layers=1, **COMMON)),
+        "bert": (t.BertModel, t.BertConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            vocab_size=VOCAB, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    }  # fmt: skip
+
+
+CONFIGS = _configs()
+DECODERS = [name for name in CONFIGS if name != "bert"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    assert hf.register() == "attnhub"
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    attnhub.reset_stats()
+    yield
+    assert F.scaled_dot_product_attention is ORIGINAL
+
+
+def _pair(name):
+    """(stock model on "sdpa", the same weights on "attnhub"), in eval mode."""
+    cls, config = CONFIGS[name]
+    torch.manual_seed(0)
+    # Each model gets its own config: the implementation is stored on it.
+    stock = cls._from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    ours = cls._from_config(copy.deepcopy(config), attn_implementation="attnhub").eval()
+    ours.load_state_dict(stock.state_dict())
+    assert stock.config._attn_implementation == "sdpa"
+    assert ours.config._attn_implementation == "attnhub"
+    return stock, ours
+
+
+def _batch(padding_side="left", n=12):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, VOCAB, (3, n), generator=g)
+    mask = torch.ones(3, n, dtype=torch.long)
+    pad = slice(0, 5) if padding_side == "left" else slice(n - 5, n)
+    mask[1, pad] = 0
+    mask[2, pad.start : pad.start + 2 if padding_side == "left" else n] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def _output(model, ids, mask):
+    out = model(input_ids=ids, attention_mask=mask)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_outputs_match_stock(name, padded):
+    stock, ours = _pair(name)
+    ids, mask = _batch("right" if name == "bert" else "left")
+    if not padded:
+        mask = torch.ones_like(mask)
+    keep = mask.bool()
+    with torch.no_grad():
+        ref = _output(stock, ids, mask)
+        registered = _output(ours, ids, mask)
+        served = attnhub.stats()
+        with attnhub.patch():
+            patched = _output(stock, ids, mask)
+    # Padded query rows are meaningless (and fully masked in decoders): compare the rest.
+    torch.testing.assert_close(registered[keep], ref[keep], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(patched[keep], ref[keep], atol=2e-5, rtol=1e-4)
+    assert sum(served.values()) == 2  # one call per layer, all served by attnhub
+    assert attnhub.stats().get("pytorch_original", 0) == 0
+
+
+def test_sliding_window_reaches_attnhub_as_window(monkeypatch):
+    """Unpadded prefill and decoding pass window=(W-1, 0), not a mask; and it matters."""
+    calls = []
+    real = hf.attention
+
+    def spy(q, k, v, mask=None, **kw):
+        calls.append(
+            (q.shape[2], k.shape[2], mask is None, kw["window"], kw["causal"], kw["alignment"])
+        )
+        return real(q, k, v, mask, **kw)
+
+    monkeypatch.setattr(hf, "attention", spy)
+    stock, ours = _pair("mistral-sliding")
+    ids = torch.randint(1, VOCAB, (2, 3 * WINDOW))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, stock(ids).logits, atol=2e-5, rtol=1e-4)
+        prefill = calls[:]
+        calls.clear()
+        ours.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert prefill == [(3 * WINDOW, 3 * WINDOW, True, (WINDOW - 1, 0), True, "top_left")] * 2
+    decode = [c for c in calls if c[0] == 1]
+    assert decode and all(c[2:] == (True, (WINDOW - 1, 0), False, "bottom_right") for c in decode)
+    # The window is not a no-op at this length: a model without it answers differently.
+    config = copy.deepcopy(stock.config)
+    config.sliding_window = None
+    unwindowed = type(stock)._from_config(config, attn_implementation="sdpa").eval()
+    unwindowed.load_state_dict(stock.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(unwindowed(ids).logits, ours(ids).logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_greedy_generation_with_kv_cache_identical(name):
+    stock, ours = _pair(name)
+    ids, mask = _batch("left", n=6)
+    kwargs = {"attention_mask": mask, "max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        ref = stock.generate(ids, **kwargs)
+        registered = ours.generate(ids, **kwargs)
+        with attnhub.patch():
+            patched = stock.generate(ids, **kwargs)
+    assert ref.shape[1] == ids.shape[1] + 10
+    assert torch.equal(registered, ref)
+    assert torch.equal(patched, ref)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral-sliding", "bert"])
+def test_training_step_gradients_match_stock(name):
+    stock, ours = _pair(name)
+    stock.train()
+    ours.train()
+    ids, mask = _batch("right" if name == "bert" else "left")
+
+    def grads(model, patched=False):
+        model.zero_grad()
+        with attnhub.patch() if patched else torch.enable_grad():
+            out = _output(model, ids, mask)
+        loss = out[mask.bool()].square().mean()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref = grads(stock)
+    for got in (grads(ours), grads(stock, patched=True)):
+        assert got.keys() == ref.keys()
+        for n in ref:
+            assert torch.isfinite(got[n]).all(), n
+            torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_register_with_backend_choice():
+    name = hf.register("attnhub_reference_only", backend="torch_reference")
+    cls, config = CONFIGS["llama-gqa"]
+    torch.manual_seed(0)
+    stock = cls._from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    ours = cls._from_config(copy.deepcopy(config), attn_implementation=name).eval()
+    ours.load_state_dict(stock.state_dict())
+    ids, mask = _batch()
+    with torch.no_grad():
+        got, ref = _output(ours, ids, mask), _output(stock, ids, mask)
+    keep = mask.bool()
+    torch.testing.assert_close(got[keep], ref[keep], atol=2e-5, rtol=1e-4)
+    assert attnhub.stats() == {"torch_reference": 2}
+
+
+def test_torch_compile_patched_hf_model_no_graph_break_from_attnhub():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    stock, _ = _pair("llama-gqa")
+    ids = torch.randint(1, VOCAB, (2, 8))
+    with torch.no_grad():
+        ref = stock(ids).logits
+        with attnhub.patch():
+            explanation = torch._dynamo.explain(stock)(ids)
+            compiled = torch.compile(stock, backend="eager")
+            got = compiled(ids).logits
+    reasons = [str(r) for r in explanation.break_reasons]
+    assert not [r for r in reasons if "attnhub" in r or "scaled_dot_product" in r], reasons
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    torch._dynamo.reset()
