@@ -321,12 +321,17 @@ def announce(decision: Decision) -> None:
         _announced.add(key)
     log.info("attnhub: %s serves %s", decision.chosen, decision.signature)
     if decision.fallback:
+        # The reasons of the backends that can run here: why none of them could.
+        reasons = "; ".join(
+            f"{c.name}: {', '.join(c.reasons)}"
+            for c in decision.candidates
+            if c.reasons and not c.reasons[0].startswith("unavailable:")
+        )
         log.warning(
-            "attnhub: falling back to %s (slow, memory O(N^2)) for %s; "
-            "no faster backend can serve it:\n%s",
+            "attnhub: falling back to %s (slow, memory O(N^2)) for %s; %s",
             REFERENCE,
             decision.signature,
-            decision,
+            reasons or "no other backend is available here",
         )
 
 
