@@ -23,13 +23,13 @@ from importlib import metadata as _metadata
 from .api import attention, explain, list_backends
 from .backend import Backend
 from .block_sparse import BlockSparseLayout
+from .call_stats import reset_stats, stats
 from .dispatch import Decision, RankingPolicy, set_policy, use_backend
 from .errors import NoBackendError
 from .hookspecs import hookimpl
 from .patching import PatchHandle, patch
 from .registry import BackendRegistry, get_registry
 from .request import AttentionParams, AttentionRequest
-from .call_stats import reset_stats, stats
 
 try:
     __version__ = _metadata.version("attnhub")

@@ -16,9 +16,9 @@ import torch
 
 from . import dispatch
 from .backend import Runner
+from .call_stats import record as record_served
 from .registry import get_registry
 from .request import AttentionParams
-from .call_stats import record as record_served
 from .validation import (
     TensorMeta,
     build_request,

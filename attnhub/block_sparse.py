@@ -160,9 +160,10 @@ class BlockSparseLayout:
         if window < 0:
             raise ValueError(f"window must be >= 0, got {window}")
 
-        def mod(b, h, q, kv):  # type: ignore[no-untyped-def]
-            near = (q - kv <= window) & (kv - q <= (0 if causal else window))
-            return near
+        def mod(
+            b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+        ) -> torch.Tensor:
+            return (q - kv <= window) & (kv - q <= (0 if causal else window))
 
         return cls.from_mask_mod(mod, seq_len, seq_len, block_size, device=device)
 

@@ -133,7 +133,7 @@ def _recording(calls: dict[tuple[Any, ...], list[Any]]) -> Iterator[None]:
     patched = F.scaled_dot_product_attention
 
     def record(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
-               scale=None, enable_gqa=False):  # type: ignore[no-untyped-def]  # fmt: skip
+               scale=None, enable_gqa=False):  # fmt: skip
         meta = tuple(
             None if t is None else (tuple(t.shape), t.dtype, t.requires_grad)
             for t in (query, key, attn_mask)
@@ -158,7 +158,7 @@ def _recording(calls: dict[tuple[Any, ...], list[Any]]) -> Iterator[None]:
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = patched  # type: ignore[assignment]
+        F.scaled_dot_product_attention = patched
 
 
 def _describe_call(count: int, args: tuple[Any, ...]) -> str:

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from attnhub.backends.torch_reference import reference_attention
 
 import attnhub
+from attnhub.backends.torch_reference import reference_attention
 from attnhub.registry import get_registry
 from attnhub.request import AttentionParams
 

@@ -1,0 +1,64 @@
+"""flex_attention is discovered through its entry point, passes the kit on CPU, and
+refuses what it declares it cannot do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnhub
+import attnhub.testing
+
+
+def test_discovered_through_the_entry_point() -> None:
+    registry = attnhub.get_registry()
+    assert "flex_attention" in registry.names()
+    assert registry.origin("flex_attention") == "attnhub-flex"
+    assert registry.unavailable_reason("flex_attention") is None
+
+
+def test_conformance_cpu() -> None:
+    # Forward cases only on CPU: FlexAttention has no CPU backward, and says so.
+    assert attnhub.testing.check_backend("flex_attention", "cpu") >= 30
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_conformance_cuda() -> None:
+    assert attnhub.testing.check_backend("flex_attention", "cuda", size="small") >= 40
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"dropout_p": 0.1}, "dropout_p > 0 is not supported"),
+        ({"requires_grad": True}, "no backward on CPU"),
+    ],
+    ids=["dropout", "cpu-backward"],
+)
+def test_refuses_undeclared(kwargs: dict, reason: str) -> None:
+    q = torch.randn(1, 2, 8, 16, requires_grad=kwargs.pop("requires_grad", False))
+    with pytest.raises(attnhub.NoBackendError) as info:
+        attnhub.attention(q, q, q, backend="flex_attention", **kwargs)
+    assert any(reason in why for why in info.value.reasons["flex_attention"])
+
+
+def test_window_and_softcap_compose_with_masks() -> None:
+    # A call only flex_attention and the reference serve: window + softcap + bool mask.
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, n, 32, generator=gen) for n in (19, 40, 40))
+    mask = torch.rand(2, 1, 19, 40, generator=gen) < 0.7
+    options = {"causal": True, "alignment": "bottom_right", "window": (6, None), "softcap": 2.5}
+    out, lse = attnhub.attention(
+        q, k, v, mask, **options, return_lse=True, backend="flex_attention"
+    )
+    ref, ref_lse = attnhub.attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        mask,
+        **options,
+        return_lse=True,
+        backend="torch_reference",
+    )
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=2e-5, rtol=0)

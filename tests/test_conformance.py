@@ -1,0 +1,187 @@
+"""The conformance suite: every backend available here, every case its declarations admit.
+
+Cases come from :func:`attnhub.testing.cases_for` (readable ids such as
+``torch_sdpa-fp16-causal_br-B2H3N77x33D96``) and are checked against the float64
+reference with contract.md's tolerance rule. CPU backends run small cases; backends
+running Triton kernels in the interpreter (``TRITON_INTERPRET=1``) run tiny ones; CUDA
+runs carry the ``gpu`` marker and run large cases.
+
+The reference itself is checked first, against an independent loop-by-loop
+implementation of contract.md, so that the oracle of every other test is not trusted
+on its own word.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnhub.registry import get_registry
+from attnhub.testing import (
+    Case,
+    case_problems,
+    cases_for,
+    dropout_problems,
+    make_inputs,
+    repeatability_problems,
+)
+
+
+def _uses_triton(name: str) -> bool:
+    backend = get_registry().get(name)
+    return "triton" in name or "triton" in type(backend).__module__
+
+
+def _targets() -> list[tuple[str, str, str, list[pytest.MarkDecorator]]]:
+    """(backend, device, size, marks) for every backend available on this machine."""
+    registry = get_registry()
+    targets = []
+    for name in registry.names():
+        backend = registry.get(name)
+        if registry.unavailable_reason(name) is not None:
+            continue
+        if "cpu" in backend.devices:
+            if _uses_triton(name):
+                targets.append((name, "cpu", "tiny", [pytest.mark.interpreter]))
+            else:
+                targets.append((name, "cpu", "small", []))
+        if "cuda" in backend.devices and torch.cuda.is_available():
+            targets.append((name, "cuda", "large", [pytest.mark.gpu]))
+    return targets
+
+
+_TARGETS = _targets()
+_CASES = [
+    pytest.param(name, device, case, id=f"{name}-{device}-{case.id}", marks=marks)
+    for name, device, size, marks in _TARGETS
+    for case in cases_for(name, device, size=size)
+]
+
+
+def test_cpu_backends_present() -> None:
+    # The suite must never pass by generating nothing: the two pure-PyTorch backends
+    # always run on the CPU.
+    names = {name for name, device, _, _ in _TARGETS if device == "cpu"}
+    assert {"torch_reference", "torch_sdpa"} <= names
+    assert sum(1 for p in _CASES if p.values[0] == "torch_sdpa") >= 30
+
+
+@pytest.mark.parametrize(("backend", "device", "case"), _CASES)
+def test_case(backend: str, device: str, case: Case) -> None:
+    problems = case_problems(backend, case, device)
+    assert not problems, f"{backend} [{case.id}]: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [
+        pytest.param(name, device, id=f"{name}-{device}", marks=marks)
+        for name, device, _, marks in _TARGETS
+        if get_registry().get(name).dropout
+    ],
+)
+def test_dropout(backend: str, device: str) -> None:
+    problems = dropout_problems(backend, device)
+    assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "size"),
+    [pytest.param(n, d, s, id=f"{n}-{d}", marks=m) for n, d, s, m in _TARGETS],
+)
+def test_repeatable(backend: str, device: str, size: str) -> None:
+    cases = cases_for(backend, device, size=size)
+    sample = cases[:1] + [c for c in cases if c.backward][:1]
+    problems = repeatability_problems(backend, sample, device)
+    assert not problems, "; ".join(problems)
+
+
+# -- the oracle, checked independently ------------------------------------------------
+
+
+def _naive(case: Case, q, k, v, mask):  # type: ignore[no-untyped-def]
+    """contract.md read literally, one (batch, head, query) at a time, in float64."""
+    b_, hq, nq, _ = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    scale = case.scale if case.scale is not None else 1 / math.sqrt(case.D)
+    out = torch.zeros(b_, hq, nq, v.shape[-1], dtype=torch.float64)
+    lse = torch.full((b_, hq, nq), float("-inf"), dtype=torch.float64)
+    full_mask = None if mask is None else mask.expand(b_, hq, nq, nk)
+    for b in range(b_):
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            for i in range(nq):
+                position = i + (nk - nq if case.alignment == "bottom_right" else 0)
+                scores = []
+                for j in range(nk):
+                    s = float(q[b, h, i] @ k[b, kv, j]) * scale
+                    if case.softcap is not None:
+                        s = case.softcap * math.tanh(s / case.softcap)
+                    if full_mask is not None and full_mask.dtype != torch.bool:
+                        s += float(full_mask[b, h, i, j])
+                    masked = (case.causal and j > position) or (
+                        full_mask is not None
+                        and full_mask.dtype == torch.bool
+                        and not bool(full_mask[b, h, i, j])
+                    )
+                    if case.window is not None:
+                        left, right = case.window
+                        masked |= left is not None and j < position - left
+                        masked |= right is not None and j > position + right
+                    scores.append(float("-inf") if masked else s)
+                top = max(scores, default=float("-inf"))
+                if top == float("-inf"):
+                    continue  # fully masked: zeros and lse = -inf
+                weights = [math.exp(s - top) for s in scores]
+                total = sum(weights)
+                lse[b, h, i] = math.log(total) + top
+                for j, w in enumerate(weights):
+                    out[b, h, i] += (w / total) * v[b, kv, j].double()
+    return out, lse
+
+
+_ORACLE_CASES = [
+    Case(torch.float64, 1, 4, 2, 7, 11, 8, 8, causal=True, alignment="bottom_right", seed=1),
+    Case(torch.float64, 1, 2, 2, 11, 7, 8, 8, causal=True, alignment="bottom_right", seed=2),
+    Case(torch.float64, 2, 2, 1, 9, 9, 8, 4, causal=True, seed=3),
+    Case(torch.float64, 1, 2, 2, 6, 13, 8, 8, window=(2, 1), alignment="bottom_right", seed=4),
+    Case(torch.float64, 2, 3, 3, 9, 5, 8, 8, mask="bool", causal=True, seed=5),
+    Case(torch.float64, 1, 3, 1, 5, 9, 8, 8, mask="float", softcap=2.0, scale=0.7, seed=6),
+]
+
+
+@pytest.mark.parametrize("case", _ORACLE_CASES, ids=lambda c: c.id)
+def test_reference_matches_naive_contract(case: Case) -> None:
+    from attnhub.backends.torch_reference import reference_attention
+    from attnhub.validation import make_params
+
+    inputs = make_inputs(case, "cpu")
+    q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.attn_mask
+    params = make_params(q, **case.options(), block_sparse=None)
+    out, lse = reference_attention(q, k, v, mask, params)
+    expected_out, expected_lse = _naive(case, q, k, v, mask)
+    torch.testing.assert_close(out, expected_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_reference_gradcheck() -> None:
+    """The reference's autograd gradients are the true derivatives (fp64 gradcheck),
+    including through a float mask and across a fully masked row."""
+    from attnhub.backends.torch_reference import reference_attention
+    from attnhub.request import AttentionParams
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 4, generator=gen, dtype=torch.float64) for n in (5, 6, 6))
+    mask = torch.randn(2, 5, 6, generator=gen, dtype=torch.float64)
+    mask[:, 1, :] = float("-inf")  # a fully masked row, through the float mask
+    params = AttentionParams(causal=True, alignment="bottom_right", softcap=3.0, scale=0.4)
+    leaves = [t.requires_grad_() for t in (q, k, v, mask)]
+
+    def fn(*args: torch.Tensor) -> torch.Tensor:
+        return reference_attention(*args, params)[0]
+
+    assert torch.autograd.gradcheck(fn, leaves)
+    out = fn(*leaves)
+    assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
