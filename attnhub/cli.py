@@ -146,6 +146,32 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Time backends side by side (JSON, plots, table); --report redraws from a JSON."""
+    from .bench import main as bench_main
+
+    return bench_main(args)
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from .bench import add_arguments
+
+    add_arguments(parser)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Measure this machine (or read bench results) into the cost table dispatch ranks by."""
+    from .cost_table import main as tune_main
+
+    return tune_main(args)
+
+
+def _add_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    from .cost_table import add_arguments
+
+    add_arguments(parser)
+
+
 _Command = tuple[
     Callable[[argparse.Namespace], int], Callable[[argparse.ArgumentParser], None] | None
 ]
@@ -153,6 +179,8 @@ _COMMANDS: dict[str, _Command] = {
     "info": (cmd_info, None),
     "explain": (cmd_explain, _add_explain_arguments),
     "demo": (cmd_demo, _add_demo_arguments),
+    "bench": (cmd_bench, _add_bench_arguments),
+    "tune": (cmd_tune, _add_tune_arguments),
 }
 
 

@@ -11,7 +11,9 @@ Ranking is explicit and deterministic, independent of registration order:
    ``ATTNHUB_BACKEND``), their order;
 2. otherwise the active :class:`RankingPolicy`. The default ranks linear-memory
    backends before quadratic ones, then by declared ``priority``, then by name. A
-   measured-speed policy plugs in through :func:`set_policy`.
+   measured cost table for the request's device class replaces it where one exists
+   (:mod:`attnhub.cost_table`; ``ATTNHUB_RANKING=priority`` turns that off), and any
+   policy plugs in through :func:`set_policy`.
 
 Choosing ``torch_reference`` when it was not asked for by name is a *fallback*: it is
 logged once per request at WARNING, and strict mode (``use_backend(strict=True)`` or
@@ -168,14 +170,27 @@ class DeclaredPriority:
         return [(b, f"{b.memory_class(request)} memory, priority {b.priority}") for b in ordered]
 
 
-_policy: RankingPolicy = DeclaredPriority()
+_policy: RankingPolicy | None = None  # None: the default, per device class
 
 
 def set_policy(policy: RankingPolicy | None) -> None:
-    """Install a ranking policy (None restores the declared priority) and clear decisions."""
+    """Install a ranking policy and clear decisions.
+
+    None restores the default: the measured cost table of the request's device class
+    where one exists (:func:`attnhub.cost_table.default_policy`), else the declared
+    priority.
+    """
     global _policy
-    _policy = policy if policy is not None else DeclaredPriority()
+    _policy = policy
     clear_cache()
+
+
+def _active_policy(request: AttentionRequest) -> RankingPolicy:
+    if _policy is not None:
+        return _policy
+    from .cost_table import default_policy  # imported at the first decision, not at import
+
+    return default_policy(request)
 
 
 # -- decisions -----------------------------------------------------------------
@@ -268,8 +283,9 @@ def _decide(registry: BackendRegistry, request: AttentionRequest, selection: Sel
         policy_name = selection.source
     else:
         eligible = [b for b in registry.backends() if not reasons[b.name]]
-        ranked = _policy.rank(request, eligible)
-        policy_name = _policy.name
+        policy = _active_policy(request)
+        ranked = policy.rank(request, eligible)
+        policy_name = policy.name
     rank_of = {b.name: (i + 1, why) for i, (b, why) in enumerate(ranked)}
     candidates = tuple(
         Candidate(

@@ -1,0 +1,380 @@
+"""Ranking by measured speed: a cost table per device class, and the policy that reads it.
+
+A cost table holds, per device class (``"sm90"``, or ``"cpu"``), the milliseconds each
+backend took in an ``attnhub bench`` run, keyed by (dtype, head dim, N bucket, causal,
+mode); ``mode`` is ``fwd`` for calls without gradients and ``fwd_bwd`` for calls that
+need a backward. :class:`CostTablePolicy` ranks the *eligible* backends of a request by
+those times, fastest first, and says which entry decided::
+
+    measured 1.23 ms vs 1.51 ms for torch_sdpa_flash in cost_table_sm90.json
+    [bf16 D128 N~4096 causal fwd]
+
+Where the table does not cover a request (masks, windows, softcap, dropout,
+block-sparse, GQA, Nq != Nk, a head dim or dtype not measured, N more than two octaves
+from a measured one) or a backend (not timed there), the declared priority ranks:
+measured backends first, by time, then the others by declared priority.
+
+Where tables come from, first found wins:
+
+1. ``$XDG_CACHE_HOME/attnhub/cost_table_<class>.json`` (``~/.cache`` without
+   ``XDG_CACHE_HOME``), written by ``attnhub tune`` on this machine;
+2. ``attnhub/data/cost_table_<class>.json``, shipped (sm_90, from the H200 runs).
+
+Dispatch uses the table for a request's device class by default (see
+:func:`default_policy`, called from :mod:`attnhub.dispatch` when no policy was set);
+``ATTNHUB_RANKING=priority`` turns it off, and ``attnhub.set_policy`` overrides it.
+Nothing is read at ``import attnhub``: a table is read at the first decision for its
+device class.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .backend import Backend
+from .dispatch import DeclaredPriority, RankingPolicy
+from .request import AttentionRequest, dtype_name
+
+FORMAT = "attnhub-cost-table/1"
+TABLE_MODES = ("fwd", "fwd_bwd")
+MAX_OCTAVES = 2  # a request's N may be this many powers of two from a measured N
+RANKING_ENV = "ATTNHUB_RANKING"
+_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+Key = tuple[str, int, int, bool, str]  # (dtype, head_dim, N, causal, mode)
+
+
+def device_class(device_type: str, capability: tuple[int, int] | None) -> str:
+    """``"sm90"`` for a CUDA device of compute capability 9.0; the device type otherwise."""
+    if device_type == "cuda" and capability is not None:
+        return f"sm{capability[0]}{capability[1]}"
+    return device_type
+
+
+def request_device_class(request: AttentionRequest) -> str:
+    return device_class(request.device_type, request.capability)
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "attnhub"
+
+
+def table_filename(device: str) -> str:
+    return f"cost_table_{device}.json"
+
+
+def cache_path(device: str) -> Path:
+    return cache_dir() / table_filename(device)
+
+
+def shipped_path(device: str) -> Path:
+    return Path(__file__).resolve().parent / "data" / table_filename(device)
+
+
+def find_table(device: str) -> Path | None:
+    """The table file for a device class: the user's cache first, then the shipped one."""
+    for path in (cache_path(device), shipped_path(device)):
+        if path.is_file():
+            return path
+    return None
+
+
+def describe_key(key: Key) -> str:
+    dtype, d, n, causal, mode = key
+    return f"{_SHORT.get(dtype, dtype)} D{d} N~{n} {'causal' if causal else 'non-causal'} {mode}"
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Milliseconds per backend, per (dtype, head dim, N, causal, mode), for one device class."""
+
+    device: str
+    entries: Mapping[Key, Mapping[str, float]]
+    source: str = "(in memory)"  # the file name, quoted in explanations
+    meta: Mapping[str, Any] | None = None
+
+    def lookup(
+        self, dtype: str, head_dim: int, n: int, causal: bool, mode: str
+    ) -> tuple[Key, Mapping[str, float]] | None:
+        """The entry for these, or the nearest measured N within ``MAX_OCTAVES``."""
+        key: Key = (dtype, head_dim, n, causal, mode)
+        if key in self.entries:
+            return key, self.entries[key]
+        if n <= 0:
+            return None
+        near = [
+            k for k in self.entries if k[0] == dtype and k[1] == head_dim and k[3] == causal and k[4] == mode
+        ]  # fmt: skip
+        if not near:
+            return None
+        # Nearest in octaves; a tie goes to the longer N (kernel-bound, like longer calls).
+        best = min(near, key=lambda k: (abs(math.log2(k[2] / n)), -k[2]))
+        if abs(math.log2(best[2] / n)) > MAX_OCTAVES:
+            return None
+        return best, self.entries[best]
+
+    def to_json(self) -> dict[str, Any]:
+        entries = [
+            {"dtype": k[0], "head_dim": k[1], "n": k[2], "causal": k[3], "mode": k[4], "ms": dict(sorted(v.items()))}
+            for k, v in sorted(self.entries.items())
+        ]  # fmt: skip
+        return {
+            "format": FORMAT,
+            "device": self.device,
+            **dict(self.meta or {}),
+            "entries": entries,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], source: str) -> CostTable:
+        if data.get("format") != FORMAT:
+            raise ValueError(f"{source}: not an attnhub cost table (format {data.get('format')!r})")
+        entries: dict[Key, dict[str, float]] = {}
+        for e in data["entries"]:
+            key: Key = (
+                str(e["dtype"]),
+                int(e["head_dim"]),
+                int(e["n"]),
+                bool(e["causal"]),
+                str(e["mode"]),
+            )
+            entries[key] = {str(b): float(ms) for b, ms in e["ms"].items()}
+        meta = {k: v for k, v in data.items() if k not in ("format", "device", "entries")}
+        return cls(str(data["device"]), entries, source, meta)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> CostTable:
+        path = Path(path)
+        return cls.from_json(json.loads(path.read_text()), path.name)
+
+    def write(self, path: str | os.PathLike[str]) -> Path:
+        from .bench import write_json
+
+        return write_json(self.to_json(), path)
+
+
+def table_from_results(
+    results: Mapping[str, Any], device: str | None = None, source: str = "(in memory)"
+) -> CostTable:
+    """A cost table from ``attnhub bench`` results: dense rows of fwd and fwd_bwd.
+
+    ``auto`` rows are left out (auto is dispatch itself); so are windowed and
+    block-sparse rows (the table covers plain attention). Where a key was timed more
+    than once, the fastest time is kept.
+    """
+    device = device or results.get("device_class")
+    if not device:
+        raise ValueError("the results name no device class; pass device= (e.g. 'sm90')")
+    entries: dict[Key, dict[str, float]] = {}
+    for r in results["results"]:
+        if r["backend"] == "auto" or r["mode"] not in TABLE_MODES:
+            continue
+        if r.get("window") is not None or r.get("density") is not None:
+            continue
+        if r["Nq"] != r["Nk"] or r["Hq"] != r["Hkv"] or not r["ms"] or r["ms"] <= 0:
+            continue
+        key: Key = (r["dtype"], int(r["D"]), int(r["Nq"]), bool(r["causal"]), r["mode"])
+        timings = entries.setdefault(key, {})
+        timings[r["backend"]] = min(float(r["ms"]), timings.get(r["backend"], math.inf))
+    if not entries:
+        raise ValueError("no dense fwd or fwd_bwd timings in these results")
+    env = results.get("env", {})
+    meta = {"from": source, "env": env}
+    return CostTable(device, entries, table_filename(device), meta)
+
+
+# -- the policy --------------------------------------------------------------------
+
+
+def _uncovered(request: AttentionRequest) -> str | None:
+    """What about a request the table (plain attention) does not measure, or None."""
+    features = [
+        (request.mask != "none", f"a {request.mask} mask"),
+        (request.window, "a window"),
+        (request.softcap, "softcap"),
+        (request.dropout, "dropout"),
+        (request.block_sparse, "block_sparse"),
+        (request.heads_q != request.heads_kv, "grouped-query heads"),
+        (not request.same_seqlen, "Nq != Nk"),
+        (request.head_dim != request.head_dim_v, "a value head dim unlike the key's"),
+        (not request.last_dim_contiguous, "a strided last dim"),
+    ]
+    found = [text for present, text in features if present]
+    return ", ".join(found) if found else None
+
+
+def _ms(value: float) -> str:
+    return f"{value:.4g} ms"
+
+
+class CostTablePolicy:
+    """Rank eligible backends by measured time in a :class:`CostTable`; deterministic."""
+
+    def __init__(self, table: CostTable) -> None:
+        self.table = table
+        self.name = f"measured cost ({table.source})"
+        self._declared = DeclaredPriority()
+
+    def entry_for(self, request: AttentionRequest) -> tuple[Key, Mapping[str, float]] | str:
+        """The table entry for a request, or why there is none."""
+        mode = "fwd_bwd" if request.needs_grad else "fwd"
+        key: Key = (
+            dtype_name(request.dtype),
+            request.head_dim,
+            request.seqlen_q,
+            request.causal,
+            mode,
+        )
+        if request_device_class(request) != self.table.device:
+            return f"{self.table.source} is for {self.table.device}, not {request.device_label}"
+        uncovered = _uncovered(request)
+        if uncovered is not None:
+            return f"{self.table.source} measures plain attention; this call has {uncovered}"
+        found = self.table.lookup(*key)
+        if found is None:
+            return f"no entry in {self.table.source} for [{describe_key(key)}]"
+        return found
+
+    def rank(
+        self, request: AttentionRequest, eligible: Sequence[Backend]
+    ) -> list[tuple[Backend, str]]:
+        found = self.entry_for(request)
+        if isinstance(found, str):
+            return [(b, f"{why} ({found})") for b, why in self._declared.rank(request, eligible)]
+        key, timings = found
+        where = f"in {self.table.source} [{describe_key(key)}]"
+        if key[2] != request.seqlen_q:
+            where = where[:-1] + f", nearest to N~{request.seqlen_q}]"
+        measured = sorted(
+            (b for b in eligible if b.name in timings), key=lambda b: (timings[b.name], b.name)
+        )
+        others = [b for b in eligible if b.name not in timings]
+        ranked: list[tuple[Backend, str]] = []
+        for i, b in enumerate(measured):
+            ms = timings[b.name]
+            if i == 0 and len(measured) > 1:
+                runner_up = measured[1]
+                why = f"measured {_ms(ms)} vs {_ms(timings[runner_up.name])} for {runner_up.name} {where}"
+            elif i == 0:
+                why = f"measured {_ms(ms)} {where}, the only eligible backend timed there"
+            else:
+                why = f"measured {_ms(ms)} {where}"
+            ranked.append((b, why))
+        for b, why in self._declared.rank(request, others):
+            ranked.append((b, f"{why} (not timed {where})"))
+        return ranked
+
+
+# -- the default, per device class ------------------------------------------------------
+
+_DECLARED = DeclaredPriority()
+_policies: dict[str, RankingPolicy] = {}
+
+
+def ranking_disabled() -> bool:
+    return os.environ.get(RANKING_ENV, "").strip().lower() in ("priority", "declared", "off")
+
+
+def policy_for_device(device: str) -> RankingPolicy:
+    """The cost-table policy for a device class if a table exists, else the declared priority.
+
+    Read from disk once per device class; :func:`forget_tables` forgets what was read.
+    """
+    policy = _policies.get(device)
+    if policy is None:
+        path = find_table(device)
+        policy = _DECLARED
+        if path is not None:
+            try:
+                policy = CostTablePolicy(CostTable.load(path))
+            except Exception as exc:  # a broken table must not break dispatch
+                import logging
+
+                logging.getLogger("attnhub").warning(
+                    "attnhub: ignoring cost table %s: %s: %s", path, type(exc).__name__, exc
+                )
+        _policies[device] = policy
+    return policy
+
+
+def default_policy(request: AttentionRequest) -> RankingPolicy:
+    """What dispatch ranks with when no policy was set: see the module docstring."""
+    if ranking_disabled():
+        return _DECLARED
+    return policy_for_device(request_device_class(request))
+
+
+def forget_tables() -> None:
+    """Forget the tables read (and every cached decision): the next decision reads again."""
+    from .dispatch import clear_cache
+
+    _policies.clear()
+    clear_cache()
+
+
+# -- attnhub tune ------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .bench import add_grid_arguments
+
+    parser.add_argument("--from-results", nargs="+", metavar="RESULTS", help="build the table from bench results JSON (merged) instead of measuring")  # fmt: skip
+    parser.add_argument("--device-class", help="device class of the table (default: from the results, or this machine)")  # fmt: skip
+    parser.add_argument("-o", "--output", help="where to write the table (default: the user cache, ~/.cache/attnhub/cost_table_<class>.json)")  # fmt: skip
+    parser.add_argument("--results", help="also write the raw bench results here (when measuring)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    add_grid_arguments(parser)
+
+
+def _tune_backends() -> tuple[str, ...]:
+    from .registry import get_registry
+
+    # The reference is the slow fallback: never worth timing for speed.
+    return tuple(n for n in get_registry().names() if n != "torch_reference")
+
+
+def main(args: argparse.Namespace) -> int:
+    from . import bench, bench_report
+
+    if args.from_results:
+        results = bench_report.merge([bench_report.load(p) for p in args.from_results])
+        source = ", ".join(Path(p).name for p in args.from_results)
+    else:
+        overrides: dict[str, Any] = {}
+        if args.backends is None:
+            overrides["backends"] = _tune_backends()
+        if args.modes is None:
+            overrides["modes"] = TABLE_MODES
+        try:
+            config = bench.config_from_args(args, **overrides)
+        except ValueError as exc:
+            print(f"attnhub tune: {exc}", file=sys.stderr)
+            return 2
+        results = bench.run_bench(config, output=args.results, progress=args.progress)
+        source = args.results or "attnhub tune"
+        print(bench_report.skipped_summary(results), file=sys.stderr)
+    try:
+        table = table_from_results(results, args.device_class, source)
+    except ValueError as exc:
+        print(f"attnhub tune: {exc}", file=sys.stderr)
+        return 1
+    path = table.write(args.output or cache_path(table.device))
+    forget_tables()
+    print(f"wrote {path}: {len(table.entries)} entries for {table.device}, backends "
+          f"{', '.join(sorted(_backends(table.entries.values())))}")  # fmt: skip
+    if ranking_disabled():
+        print(f"note: {RANKING_ENV}={os.environ.get(RANKING_ENV)} is set, so dispatch ignores it")
+    return 0
+
+
+def _backends(timings: Iterable[Mapping[str, float]]) -> set[str]:
+    return {b for t in timings for b in t}

@@ -1,0 +1,286 @@
+"""The measured-speed ranking: tables, the policy, its default installation, ``attnhub tune``.
+
+Requests are built by hand with capability (9, 0): dispatch reads only the request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import attnhub
+from attnhub import cli, cost_table, dispatch
+from attnhub import registry as registry_module
+from attnhub.backend import Backend
+from attnhub.cost_table import CostTable, CostTablePolicy
+from attnhub.registry import BackendRegistry
+from attnhub.request import AttentionRequest
+
+SM90 = AttentionRequest(
+    device_type="cuda",
+    capability=(9, 0),
+    dtype=torch.bfloat16,
+    batch=4,
+    heads_q=16,
+    heads_kv=16,
+    seqlen_q=4096,
+    seqlen_k=4096,
+    same_seqlen=True,
+    q_longer=False,
+    head_dim=128,
+    head_dim_v=128,
+    causal=True,
+)
+
+
+def req(**changes) -> AttentionRequest:  # type: ignore[no-untyped-def]
+    return dataclasses.replace(SM90, **changes)
+
+
+class _Fake(Backend):
+    devices = frozenset({"cuda"})
+    dtypes = frozenset({torch.bfloat16, torch.float16})
+    causal_alignments = frozenset({"top_left", "bottom_right"})
+    memory = "linear"
+    backward = True
+    window = True
+
+
+def fake(name: str, priority: int, **declarations) -> Backend:  # type: ignore[no-untyped-def]
+    return type(name.title(), (_Fake,), {"name": name, "priority": priority, **declarations})()
+
+
+TRITON, CUDNN, FLASH, NEWCOMER = (
+    fake("triton_flash", 50),
+    fake("torch_sdpa_cudnn", 40),
+    fake("torch_sdpa_flash", 30),
+    fake("newcomer", 99),
+)
+ALL = [TRITON, CUDNN, FLASH, NEWCOMER]
+
+ENTRIES = {
+    ("bfloat16", 128, 4096, True, "fwd"): {"torch_sdpa_cudnn": 1.0, "triton_flash": 1.23, "torch_sdpa_flash": 1.51},
+    ("bfloat16", 128, 4096, True, "fwd_bwd"): {"torch_sdpa_cudnn": 4.0, "triton_flash": 3.5, "torch_sdpa_flash": 5.0},
+    ("bfloat16", 128, 1024, True, "fwd"): {"torch_sdpa_cudnn": 0.2, "triton_flash": 0.1},
+    ("bfloat16", 128, 16384, True, "fwd"): {"torch_sdpa_cudnn": 9.0, "triton_flash": 8.0},
+}  # fmt: skip
+TABLE = CostTable("sm90", ENTRIES, "cost_table_sm90.json")
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
+    """A private cache dir, no env selection, and no table read before or after."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for name in ("ATTNHUB_RANKING", "ATTNHUB_BACKEND", "ATTNHUB_STRICT", "TRITON_INTERPRET"):
+        monkeypatch.delenv(name, raising=False)
+    cost_table.forget_tables()
+    yield
+    attnhub.set_policy(None)
+    cost_table.forget_tables()
+
+
+@pytest.fixture
+def fake_registry(monkeypatch):  # type: ignore[no-untyped-def]
+    fresh = BackendRegistry()
+    for b in ALL:
+        fresh.add(b)
+    monkeypatch.setattr(registry_module, "_registry", fresh)
+    dispatch.clear_cache()
+    yield fresh
+    dispatch.clear_cache()
+
+
+def names(ranked) -> list[str]:  # type: ignore[no-untyped-def]
+    return [b.name for b, _ in ranked]
+
+
+def test_ranks_eligible_backends_by_measured_time_and_says_which_entry_decided():
+    ranked = CostTablePolicy(TABLE).rank(SM90, ALL)
+    assert names(ranked) == ["torch_sdpa_cudnn", "triton_flash", "torch_sdpa_flash", "newcomer"]
+    assert ranked[0][1] == (
+        "measured 1 ms vs 1.23 ms for triton_flash in cost_table_sm90.json "
+        "[bf16 D128 N~4096 causal fwd]"
+    )
+    assert ranked[2][1] == "measured 1.51 ms in cost_table_sm90.json [bf16 D128 N~4096 causal fwd]"
+    # Not timed there: after every measured backend, by declared priority, and said so.
+    assert ranked[3][1].startswith("linear memory, priority 99 (not timed in cost_table_sm90.json")
+
+
+def test_ranks_only_the_eligible_and_is_deterministic():
+    policy = CostTablePolicy(TABLE)
+    ranked = policy.rank(SM90, [FLASH, TRITON])  # cuDNN is not eligible for this call
+    assert names(ranked) == ["triton_flash", "torch_sdpa_flash"]
+    assert "1.23 ms vs 1.51 ms for torch_sdpa_flash" in ranked[0][1]
+    assert names(policy.rank(SM90, [TRITON, FLASH])) == names(ranked)  # order of input irrelevant
+    only = policy.rank(SM90, [TRITON, NEWCOMER])
+    assert names(only) == ["triton_flash", "newcomer"]
+    assert "the only eligible backend timed there" in only[0][1]
+    tie = CostTable("sm90", {("bfloat16", 128, 4096, True, "fwd"): {"b_one": 1.0, "a_one": 1.0}})
+    assert names(CostTablePolicy(tie).rank(SM90, [fake("b_one", 0), fake("a_one", 0)])) == [
+        "a_one",
+        "b_one",
+    ]
+
+
+def test_calls_that_need_backward_rank_by_forward_plus_backward():
+    ranked = CostTablePolicy(TABLE).rank(req(needs_grad=True), ALL)
+    assert names(ranked)[:3] == ["triton_flash", "torch_sdpa_cudnn", "torch_sdpa_flash"]
+    assert "[bf16 D128 N~4096 causal fwd_bwd]" in ranked[0][1]
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({"head_dim": 96, "head_dim_v": 96}, "no entry in cost_table_sm90.json for [bf16 D96 N~4096 causal fwd]"),
+        ({"dtype": torch.float16}, "no entry in cost_table_sm90.json for [fp16 D128 N~4096 causal fwd]"),
+        ({"causal": False}, "no entry in cost_table_sm90.json for [bf16 D128 N~4096 non-causal fwd]"),
+        ({"window": True}, "cost_table_sm90.json measures plain attention; this call has a window"),
+        ({"mask": "bool"}, "cost_table_sm90.json measures plain attention; this call has a bool mask"),
+        ({"heads_kv": 4}, "cost_table_sm90.json measures plain attention; this call has grouped-query heads"),
+        ({"seqlen_q": 1, "same_seqlen": False}, "cost_table_sm90.json measures plain attention; this call has Nq != Nk"),
+        ({"seqlen_q": 131072, "seqlen_k": 131072}, "no entry in cost_table_sm90.json for [bf16 D128 N~131072 causal fwd]"),
+        ({"capability": (8, 0)}, "cost_table_sm90.json is for sm90, not cuda sm80"),
+    ],
+)  # fmt: skip
+def test_uncovered_requests_fall_back_to_declared_priority(changes, why):
+    ranked = CostTablePolicy(TABLE).rank(req(**changes), ALL)
+    assert names(ranked) == ["newcomer", "triton_flash", "torch_sdpa_cudnn", "torch_sdpa_flash"]
+    assert ranked[0][1] == f"linear memory, priority 99 ({why})"
+
+
+def test_a_length_between_measured_ones_uses_the_nearest_within_two_octaves():
+    policy = CostTablePolicy(TABLE)
+    # 8192 is one octave from 4096 and from 16384: the tie goes to the longer one.
+    ranked = policy.rank(req(seqlen_q=8192, seqlen_k=8192), [TRITON, CUDNN])
+    assert ranked[0][1] == (
+        "measured 8 ms vs 9 ms for torch_sdpa_cudnn in cost_table_sm90.json "
+        "[bf16 D128 N~16384 causal fwd, nearest to N~8192]"
+    )
+    ranked = policy.rank(req(seqlen_q=256, seqlen_k=256), [CUDNN, TRITON])
+    assert names(ranked) == ["triton_flash", "torch_sdpa_cudnn"]
+    assert "N~1024 causal fwd, nearest to N~256" in ranked[0][1]
+
+
+def test_dispatch_explains_the_table_entry(fake_registry):
+    attnhub.set_policy(CostTablePolicy(TABLE))
+    decision = dispatch.decide(SM90)
+    assert decision.chosen == "torch_sdpa_cudnn"
+    assert decision.policy == "measured cost (cost_table_sm90.json)"
+    assert decision.why.startswith(
+        "measured 1 ms vs 1.23 ms for triton_flash in cost_table_sm90.json [bf16 D128 N~4096 causal fwd]; "
+        "ranked above triton_flash, torch_sdpa_flash, newcomer by measured cost"
+    )
+    assert "CHOSEN" in next(
+        line for line in str(decision).splitlines() if "torch_sdpa_cudnn" in line
+    )
+
+
+def test_installed_by_default_from_the_users_cache_and_turned_off_by_env(fake_registry, monkeypatch, tmp_path):  # fmt: skip
+    assert dispatch.decide(SM90).chosen == "newcomer"  # no table yet: declared priority
+    TABLE.write(cost_table.cache_path("sm90"))
+    assert cost_table.cache_path("sm90") == tmp_path / "cache" / "attnhub" / "cost_table_sm90.json"
+    cost_table.forget_tables()
+    decision = dispatch.decide(SM90)
+    assert decision.chosen == "torch_sdpa_cudnn" and decision.policy.startswith("measured cost")
+    # Another device class has no table: the declared priority ranks it.
+    other = dispatch.decide(req(capability=(7, 5)))
+    assert other.chosen == "newcomer" and other.policy == "declared priority"
+    monkeypatch.setenv("ATTNHUB_RANKING", "priority")
+    dispatch.clear_cache()
+    assert dispatch.decide(SM90).chosen == "newcomer"
+    # An explicitly set policy wins over the default.
+    monkeypatch.delenv("ATTNHUB_RANKING")
+    attnhub.set_policy(dispatch.DeclaredPriority())
+    assert dispatch.decide(SM90).chosen == "newcomer"
+    attnhub.set_policy(None)
+    assert dispatch.decide(SM90).chosen == "torch_sdpa_cudnn"
+
+
+def test_a_broken_table_is_ignored_with_a_warning(fake_registry, caplog):
+    path = cost_table.cache_path("sm90")
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert dispatch.decide(SM90).chosen == "newcomer"
+    assert any("ignoring cost table" in r.getMessage() for r in caplog.records)
+
+
+def _results() -> dict:  # type: ignore[type-arg]
+    def row(backend: str, n: int, mode: str, ms: float, **extra) -> dict:  # type: ignore[no-untyped-def,type-arg]
+        return {"backend": backend, "dtype": "bfloat16", "B": 16384 // n, "Hq": 16, "Hkv": 16,
+                "Nq": n, "Nk": n, "D": 128, "causal": True, "mode": mode, "ms": ms,
+                "tflops": 1.0, "peak_mib": None, "density": None, **extra}  # fmt: skip
+
+    rows = [
+        row("torch_sdpa_cudnn", 4096, "fwd", 1.0),
+        row("triton_flash", 4096, "fwd", 1.23),
+        row("triton_flash", 4096, "fwd", 1.1),  # timed twice: the faster is kept
+        row("torch_sdpa_flash", 4096, "fwd", 1.51),
+        row("torch_sdpa_cudnn", 4096, "fwd_bwd", 4.0),
+        row("triton_flash", 4096, "fwd_bwd", 3.5),
+        row("triton_flash", 4096, "bwd", 2.4),  # bwd is not a dispatch mode
+        row("auto", 4096, "fwd", 1.0, chosen="torch_sdpa_cudnn"),  # auto is dispatch itself
+        row("triton_flash", 16384, "fwd", 0.5, window=[255, 0]),  # plain attention only
+    ]
+    env = {"gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6.0", "cuda": "13.0",
+           "date": "2026-12-01", "attnhub_commit": "abc1234"}  # fmt: skip
+    return {"env": env, "results": rows, "skipped": [], "device_class": "sm90"}
+
+
+def test_table_from_results_keeps_dense_fwd_and_fwd_bwd_and_round_trips(tmp_path):
+    table = cost_table.table_from_results(_results(), source="h200.json")
+    assert dict(table.entries) == {
+        ("bfloat16", 128, 4096, True, "fwd"): {"torch_sdpa_cudnn": 1.0, "triton_flash": 1.1, "torch_sdpa_flash": 1.51},
+        ("bfloat16", 128, 4096, True, "fwd_bwd"): {"torch_sdpa_cudnn": 4.0, "triton_flash": 3.5},
+    }  # fmt: skip
+    loaded = CostTable.load(table.write(tmp_path / "t.json"))
+    assert loaded.device == "sm90" and dict(loaded.entries) == dict(table.entries)
+    assert loaded.source == "t.json" and loaded.meta and loaded.meta["from"] == "h200.json"
+    with pytest.raises(ValueError, match="no device class"):
+        cost_table.table_from_results({**_results(), "device_class": None})
+
+
+def test_tune_from_results_writes_the_cache_table_dispatch_then_uses(fake_registry, tmp_path, capsys):  # fmt: skip
+    results = tmp_path / "h200.json"
+    results.write_text(json.dumps(_results()))
+    assert cli.main(["tune", "--from-results", str(results)]) == 0
+    path = cost_table.cache_path("sm90")
+    assert f"wrote {path}: 2 entries for sm90" in capsys.readouterr().out
+    decision = dispatch.decide(SM90)
+    assert decision.chosen == "torch_sdpa_cudnn"
+    assert "1 ms vs 1.1 ms for triton_flash in cost_table_sm90.json" in decision.why
+    assert dispatch.decide(req(needs_grad=True)).chosen == "triton_flash"
+    # -o writes elsewhere (e.g. the shipped attnhub/data/cost_table_sm90.json).
+    shipped = tmp_path / "data" / "cost_table_sm90.json"
+    assert cli.main(["tune", "--from-results", str(results), "-o", str(shipped)]) == 0
+    assert CostTable.load(shipped).entries == CostTable.load(path).entries
+
+
+def test_tune_measures_this_machine_into_the_cache(tmp_path, capsys):
+    argv = ["tune", "--device", "cpu", "--dtypes", "fp32", "--head-dims", "16", "--seqlens", "32",
+            "--tokens", "64", "--hidden", "32", "--causal", "no",
+            "--backends", "torch_sdpa,torch_reference", "--no-progress",
+            "--results", str(tmp_path / "raw.json")]  # fmt: skip
+    assert cli.main(argv) == 0
+    table = CostTable.load(cost_table.cache_path("cpu"))
+    key = ("float32", 16, 32, False, "fwd")
+    assert set(table.entries) == {key, (*key[:4], "fwd_bwd")}
+    assert set(table.entries[key]) == {"torch_sdpa", "torch_reference"}
+    assert json.loads((tmp_path / "raw.json").read_text())["device_class"] == "cpu"
+    q = torch.randn(2, 2, 32, 16)
+    decision = attnhub.explain(q, q, q)
+    assert decision.policy == "measured cost (cost_table_cpu.json)"
+    fastest = min(table.entries[key], key=lambda b: table.entries[key][b])
+    assert decision.chosen == fastest
+    assert "in cost_table_cpu.json [fp32 D16 N~32 non-causal fwd]" in decision.why
+
+
+def test_importing_attnhub_reads_no_table():
+    code = "import sys, attnhub; print('attnhub.cost_table' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
