@@ -12,10 +12,11 @@ from attnhub.registry import BackendRegistry
 
 from .torch_reference import TorchReference
 from .torch_sdpa import PINNED, TorchSDPA
+from .triton_flash import TritonFlash
 from .xformers_backend import XFormers
 
 
 @hookimpl
 def attnhub_register_backends(registry: BackendRegistry) -> None:
-    for backend in (TorchReference, TorchSDPA, *PINNED, XFormers):
+    for backend in (TorchReference, TorchSDPA, *PINNED, XFormers, TritonFlash):
         registry.add(backend())

@@ -27,10 +27,10 @@ python3 -m attnhub info | tee "$OUT/info.txt"
 
 if [[ $STEP == tests || $STEP == all ]]; then
     # -m gpu: the CUDA half of the suite (conformance on CUDA runs large cases).
-    timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests \
+    timeout ${TESTS_TIMEOUT:-470} python3 -m pytest -q -m gpu -p no:cacheprovider tests \
         --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -n 60 | tee "$OUT/gpu-tests.log"
     mkdir -p /tmp/empty-dir
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -p attnhub.testing \
+    timeout ${FLEX_TIMEOUT:-90} python3 -m pytest -q -p no:cacheprovider -p attnhub.testing \
         --attnhub-backend flex_attention --attnhub-device cuda --attnhub-size large \
         --rootdir /tmp --junitxml="$OUT/flex-conformance.xml" /tmp/empty-dir 2>&1 \
         | tail -n 30 | tee "$OUT/flex-conformance.log"

@@ -77,11 +77,13 @@ def test_bottom_right_causal_with_more_queries_than_keys_leaves_empty_rows_as_ze
 
 
 def test_torch_sdpa_declares_memory_quadratic_only_where_it_builds_a_mask():
+    sdpa = get_registry().get("torch_sdpa")
     q = torch.randn(1, 2, 8, 16)
-    assert attnhub.explain(q, q, q, causal=True).chosen == "torch_sdpa"
-    decision = attnhub.explain(q, q[:, :, :5], q[:, :, :5], causal=True, alignment="bottom_right")
-    chosen = next(c for c in decision.candidates if c.name == decision.chosen)
-    assert decision.chosen == "torch_sdpa" and chosen.note.startswith("quadratic memory")
+    square = attnhub.explain(q, q, q, causal=True, backend="torch_sdpa")
+    assert square.chosen == "torch_sdpa" and sdpa.memory_class(square.request) == "linear"
+    k = q[:, :, :5]
+    rect = attnhub.explain(q, k, k, causal=True, alignment="bottom_right", backend="torch_sdpa")
+    assert rect.chosen == "torch_sdpa" and sdpa.memory_class(rect.request) == "quadratic"
 
 
 @cuda_missing

@@ -1,0 +1,95 @@
+"""``triton_flash``: attnhub's own FlashAttention-2 in Triton, forward and backward.
+
+The whole contract lives in the kernels (kernels.py): any Nq/Nk, head dims 16..256
+(padded inside the kernel), GQA/MQA by head index, causal in both alignments, window,
+softcap, bool/float masks read through broadcast strides, dropout from Philox seeded
+by PyTorch's generator, return_lse, fully masked rows as zeros, strided inputs. Extra
+memory is O(N) (lse and delta); the backward computes dK/dV and dQ in separate passes
+without atomics, so it is bitwise deterministic.
+
+Triton is imported on first probe or call, never when attnhub is imported. With
+``TRITON_INTERPRET=1`` in the environment (before the first call) the backend also
+serves CPU tensors through Triton's interpreter: slow, for CI and machines without a
+GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from attnhub.backend import Backend
+from attnhub.request import AttentionRequest
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class TritonFlash(Backend):
+    name = "triton_flash"
+    description = "attnhub's FlashAttention-2 in Triton (whole contract, deterministic backward)"
+    # Run and checked on sm_90 (H200); older GPUs are not claimed until they are run.
+    min_capability = (9, 0)
+    dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
+    head_dims = (16, 256)
+    value_head_dim = True
+    mask_kinds = frozenset({"none", "bool", "float"})
+    mask_grad = False
+    causal_alignments = frozenset({"top_left", "bottom_right"})
+    window = softcap = dropout = gqa = lse = True
+    backward = True
+    deterministic = True
+    memory = "linear"
+    # torch.compile(fullgraph=True) through attnhub.attention compiled and matched eager
+    # on CPU (interpreter, aot_eager); the GPU check (tests/test_triton_flash.py::
+    # test_gpu_compile_fullgraph_and_cuda_graph, triton_op + wrap_triton) has not yet run
+    # to completion on the H200. Declare True once it passes there.
+    compile_safe = False
+    copies_strided = False
+
+    @property  # type: ignore[override]
+    def priority(self) -> int:  # type: ignore[override]
+        # Under TRITON_INTERPRET=1 every launch runs in numpy (about 1 s for a 4x512x64
+        # forward): rank below PyTorch's own kernels then, so that setting the variable
+        # (for CI, or to debug another kernel) never slows down calls they can serve.
+        return 0 if _interpreting() else 50
+
+    @property  # type: ignore[override]
+    def devices(self) -> frozenset[str]:  # type: ignore[override]
+        # Read when dispatch asks, not at import: the interpreter adds CPU tensors.
+        return frozenset({"cuda", "cpu"}) if _interpreting() else frozenset({"cuda"})
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            import triton  # noqa: F401
+        except Exception as exc:
+            return f"triton does not import: {type(exc).__name__}: {exc}"
+        if not _interpreting() and not torch.cuda.is_available():
+            return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
+        return None
+
+    def extra_reasons(self, request: AttentionRequest) -> list[str]:
+        if request.device_type == "cpu" and request.dtype == torch.bfloat16:
+            # Seen with triton 3.6: tl.dot on bf16 returns values near 1e10 in the
+            # interpreter (shared/gpu.md). Lift when the interpreter handles bf16.
+            return ["bfloat16 is not reliable in Triton's CPU interpreter"]
+        return []
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        from .ops import flash_attention
+
+        out, lse = flash_attention(
+            query,
+            key,
+            value,
+            attn_mask,
+            causal=params.causal,
+            bottom_right=params.bottom_right,
+            window=params.window,
+            softcap=params.softcap,
+            scale=params.scale,
+            dropout_p=params.dropout_p,
+        )
+        return (out, lse) if params.return_lse else out

@@ -1,0 +1,144 @@
+"""Launch configurations for the triton_flash kernels, apart from the kernels.
+
+Keyed by what changes the best choice: compute capability, head dim (padded to a power
+of two), element size, causal, and direction ("fwd", "bwd_kv" for the dK/dV kernel,
+"bwd_q" for the dQ kernel). Under the Triton interpreter there is one small
+configuration: blocks small enough that the CPU tests cross several blocks (and so
+exercise every masked/unmasked segment) with sequences of a few dozen tokens.
+
+Provenance of the GPU entries: the half-precision D <= 128 entries were chosen by a
+measured sweep on the H200 (cited beside each); the rest are first choices from the FA2
+structure (Triton's fused-attention tutorial; the plain-Triton probe in
+shared/perf/anchors-h200.md), sized so that shared memory fits the H200's 227 KiB with
+the stated pipelining depth (``python -m attnhub.backends.triton_flash.aot_check``
+reports each kernel's shared memory without a GPU). Issue 4 tunes further.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def meta(self) -> dict[str, int]:
+        return {
+            "BLOCK_M": self.block_m,
+            "BLOCK_N": self.block_n,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+        }
+
+
+# Interpreter: tiles of 32 query rows x 16 keys (BLOCK_M != BLOCK_N also tests that the
+# causal diagonal does not assume square blocks). num_warps/stages mean nothing there.
+INTERPRETER_FWD = LaunchConfig(32, 16, 4, 1)
+INTERPRETER_BWD_KV = LaunchConfig(16, 32, 4, 1)  # BLOCK_M rows per step, BLOCK_N keys
+INTERPRETER_BWD_Q = LaunchConfig(32, 16, 4, 1)
+
+# Measured entries cite the sweep section of
+# benchmarks/results/triton_flash-gpu-check-2026-11-30.json (H200, bf16, B=4, N=4096,
+# H=2048/D, each candidate checked against SDPA flash, then timed with do_bench). The
+# fp32 and D=256 rows are first choices sized for shared memory, not yet measured.
+_Rows = tuple[tuple[int, LaunchConfig], ...]
+
+# Forward, 2-byte dtypes: Q stays resident, K/V tiles stream through num_stages buffers.
+_FWD_2B: _Rows = (
+    # D<=64: stages 4 over 3: 384 vs 375 TFLOP/s dense, 339 vs 335 causal (sweep).
+    (64, LaunchConfig(128, 64, 4, 4)),
+    # D=128: best of five in the sweep: 458 dense, 403 causal (BLOCK_N=128: 452/372;
+    # 4 warps: 141, register spills).
+    (128, LaunchConfig(128, 64, 8, 3)),
+    (256, LaunchConfig(64, 64, 8, 2)),
+)
+_FWD_4B: _Rows = (
+    (64, LaunchConfig(64, 64, 4, 2)),
+    (128, LaunchConfig(64, 32, 4, 2)),
+    (256, LaunchConfig(32, 32, 4, 1)),
+)
+# Backward, as (dK/dV kernel rows, dQ kernel rows). dK/dV keeps K, V and both
+# accumulators resident (BLOCK_N keys) and streams Q/dO in BLOCK_M rows; dQ keeps Q, dO
+# and its accumulator resident (BLOCK_M rows) and streams K/V.
+_BWD_2B_DENSE: tuple[_Rows, _Rows] = (
+    (
+        (64, LaunchConfig(32, 128, 4, 3)),  # 350 TFLOP/s; (64,128,8,3) 304, (32,64,4,3) 322
+        (128, LaunchConfig(64, 128, 8, 2)),  # 352; (32,128,8,2) 276, (32,64,4,3) 341
+        (256, LaunchConfig(32, 32, 4, 1)),
+    ),
+    (
+        (64, LaunchConfig(128, 32, 4, 3)),
+        (128, LaunchConfig(128, 64, 8, 2)),
+        (256, LaunchConfig(64, 32, 8, 1)),
+    ),
+)
+_BWD_2B_CAUSAL: tuple[_Rows, _Rows] = (
+    (
+        (64, LaunchConfig(32, 64, 4, 3)),  # 287; (32,128,4,3) 245, (64,128,8,3) 272
+        (128, LaunchConfig(32, 64, 4, 3)),  # 330; (32,128,8,2) 250, (64,128,8,2) 299
+        (256, LaunchConfig(32, 32, 4, 1)),
+    ),
+    (
+        (64, LaunchConfig(64, 32, 4, 3)),
+        (128, LaunchConfig(64, 32, 4, 3)),
+        (256, LaunchConfig(64, 32, 8, 1)),
+    ),
+)
+_BWD_4B: tuple[_Rows, _Rows] = (
+    (
+        (64, LaunchConfig(32, 64, 4, 2)),
+        (128, LaunchConfig(32, 32, 4, 2)),
+        (256, LaunchConfig(16, 32, 4, 1)),
+    ),
+    (
+        (64, LaunchConfig(64, 32, 4, 2)),
+        (128, LaunchConfig(32, 32, 4, 2)),
+        (256, LaunchConfig(32, 16, 4, 1)),
+    ),
+)
+
+
+def _rows(direction: str, element_size: int, causal: bool) -> _Rows:
+    wide = element_size >= 4
+    if direction == "fwd":
+        return _FWD_4B if wide else _FWD_2B
+    pair = _BWD_4B if wide else (_BWD_2B_CAUSAL if causal else _BWD_2B_DENSE)
+    return pair[0] if direction == "bwd_kv" else pair[1]
+
+
+# Tuning scripts (``benchmarks/triton_flash_gpu.py --only sweep``) put a direction's
+# candidate here to try it without editing the table. Empty in normal use.
+OVERRIDE: dict[str, LaunchConfig] = {}
+
+
+def launch_config(
+    direction: str,
+    block_d: int,
+    element_size: int,
+    causal: bool,
+    capability: tuple[int, int] | None,
+    interpret: bool,
+) -> LaunchConfig:
+    """The launch configuration for one kernel launch.
+
+    ``block_d`` is the larger of the padded head dims of q/k and v. ``capability``
+    is part of the key so that entries for other GPUs can be added; today's entries
+    were measured on sm_90 only.
+    """
+    if interpret:
+        return {
+            "fwd": INTERPRETER_FWD,
+            "bwd_kv": INTERPRETER_BWD_KV,
+            "bwd_q": INTERPRETER_BWD_Q,
+        }[direction]
+    if direction in OVERRIDE:
+        return OVERRIDE[direction]
+    rows = _rows(direction, element_size, causal)
+    for bound, config in rows:
+        if block_d <= bound:
+            return config
+    return rows[-1][1]

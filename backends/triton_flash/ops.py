@@ -1,0 +1,329 @@
+"""``attnhub::triton_flash_fwd`` / ``attnhub::triton_flash_bwd``: the kernels as torch ops.
+
+Registered with :func:`torch.library.triton_op` and launched through
+:func:`torch.library.wrap_triton`, so ``torch.compile`` sees the Triton kernels instead
+of breaking the graph; the fake (meta) implementation is the same Python run on fake
+tensors (``triton_op`` does not launch kernels then). The backward is attached with
+``register_autograd``.
+
+Importing this module imports Triton and compiles nothing; kernels compile on first
+launch. Set ``TRITON_INTERPRET=1`` before importing it to run the kernels on CPU
+tensors in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from . import kernels
+from .configs import launch_config
+
+# Window sides and the causal clamp are passed as ints; this stands for "no window".
+NO_WINDOW = -1
+
+
+def interpreting() -> bool:
+    """Triton's interpreter is on (it is chosen when the kernels are decorated)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _noop_launch(*args, **kwargs) -> None:
+    return None
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+        return _noop_launch
+
+
+def _launcher(kernel, like: torch.Tensor):  # type: ignore[no-untyped-def]
+    """``kernel[grid]`` as torch.compile should see it.
+
+    On the GPU, wrap_triton makes the launch traceable (and a no-op on fake tensors).
+    Interpreted kernels cannot be traced: wrap_triton returns them unchanged (PyTorch
+    2.13; older versions reject them), and they would run numpy on fake tensors. So
+    under the interpreter we launch directly and skip the launch while tracing with
+    fake tensors (the op's outputs are then only allocated, which is all a fake
+    implementation needs).
+    """
+    if interpreting():
+        from torch._subclasses.fake_tensor import is_fake
+
+        return _NoLaunch() if is_fake(like) else _Serialized(kernel)
+    return wrap_triton(kernel)
+
+
+# Triton's interpreter patches triton.language globals while a kernel runs, so two
+# threads interpreting at once break each other ("Did you forget to add @triton.jit?",
+# seen with triton 3.6). Interpreted launches take turns; GPU launches are unaffected.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+class _Serialized:
+    def __init__(self, kernel) -> None:  # type: ignore[no-untyped-def]
+        self.kernel = kernel
+
+    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+        launch = self.kernel[grid]
+
+        def locked(*args, **kwargs):  # type: ignore[no-untyped-def]
+            with _INTERPRETER_LOCK:
+                return launch(*args, **kwargs)
+
+        return locked
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    # float32 inputs follow PyTorch's global setting: "highest" means IEEE products.
+    # For float16/bfloat16 the setting is moot (tensor cores multiply them exactly);
+    # "tf32" is Triton's default there.
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+def _mask_view(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, tuple, int]:
+    """(tensor to pass, its four strides with 0 for broadcast dims, MASK_KIND)."""
+    if mask is None:
+        return q, (0, 0, 0, 0), 0
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    strides = tuple(0 if size == 1 else stride for size, stride in zip(mask.shape, mask.stride()))
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8), strides, 1
+    return mask, strides, 2
+
+
+def _band(
+    nq: int, nk: int, causal: bool, bottom_right: bool, window_left: int, window_right: int
+) -> tuple[bool, int, int, int]:
+    """(HAS_BAND, offset, win_left, win_right) with absent sides as "unbounded"."""
+    unbounded = nq + nk + 1
+    left = unbounded if window_left == NO_WINDOW else window_left
+    right = unbounded if window_right == NO_WINDOW else window_right
+    if causal:
+        right = min(right, 0)
+    has_band = causal or window_left != NO_WINDOW or window_right != NO_WINDOW
+    offset = nk - nq if bottom_right else 0
+    return has_band, offset, left, right
+
+
+def _common_meta(
+    q, v, causal, bottom_right, window_left, window_right, softcap, mask_kind, dropout_p
+):  # type: ignore[no-untyped-def]
+    d, dv = q.shape[-1], v.shape[-1]
+    block_d = triton.next_power_of_2(max(d, 16))
+    block_dv = triton.next_power_of_2(max(dv, 16))
+    return {
+        "BLOCK_D": block_d,
+        "BLOCK_DV": block_dv,
+        "EVEN_D": d == block_d and dv == block_dv,
+        "HAS_BAND": bool(causal or window_left != NO_WINDOW or window_right != NO_WINDOW),
+        "HAS_SOFTCAP": softcap > 0.0,
+        "MASK_KIND": mask_kind,
+        "HAS_DROPOUT": dropout_p > 0.0,
+        "INPUT_PRECISION": _input_precision(q.dtype),
+    }
+
+
+def _fwd_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    causal: bool,
+    bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    scale: float,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward. q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), mask None or
+    broadcastable to (B, Hq, Nq, Nk), seed None or int64 (1,) on q's device.
+    Window sides: -1 = unbounded; softcap 0 = none. Returns out (B, Hq, Nq, Dv) in q's
+    dtype and lse (B, Hq, Nq) float32 (natural log, -inf for rows with no key)."""
+    b, hq, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    out = torch.empty((b, hq, nq, dv), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    if b * hq * nq == 0:
+        return out, lse
+    if nk == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    mask_t, ms, mask_kind = _mask_view(mask, q)
+    _, offset, left, right = _band(nq, nk, causal, bottom_right, window_left, window_right)
+    meta = _common_meta(
+        q, v, causal, bottom_right, window_left, window_right, softcap, mask_kind, dropout_p
+    )
+    cfg = launch_config(
+        "fwd", max(meta["BLOCK_D"], meta["BLOCK_DV"]), q.element_size(), causal,
+        _capability(q.device), interpreting(),
+    )  # fmt: skip
+    grid = (triton.cdiv(nq, cfg.block_m), b * hq)
+    _launcher(kernels.attn_fwd_kernel, q)[grid](
+        q, k, v, mask_t, q if seed is None else seed, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
+        hq, hq // hkv, nq, nk, d, dv, offset, left, right,
+        scale * math.log2(math.e), scale, softcap if softcap > 0.0 else 1.0, dropout_p,
+        **meta, **cfg.meta(),
+    )  # fmt: skip
+    return out, lse
+
+
+def _bwd_impl(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    causal: bool,
+    bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    scale: float,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward: (dq, dk, dv) shaped like (q, k, v). ``dlse`` (B, Hq, Nq) is the
+    gradient reaching the returned lse, or None. Deterministic: no atomics."""
+    b, hq, nq, d = q.shape
+    hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    if b * hq * nq == 0 or nk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    mask_t, ms, mask_kind = _mask_view(mask, q)
+    _, offset, left, right = _band(nq, nk, causal, bottom_right, window_left, window_right)
+    meta = _common_meta(
+        q, v, causal, bottom_right, window_left, window_right, softcap, mask_kind, dropout_p
+    )
+    block_d = max(meta["BLOCK_D"], meta["BLOCK_DV"])
+    interp, cap, esize = interpreting(), _capability(q.device), q.element_size()
+
+    delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    pre_m = 32 if interp else 64
+    _launcher(kernels.attn_bwd_preprocess_kernel, q)[(triton.cdiv(nq, pre_m), b * hq)](
+        out, dout, delta, *out.stride(), *dout.stride(), hq, nq, dv_dim,
+        BLOCK_M=pre_m, BLOCK_DV=meta["BLOCK_DV"],
+    )  # fmt: skip
+    if dlse is not None:
+        # d lse / d s = P, so a gradient on lse enters as dS = P * (dP - (delta - dlse)).
+        delta = delta - dlse.float()
+    scalars = (offset, left, right, scale * math.log2(math.e), scale,
+               softcap if softcap > 0.0 else 1.0, dropout_p)  # fmt: skip
+    seed_t = q if seed is None else seed
+
+    cfg = launch_config("bwd_kv", block_d, esize, causal, cap, interp)
+    _launcher(kernels.attn_bwd_dkdv_kernel, q)[(triton.cdiv(nk, cfg.block_n), b * hkv)](
+        q, k, v, mask_t, seed_t, dout, lse, delta, dk, dv,
+        *q.stride(), *k.stride(), *v.stride(), *ms, *dout.stride(), *dk.stride(), *dv.stride(),
+        hq, hkv, hq // hkv, nq, nk, d, dv_dim, *scalars,
+        **meta, **cfg.meta(),
+    )  # fmt: skip
+    cfg = launch_config("bwd_q", block_d, esize, causal, cap, interp)
+    _launcher(kernels.attn_bwd_dq_kernel, q)[(triton.cdiv(nq, cfg.block_m), b * hq)](
+        q, k, v, mask_t, seed_t, dout, lse, delta, dq,
+        *q.stride(), *k.stride(), *v.stride(), *ms, *dout.stride(), *dq.stride(),
+        hq, hq // hkv, nq, nk, d, dv_dim, *scalars,
+        **meta, **cfg.meta(),
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def _define(name: str, impl):  # type: ignore[no-untyped-def]
+    """Register ``impl`` as the op ``name``.
+
+    On the GPU: ``triton_op``, which torch.compile traces through to the wrapped kernels
+    (its fake implementation is ``impl`` on fake tensors, where wrap_triton launches
+    nothing). Under the interpreter the kernels cannot be traced, so the op is an opaque
+    ``custom_op`` whose fake implementation is again ``impl`` (launches are skipped on
+    fake tensors, see :func:`_launcher`).
+    """
+    if interpreting():
+        op = torch.library.custom_op(name, mutates_args=())(impl)
+        op.register_fake(impl)
+        return op
+    return triton_op(name, mutates_args={})(impl)
+
+
+triton_flash_fwd = _define("attnhub::triton_flash_fwd", _fwd_impl)
+triton_flash_bwd = _define("attnhub::triton_flash_bwd", _bwd_impl)
+
+_SCALARS = (
+    "causal",
+    "bottom_right",
+    "window_left",
+    "window_right",
+    "softcap",
+    "scale",
+    "dropout_p",
+)
+
+
+def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, mask, seed, *scalars = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, mask, seed, out, lse)
+    ctx.scalars = scalars
+
+
+def _backward(ctx, dout, dlse):  # type: ignore[no-untyped-def]
+    q, k, v, mask, seed, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = triton_flash_bwd(dout, q, k, v, mask, seed, out, lse, dlse, *ctx.scalars)
+    return (dq, dk, dv, None, None) + (None,) * len(_SCALARS)
+
+
+triton_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
+    bottom_right: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable attention through the ops; returns (out, lse).
+
+    Shapes as :func:`triton_flash_fwd`. Dropout draws its Philox seed from PyTorch's
+    generator for q's device, so ``torch.manual_seed`` reproduces it.
+    """
+    left, right = window if window is not None else (None, None)
+    seed = None
+    if dropout_p > 0.0:
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
+    return triton_flash_fwd(
+        q, k, v, mask, seed, causal, bottom_right,
+        NO_WINDOW if left is None else int(left), NO_WINDOW if right is None else int(right),
+        float(softcap or 0.0), float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])),
+        float(dropout_p),
+    )  # fmt: skip

@@ -1,0 +1,449 @@
+"""GPU evidence for triton_flash, in one run: correctness, determinism, memory, timing.
+
+Usage (on the H200 machine, after ``pip install --no-build-isolation --no-deps -e .``)::
+
+    python benchmarks/triton_flash_gpu.py OUT.json [--quick] [--no-sanitizer]
+
+1. Correctness against the float64 reference on the GPU (bf16, fp16, fp32; N up to
+   16K; D 64/128/256; contract features), with contract.md's tolerance rule.
+2. The backward repeated 20 times, compared bitwise (triton_flash declares
+   ``deterministic``).
+3. compute-sanitizer memcheck on a small case (in a subprocess, when the tool exists).
+4. Extra peak memory for forward+backward at N = 16K and 64K (B=1, H=16, D=128, bf16)
+   beside SDPA flash, and an N = 128K forward+backward checked against SDPA flash.
+5. Timing on the anchor grid (shared/perf/anchors-h200.md protocol: bf16, D 64/128,
+   N 1K/4K/16K, B = 16384/N, H = 2048/D, causal and not, do_bench(warmup=25,
+   rep=100, median)) beside SDPA flash, in the same process on the same inputs.
+6. A sweep of a few launch configurations at N=4096, each checked against SDPA flash,
+   then timed (data for the configuration table).
+
+Writes JSON to OUT.json and prints the timing table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+import triton
+
+from attnhub.backends.torch_reference import reference_attention
+from attnhub.backends.triton_flash.ops import flash_attention
+from attnhub.request import AttentionParams
+
+DEV = "cuda"
+MIB = 1 << 20
+
+
+def env() -> dict:
+    try:
+        proc = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+        )
+        commit = proc.stdout.strip() if proc.returncode == 0 else None
+    except OSError:
+        commit = None
+    if commit is not None and len(commit) != 40:  # not a real hash (e.g. a copied tree)
+        commit = None
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "attnhub_commit": commit,
+        "note": "working tree may differ from the commit (uncommitted changes)",
+    }
+
+
+# ---------------------------------------------------------------- correctness
+
+
+def _run(q, k, v, mask, dout, kw, dtype=None):  # type: ignore[no-untyped-def]
+    """Reference (dtype given) or triton_flash; returns out, lse, dq, dk, dv."""
+    q, k, v = (t.detach().to(dtype or t.dtype).requires_grad_() for t in (q, k, v))
+    if dtype is None:
+        out, lse = flash_attention(q, k, v, mask, **kw)
+    else:
+        m = mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
+        params = AttentionParams(
+            causal=kw.get("causal", False),
+            alignment="bottom_right" if kw.get("bottom_right") else "top_left",
+            window=kw.get("window"), softcap=kw.get("softcap"), scale=kw["scale"],
+        )  # fmt: skip
+        out, lse = reference_attention(q, k, v, m, params)
+    out.backward(dout.to(out.dtype))
+    return [x.detach() for x in (out, lse, q.grad, k.grad, v.grad)]
+
+
+def _compare(x, r_lp, r64) -> dict:  # type: ignore[no-untyped-def]
+    finite = torch.isfinite(r64)
+    nan = bool(torch.isnan(x).any())
+    inf_ok = bool(torch.equal(torch.isfinite(x), finite))
+    err = (x.double() - r64)[finite].abs().max().item() if finite.any() else 0.0
+    diff = (r_lp.double() - r64)[finite]
+    diff = diff[torch.isfinite(diff)]
+    bound = 2 * (diff.abs().max().item() if diff.numel() else 0.0) + 1e-5
+    return {"err": err, "bound": bound, "ok": (not nan) and inf_ok and err <= bound}
+
+
+CORRECTNESS = [
+    # (label, B, Hq, Hkv, Nq, Nk, D, options, mask kind, dtypes)
+    ("causal-16K", 1, 2, 2, 16384, 16384, 128, {"causal": True}, None, ("bf16", "fp16")),
+    ("gqa-4K", 2, 8, 2, 4096, 4096, 64, {}, None, ("bf16", "fp16", "fp32")),
+    ("causal_br-D256", 1, 4, 4, 3000, 4096, 256, {"causal": True, "bottom_right": True}, None,
+     ("bf16", "fp16", "fp32")),
+    ("window_softcap-D96", 2, 4, 1, 2048, 2500, 96,
+     {"causal": True, "window": (512, None), "softcap": 30.0, "bottom_right": True}, "float",
+     ("bf16", "fp16", "fp32")),
+    ("bool_mask-D128", 2, 4, 4, 1500, 1700, 128, {}, "bool", ("bf16", "fp16", "fp32")),
+    ("causal_tl_q_longer", 1, 4, 2, 2000, 1000, 128, {"causal": True}, None, ("bf16",)),
+]  # fmt: skip
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def correctness(quick: bool) -> list[dict]:
+    rows = []
+    for label, b, hq, hkv, nq, nk, d, kw, mask_kind, dtypes in CORRECTNESS:
+        if quick and nq > 4096:
+            continue
+        for name in dtypes:
+            dtype = DTYPES[name]
+            torch.manual_seed(0)
+            q = torch.randn(b, hq, nq, d, device=DEV, dtype=dtype)
+            k = torch.randn(b, hkv, nk, d, device=DEV, dtype=dtype)
+            v = torch.randn(b, hkv, nk, d, device=DEV, dtype=dtype)
+            dout = torch.randn(b, hq, nq, d, device=DEV, dtype=dtype)
+            mask = None
+            if mask_kind == "float":
+                mask = torch.randn(nq, nk, device=DEV, dtype=dtype)
+            elif mask_kind == "bool":
+                mask = torch.rand(b, 1, nq, nk, device=DEV) > 0.2
+                mask[:, :, ::97] = False  # fully masked rows
+            kw = dict(kw, scale=d**-0.5)
+            t0 = time.time()
+            got = _run(q, k, v, mask, dout, kw)
+            ref64 = _run(q, k, v, mask, dout, kw, torch.float64)
+            ref_lp = _run(q, k, v, mask, dout, kw, dtype)
+            checks = {n: _compare(x, rl, r) for n, x, rl, r in
+                      zip(("out", "lse", "dq", "dk", "dv"), got, ref_lp, ref64)}  # fmt: skip
+            del ref64, ref_lp
+            torch.cuda.empty_cache()
+            row = {"case": label, "dtype": name, "B": b, "Hq": hq, "Hkv": hkv, "Nq": nq,
+                   "Nk": nk, "D": d, "mask": mask_kind, "options": {k2: str(v2) for k2, v2 in kw.items()},
+                   "checks": checks, "ok": all(c["ok"] for c in checks.values()),
+                   "seconds": round(time.time() - t0, 1)}  # fmt: skip
+            print(f"correctness {label:22s} {name}: {'PASS' if row['ok'] else 'FAIL'} "
+                  + " ".join(f"{n}={c['err']:.2e}/{c['bound']:.2e}" for n, c in checks.items()),
+                  flush=True)  # fmt: skip
+            rows.append(row)
+    return rows
+
+
+def determinism(repeats: int = 20) -> dict:
+    torch.manual_seed(1)
+    b, hq, hkv, n, d = 2, 8, 2, 4096, 128
+    q = torch.randn(b, hq, n, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, hkv, n, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(b, hkv, n, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(b, hq, n, d, device=DEV, dtype=torch.bfloat16)
+    first = None
+    same = True
+    for _ in range(repeats):
+        q.grad = k.grad = v.grad = None
+        out, _ = flash_attention(q, k, v, causal=True, softcap=20.0)
+        out.backward(dout)
+        grads = [out.detach().clone(), q.grad.clone(), k.grad.clone(), v.grad.clone()]
+        if first is None:
+            first = grads
+        else:
+            same &= all(torch.equal(a, c) for a, c in zip(first, grads))
+    print(f"determinism: backward x{repeats} bitwise identical: {same}", flush=True)
+    return {"repeats": repeats, "bitwise_identical": same, "shape": [b, hq, hkv, n, d],
+            "options": "causal, softcap=20, GQA 4:1, bf16"}  # fmt: skip
+
+
+SANITIZER_CODE = """
+import torch
+from attnhub.backends.triton_flash.ops import flash_attention
+torch.manual_seed(0)
+q = torch.randn(1, 2, 77, 40, device="cuda", dtype=torch.float16, requires_grad=True)
+k = torch.randn(1, 1, 93, 40, device="cuda", dtype=torch.float16, requires_grad=True)
+m = torch.randn(77, 93, device="cuda", dtype=torch.float16)
+out, lse = flash_attention(q, k, k, m, causal=True, bottom_right=True, window=(30, None),
+                           softcap=5.0, dropout_p=0.1)
+out.sum().backward()
+torch.cuda.synchronize()
+print("sanitizer case ran")
+"""
+
+
+def sanitizer() -> dict:
+    tool = shutil.which("compute-sanitizer")
+    if tool is None:
+        return {"ran": False, "why": "compute-sanitizer not found"}
+    try:
+        proc = subprocess.run([tool, "--tool", "memcheck", sys.executable, "-c", SANITIZER_CODE],
+                              capture_output=True, text=True, timeout=150)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"ran": False, "why": "timed out after 150 s"}
+    tail = (proc.stdout + proc.stderr)[-1500:]
+    ok = proc.returncode == 0 and "ERROR SUMMARY: 0 errors" in tail
+    print(f"compute-sanitizer memcheck: rc={proc.returncode} clean={ok}", flush=True)
+    return {"ran": True, "rc": proc.returncode, "clean": ok, "tail": tail}
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _peak_extra(fn, n: int) -> float:
+    torch.manual_seed(2)
+    shape = (1, 16, n, 128)
+    q, k, v = (
+        torch.randn(shape, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
+    dout = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn(q, k, v)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / MIB
+    del out, q, k, v, dout
+    torch.cuda.empty_cache()
+    return peak
+
+
+def _ours(q, k, v, causal=False):  # type: ignore[no-untyped-def]
+    return flash_attention(q, k, v, causal=causal)[0]
+
+
+def _sdpa_flash(q, k, v, causal=False):  # type: ignore[no-untyped-def]
+    # The ATen op directly: sdpa_kernel() would add 25-70 us a call (anchors-h200.md).
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)[0]
+
+
+def memory() -> list[dict]:
+    rows = []
+    for n in (16384, 65536):
+        row = {"N": n, "B": 1, "H": 16, "D": 128, "dtype": "bf16",
+               "triton_flash_mib": round(_peak_extra(_ours, n), 1),
+               "torch_sdpa_flash_mib": round(_peak_extra(_sdpa_flash, n), 1)}  # fmt: skip
+        print(
+            f"memory N={n}: triton_flash {row['triton_flash_mib']} MiB, "
+            f"sdpa flash {row['torch_sdpa_flash_mib']} MiB (extra peak, fwd+bwd)",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
+def long_run(n: int = 131072) -> dict:
+    torch.manual_seed(3)
+    shape = (1, 16, n, 128)
+    q, k, v = (
+        torch.randn(shape, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
+    dout = torch.randn(shape, device=DEV, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    t0 = time.time()
+    out = _ours(q, k, v, causal=True)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    seconds = time.time() - t0
+    ours = [out.detach(), q.grad, k.grad, v.grad]
+    finite = all(bool(torch.isfinite(x).all()) for x in ours)
+    q.grad = k.grad = v.grad = None
+    ref = _sdpa_flash(q, k, v, causal=True)
+    ref.backward(dout)
+    diffs = [(a.float() - b.float()).abs().max().item()
+             for a, b in zip(ours, [ref.detach(), q.grad, k.grad, v.grad])]  # fmt: skip
+    print(
+        f"N={n} causal fwd+bwd: {seconds:.2f} s (incl. compile), finite={finite}, "
+        f"max |ours - sdpa flash| out/dq/dk/dv = {[f'{x:.2e}' for x in diffs]}",
+        flush=True,
+    )
+    return {"N": n, "B": 1, "H": 16, "D": 128, "dtype": "bf16", "causal": True,
+            "finite": finite, "seconds_first_call": round(seconds, 2),
+            "max_abs_diff_vs_sdpa_flash": dict(zip(("out", "dq", "dk", "dv"), diffs))}  # fmt: skip
+
+
+# ---------------------------------------------------------------- timing
+
+
+def _bench(fn, q, k, v, dout, causal: bool) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """(forward ms, forward+backward ms), do_bench median as in anchors-h200.md."""
+
+    def fwd() -> None:
+        with torch.no_grad():
+            fn(q, k, v, causal=causal)
+
+    def fwd_bwd() -> None:
+        out = fn(q, k, v, causal=causal)
+        torch.autograd.grad(out, (q, k, v), dout)
+
+    t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+    t_fb = triton.testing.do_bench(fwd_bwd, warmup=25, rep=100, return_mode="median")
+    return t_f, t_fb
+
+
+def timing(quick: bool) -> list[dict]:
+    rows = []
+    dtype = torch.bfloat16
+    ns = (1024, 4096) if quick else (1024, 4096, 16384)
+    for d in (64, 128):
+        for n in ns:
+            for causal in (False, True):
+                b, h = 16384 // n, 2048 // d
+                torch.manual_seed(4)
+                q, k, v = (torch.randn(b, h, n, d, device=DEV, dtype=dtype, requires_grad=True)
+                           for _ in range(3))  # fmt: skip
+                dout = torch.randn(b, h, n, d, device=DEV, dtype=dtype)
+                flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+                for name, fn in (("triton_flash", _ours), ("torch_sdpa_flash", _sdpa_flash)):
+                    t_f, t_fb = _bench(fn, q, k, v, dout, causal)
+                    t_b = t_fb - t_f
+                    for mode, ms, fl in (("fwd", t_f, flops), ("bwd", t_b, 2.5 * flops),
+                                         ("fwd_bwd", t_fb, 3.5 * flops)):  # fmt: skip
+                        rows.append({"backend": name, "dtype": "bf16", "B": b, "Hq": h, "Hkv": h,
+                                     "Nq": n, "Nk": n, "D": d, "causal": causal, "mode": mode,
+                                     "ms": round(ms, 4), "tflops": round(fl / ms / 1e9, 1)})  # fmt: skip
+                del q, k, v, dout
+    return rows
+
+
+SWEEP_FWD = {
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 4, 3), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+}
+SWEEP_BWD = {  # (dK/dV config, dQ config)
+    64: [((32, 128, 4, 3), (128, 32, 4, 3)), ((64, 128, 8, 3), (128, 64, 8, 3)),
+         ((32, 64, 4, 3), (64, 32, 4, 3))],
+    128: [((32, 128, 8, 2), (128, 32, 8, 2)), ((64, 128, 8, 2), (128, 64, 8, 2)),
+          ((32, 64, 4, 3), (64, 32, 4, 3))],
+}  # fmt: skip
+
+
+def sweep() -> list[dict]:
+    """A few launch configurations per direction at N=4096 (bf16), each checked against
+    SDPA flash before it is timed: data for the configuration table (issue 4)."""
+    from attnhub.backends.triton_flash import configs
+
+    rows = []
+    n = 4096
+    for d in (64, 128):
+        b, h = 4, 2048 // d
+        torch.manual_seed(5)
+        q, k, v = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))  # fmt: skip
+        dout = torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16)
+        for causal in (False, True):
+            flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+            ref = _sdpa_flash(q, k, v, causal)
+            ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+            trials = [("fwd", c, None) for c in SWEEP_FWD[d]]
+            trials += [("bwd", kv, dq) for kv, dq in SWEEP_BWD[d]]
+            for kind, first, second in trials:
+                configs.OVERRIDE.clear()
+                if kind == "fwd":
+                    configs.OVERRIDE["fwd"] = configs.LaunchConfig(*first)
+                else:
+                    configs.OVERRIDE["bwd_kv"] = configs.LaunchConfig(*first)
+                    configs.OVERRIDE["bwd_q"] = configs.LaunchConfig(*second)
+                row = {"kind": kind, "D": d, "N": n, "B": b, "H": h, "causal": causal,
+                       "config": first if second is None else [first, second]}  # fmt: skip
+                try:
+                    out = _ours(q, k, v, causal)
+                    err = (out.float() - ref.float()).abs().max().item()
+                    if kind == "bwd":
+                        grads = torch.autograd.grad(out, (q, k, v), dout)
+                        err = max([err] + [(a.float() - r.float()).abs().max().item()
+                                           for a, r in zip(grads, ref_grads)])  # fmt: skip
+                    t_f, t_fb = _bench(_ours, q, k, v, dout, causal)
+                    ms = t_f if kind == "fwd" else t_fb - t_f
+                    fl = flops if kind == "fwd" else 2.5 * flops
+                    row.update(max_abs_diff_vs_sdpa_flash=err, ms=round(ms, 4),
+                               tflops=round(fl / ms / 1e9, 1))  # fmt: skip
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                print(f"sweep {row}", flush=True)
+                rows.append(row)
+            configs.OVERRIDE.clear()
+        del q, k, v, dout
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    by = {(r["backend"], r["D"], r["Nq"], r["causal"], r["mode"]): r["tflops"] for r in rows}
+    print("\nbf16 TFLOP/s, triton_flash vs torch_sdpa_flash (fwd | bwd), ratio")
+    print(f"{'D':>4} {'N':>6} {'causal':>6} | {'ours fwd':>8} {'sdpa fwd':>8} {'x':>5} | "
+          f"{'ours bwd':>8} {'sdpa bwd':>8} {'x':>5}")  # fmt: skip
+    for d, n, causal in sorted({(r["D"], r["Nq"], r["causal"]) for r in rows}):
+        f1, f2 = (
+            by[("triton_flash", d, n, causal, "fwd")],
+            by[("torch_sdpa_flash", d, n, causal, "fwd")],
+        )
+        b1, b2 = (
+            by[("triton_flash", d, n, causal, "bwd")],
+            by[("torch_sdpa_flash", d, n, causal, "bwd")],
+        )
+        print(f"{d:>4} {n:>6} {causal!s:>6} | {f1:>8} {f2:>8} {f1 / f2:>5.2f} | "
+              f"{b1:>8} {b2:>8} {b1 / b2 if b2 else math.nan:>5.2f}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output", help="JSON file to write")
+    parser.add_argument("--quick", action="store_true", help="skip N >= 16K cases")
+    parser.add_argument("--no-sanitizer", action="store_true")
+    parser.add_argument("--only", default="", help="comma list of sections to run")
+    args = parser.parse_args()
+    torch.set_float32_matmul_precision("highest")
+    sections = set(args.only.split(",")) if args.only else {
+        "correctness", "determinism", "sanitizer", "memory", "long", "timing", "sweep"}  # fmt: skip
+    if args.no_sanitizer:
+        sections.discard("sanitizer")
+    result: dict = {"env": env()}
+
+    def save() -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=1)
+
+    steps = (
+        ("correctness", lambda: correctness(args.quick)),
+        ("determinism", determinism),
+        ("sanitizer", sanitizer),
+        ("memory", memory),
+        ("long", long_run),
+        ("timing", lambda: timing(args.quick)),
+        ("sweep", sweep),
+    )
+    for name, step in steps:
+        if name not in sections:
+            continue
+        t0 = time.time()
+        try:
+            result[name] = step()
+        except Exception as exc:  # record and go on: one failure must not hide the rest
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"{name} FAILED: {type(exc).__name__}: {exc}", flush=True)
+        result.setdefault("seconds", {})[name] = round(time.time() - t0, 1)
+        save()
+    if isinstance(result.get("timing"), list):
+        print_table(result["timing"])
+
+
+if __name__ == "__main__":
+    main()

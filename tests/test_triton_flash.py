@@ -1,0 +1,429 @@
+"""triton_flash: forward and backward against the float64 reference, every contract feature.
+
+Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1 is set here,
+before the kernel module is imported) on small shapes in float32 and float16 (bfloat16
+is broken in the interpreter). With CUDA the same cases run on the GPU, bfloat16 too.
+The tolerance rule is contract.md's: max|x - r64| <= 2 * max|r_lp - r64| + 1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field, replace
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from attnhub.backends.torch_reference import reference_attention  # noqa: E402
+from attnhub.backends.triton_flash import TritonFlash, ops  # noqa: E402
+from attnhub.request import AttentionParams  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
+SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+gpu = pytest.mark.gpu
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    b: int
+    hq: int
+    hkv: int
+    nq: int
+    nk: int
+    d: int
+    dv: int | None = None
+    causal: bool = False
+    bottom_right: bool = False
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
+    mask: str | None = None  # "bool_rows" (some rows fully masked), "float_bcast", "float_inf"
+    layout: str = "bhnd"  # or "bnhd": (B, N, H, D) storage seen through a transpose
+    extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def id(self) -> str:
+        n = f"N{self.nq}" if self.nq == self.nk else f"N{self.nq}x{self.nk}"
+        h = f"H{self.hq}" if self.hq == self.hkv else f"H{self.hq}g{self.hkv}"
+        dv = f"v{self.dv}" if self.dv and self.dv != self.d else ""
+        return f"{self.label}-B{self.b}{h}{n}D{self.d}{dv}"
+
+    def params(self) -> AttentionParams:
+        return AttentionParams(
+            causal=self.causal,
+            alignment="bottom_right" if self.bottom_right else "top_left",
+            window=self.window,
+            softcap=self.softcap,
+            scale=self.d**-0.5,
+        )
+
+
+CASES = [
+    Case("plain", 2, 4, 4, 77, 77, 40),
+    Case("plain", 1, 2, 2, 33, 70, 16),
+    Case("plain", 1, 2, 2, 70, 33, 64),
+    Case("plain", 1, 2, 2, 1, 1, 16),
+    Case("causal_tl", 2, 2, 2, 77, 77, 40, causal=True),
+    Case("causal_tl", 1, 2, 2, 40, 90, 64, causal=True),
+    Case("causal_tl", 1, 2, 2, 90, 40, 32, causal=True),
+    Case("causal_br", 1, 2, 2, 45, 77, 40, causal=True, bottom_right=True),
+    Case("causal_br", 1, 2, 2, 70, 33, 16, causal=True, bottom_right=True),  # rows with no key
+    Case("causal_br", 1, 2, 2, 1, 50, 64, causal=True, bottom_right=True),  # decoding
+    Case("window", 1, 2, 2, 96, 96, 96, window=(8, 4)),
+    Case("window", 1, 2, 2, 50, 80, 32, window=(10, None), bottom_right=True),
+    Case("window", 1, 2, 2, 80, 50, 32, window=(None, 3)),
+    Case("causal_window", 1, 2, 2, 60, 90, 40, causal=True, bottom_right=True, window=(17, 5)),
+    Case("softcap", 1, 2, 2, 65, 65, 32, softcap=2.0),
+    Case("softcap_causal", 1, 2, 2, 48, 48, 64, causal=True, softcap=5.0),
+    Case("bool_mask", 2, 2, 2, 40, 52, 32, mask="bool_rows"),
+    Case("float_mask", 2, 2, 2, 37, 45, 40, mask="float_bcast"),
+    Case("float_mask_inf", 1, 2, 2, 33, 40, 16, mask="float_inf"),
+    Case("gqa", 2, 4, 2, 50, 50, 32, causal=True),
+    Case("mqa", 1, 4, 1, 45, 61, 40, causal=True, bottom_right=True),
+    Case("dv", 1, 2, 2, 40, 40, 32, dv=16),
+    Case("strided", 2, 3, 3, 41, 41, 40, layout="bnhd"),
+    Case(
+        "all",
+        2,
+        4,
+        2,
+        53,
+        71,
+        40,
+        causal=True,
+        bottom_right=True,
+        window=(20, None),
+        softcap=3.0,
+        mask="float_bcast",
+    ),
+]
+
+
+def _make(shape, dtype, layout="bhnd", generator=None):  # type: ignore[no-untyped-def]
+    if layout == "bnhd":  # (B, N, H, D) storage seen as (B, H, N, D)
+        b, h, n, d = shape
+        return torch.randn(b, n, h, d, dtype=dtype, device=DEVICE).transpose(1, 2)
+    return torch.randn(shape, dtype=dtype, device=DEVICE)
+
+
+def _mask(case: Case, dtype: torch.dtype) -> torch.Tensor | None:
+    if case.mask is None:
+        return None
+    shape = (case.b, 1, case.nq, case.nk)
+    if case.mask == "bool_rows":
+        mask = torch.rand(shape, device=DEVICE) > 0.3
+        mask[:, :, ::7] = False  # fully masked rows
+        return mask
+    if case.mask == "float_bcast":  # (Nq, Nk): broadcast over batch and heads
+        return torch.randn(case.nq, case.nk, device=DEVICE, dtype=dtype)
+    mask = torch.randn(shape, device=DEVICE, dtype=dtype)
+    mask[:, :, ::5] = float("-inf")  # fully masked rows via the float mask
+    mask[..., ::3] = float("-inf")
+    return mask
+
+
+def _inputs(case: Case, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    q = _make((case.b, case.hq, case.nq, case.d), dtype, case.layout)
+    k = _make((case.b, case.hkv, case.nk, case.d), dtype, case.layout)
+    v = _make((case.b, case.hkv, case.nk, case.dv or case.d), dtype, case.layout)
+    return q, k, v, _mask(case, dtype)
+
+
+def _run_flash(case: Case, q, k, v, mask, dout, dropout_p=0.0):  # type: ignore[no-untyped-def]
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = ops.flash_attention(
+        q, k, v, mask, causal=case.causal, bottom_right=case.bottom_right, window=case.window,
+        softcap=case.softcap, scale=case.d**-0.5, dropout_p=dropout_p,
+    )  # fmt: skip
+    out.backward(dout)
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def _run_reference(case: Case, q, k, v, mask, dout, dtype):  # type: ignore[no-untyped-def]
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    out, lse = reference_attention(q, k, v, mask, case.params())
+    out.backward(dout.to(dtype))
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def _check(name: str, x: torch.Tensor, r_lp: torch.Tensor, r64: torch.Tensor) -> None:
+    assert not torch.isnan(x).any(), f"{name}: NaN"
+    finite = torch.isfinite(r64)
+    assert torch.equal(torch.isfinite(x), finite), f"{name}: infinities differ from the reference"
+    assert torch.equal(x[~finite], r64.to(x.dtype)[~finite]), f"{name}: wrong infinities"
+    err = (x.double() - r64)[finite].abs().max().item() if finite.any() else 0.0
+    diff = (r_lp.double() - r64)[finite]
+    diff = diff[torch.isfinite(diff)]
+    bound = 2 * (diff.abs().max().item() if diff.numel() else 0.0) + 1e-5
+    assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g}"
+
+
+def _check_all(case: Case, dtype: torch.dtype, got, q, k, v, mask, dout) -> None:  # type: ignore[no-untyped-def]
+    ref64 = _run_reference(case, q, k, v, mask, dout, torch.float64)
+    ref_lp = _run_reference(case, q, k, v, mask, dout, dtype)
+    for name, x, r_lp, r64 in zip(("out", "lse", "dq", "dk", "dv"), got, ref_lp, ref64):
+        _check(name, x, r_lp, r64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_forward_backward_matches_reference(case: Case, dtype: torch.dtype) -> None:
+    torch.manual_seed(hash(case.id) % 1000)
+    q, k, v, mask = _inputs(case, dtype)
+    dout = torch.randn(case.b, case.hq, case.nq, case.dv or case.d, dtype=dtype, device=DEVICE)
+    got = _run_flash(case, q, k, v, mask, dout)
+    _check_all(case, dtype, got, q, k, v, mask, dout)
+    if case.mask in ("bool_rows", "float_inf"):
+        # Fully masked rows: exact zeros, lse -inf, zero query gradient.
+        out, lse, dq = got[0], got[1], got[2]
+        empty = torch.isinf(lse)
+        assert empty.any()
+        assert (out[empty] == 0).all() and (dq[empty] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=SHORT.get)
+def test_nan_canary(dtype: torch.dtype) -> None:
+    """Inputs, mask and dout as views into NaN-filled buffers: nothing outside leaks in."""
+    case = Case("canary", 2, 2, 2, 37, 45, 40, causal=True, bottom_right=True, mask="float_bcast")
+    torch.manual_seed(1)
+
+    def view(shape):  # type: ignore[no-untyped-def]
+        b, h, n, d = shape
+        buf = torch.full((b, h + 1, n + 19, d + 24), float("nan"), dtype=dtype, device=DEVICE)
+        t = buf[:, 1:, 7 : 7 + n, 3 : 3 + d]
+        t.copy_(torch.randn(shape, dtype=dtype, device=DEVICE))
+        return t
+
+    q, k, v = view((2, 2, 37, 40)), view((2, 2, 45, 40)), view((2, 2, 45, 40))
+    mbuf = torch.full((40, 60), float("nan"), dtype=dtype, device=DEVICE)
+    mask = mbuf[2:39, 5:50]
+    mask.copy_(torch.randn(37, 45, dtype=dtype, device=DEVICE))
+    dout = view((2, 2, 37, 40))
+    got = _run_flash(case, q, k, v, mask, dout)
+    for x in got:
+        assert not torch.isnan(x).any()
+    _check_all(case, dtype, got, q, k, v, mask, dout)
+
+
+def test_forward_and_backward_bitwise_repeatable() -> None:
+    case = Case("repeat", 1, 4, 2, 70, 70, 40, causal=True, softcap=4.0)
+    torch.manual_seed(2)
+    q, k, v, mask = _inputs(case, torch.float16)
+    dout = torch.randn_like(q)
+    first = _run_flash(case, q, k, v, mask, dout)
+    second = _run_flash(case, q, k, v, mask, dout)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def _dropout_case() -> Case:
+    return Case("dropout", 1, 2, 2, 32, 40, 32, causal=True, bottom_right=True)
+
+
+def _dropout_keep(case: Case, seed: int, p: float) -> torch.Tensor:
+    """The dropout keep pattern: with V = I the output row is P * Z / (1 - p) itself."""
+    q = _make((case.b, case.hq, case.nq, case.d), torch.float32)
+    k = _make((case.b, case.hkv, case.nk, case.d), torch.float32)
+    eye = torch.eye(case.nk, device=DEVICE).expand(case.b, case.hkv, case.nk, case.nk)
+    torch.manual_seed(seed)
+    out, _ = ops.flash_attention(q, k, eye, causal=case.causal, bottom_right=case.bottom_right,
+                                 scale=case.d**-0.5, dropout_p=p)  # fmt: skip
+    return out != 0
+
+
+def test_dropout_zero_is_exact() -> None:
+    case = replace(_dropout_case(), label="dropout0")
+    torch.manual_seed(3)
+    q, k, v, mask = _inputs(case, torch.float32)
+    dout = torch.randn_like(q)
+    got = _run_flash(case, q, k, v, mask, dout, dropout_p=0.0)
+    _check_all(case, torch.float32, got, q, k, v, mask, dout)
+
+
+def test_dropout_matches_reference_with_its_own_mask() -> None:
+    """Forward and backward with dropout equal float64 attention under the same keep mask."""
+    case, p = _dropout_case(), 0.25
+    torch.manual_seed(4)
+    keep = _dropout_keep(case, seed=123, p=p)
+    q, k, v, _ = _inputs(case, torch.float32)
+    dout = torch.randn_like(q)
+    torch.manual_seed(123)
+    out, lse, dq, dk, dv = _run_flash(case, q, k, v, None, dout, dropout_p=p)
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    scores = (q64 @ k64.transpose(-1, -2)) * case.d**-0.5
+    allowed = torch.ones(case.nq, case.nk, dtype=torch.bool, device=DEVICE).tril(case.nk - case.nq)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    ref = (probs * keep / (1 - p)) @ v64
+    ref.backward(dout.double())
+    for x, r in ((out, ref), (dq, q64.grad), (dk, k64.grad), (dv, v64.grad)):
+        assert (x.double() - r).abs().max().item() < 1e-4
+    assert torch.allclose(
+        lse.double(), torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), -1), atol=1e-5
+    )
+
+
+def test_dropout_seeded_reproducible_and_fraction() -> None:
+    case, p = _dropout_case(), 0.3
+    q, k, v, _ = _inputs(case, torch.float16)
+    dout = torch.randn_like(q)
+    torch.manual_seed(7)
+    a = _run_flash(case, q, k, v, None, dout, dropout_p=p)
+    torch.manual_seed(7)
+    b = _run_flash(case, q, k, v, None, dout, dropout_p=p)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    c = _run_flash(case, q, k, v, None, dout, dropout_p=p)  # the generator moved on
+    assert not torch.equal(a[0], c[0])
+
+    big = Case("dropout", 2, 2, 2, 64, 64, 64)
+    keep = _dropout_keep(big, seed=11, p=p)
+    fraction = keep.float().mean().item()  # 16384 draws: std ~ 0.0036
+    assert abs(fraction - (1 - p)) < 0.02, fraction
+
+
+def test_fp32_follows_matmul_precision() -> None:
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert ops._input_precision(torch.float32) == "ieee"
+        torch.set_float32_matmul_precision("high")
+        assert ops._input_precision(torch.float32) == "tf32"
+        assert ops._input_precision(torch.float16) == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_opcheck_forward_and_backward() -> None:
+    torch.manual_seed(5)
+    q = torch.randn(1, 2, 20, 16, device=DEVICE, requires_grad=True)
+    k = torch.randn(1, 1, 24, 16, device=DEVICE, requires_grad=True)
+    v = torch.randn(1, 1, 24, 16, device=DEVICE, requires_grad=True)
+    mask = torch.randn(20, 24, device=DEVICE)
+    args = (q, k, v, mask, None, True, True, 5, ops.NO_WINDOW, 3.0, 0.25, 0.0)
+    torch.library.opcheck(torch.ops.attnhub.triton_flash_fwd.default, args)
+    out, lse = torch.ops.attnhub.triton_flash_fwd(*args)
+    bargs = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), mask, None,
+             out.detach(), lse.detach(), None, *args[5:])  # fmt: skip
+    torch.library.opcheck(torch.ops.attnhub.triton_flash_bwd.default, bargs)
+
+
+def test_lse_gradient() -> None:
+    """A loss on the returned lse differentiates through it (d lse / d s = P)."""
+    case = Case("lse_grad", 1, 2, 2, 30, 40, 16, causal=True, bottom_right=True)
+    torch.manual_seed(6)
+    q, k, v, _ = _inputs(case, torch.float32)
+    qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = ops.flash_attention(qs, ks, vs, causal=True, bottom_right=True, scale=0.25)
+    (out.sum() + lse.sum()).backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    params = AttentionParams(causal=True, alignment="bottom_right", scale=0.25)
+    r, rl = reference_attention(q64, k64, v64, None, params)
+    (r.sum() + rl.double().sum()).backward()
+    for x, ref in ((qs.grad, q64.grad), (ks.grad, k64.grad), (vs.grad, v64.grad)):
+        assert (x.double() - ref).abs().max().item() < 1e-4
+
+
+def test_declarations_and_dispatch() -> None:
+    import attnhub
+
+    backend = TritonFlash()
+    assert backend.unavailable_reason() is None
+    assert "cuda" in backend.devices
+    if not HAS_CUDA:
+        assert "cpu" in backend.devices
+    q = torch.randn(1, 2, 20, 16, device=DEVICE).transpose(1, 2).contiguous().transpose(1, 2)
+    k = torch.randn(1, 1, 20, 16, device=DEVICE)
+    out, lse = attnhub.attention(q, k, k, causal=True, window=(4, None), softcap=2.0,
+                                 return_lse=True, backend="triton_flash")  # fmt: skip
+    assert out.shape == (1, 2, 20, 16) and lse.shape == (1, 2, 20)
+
+
+def test_bf16_refused_in_interpreter() -> None:
+    from attnhub.validation import build_request
+
+    q = torch.randn(1, 1, 4, 16, dtype=torch.bfloat16)
+    request = build_request(q, q, q, None, AttentionParams(scale=0.25))
+    assert TritonFlash().extra_reasons(request)
+
+
+def test_import_attnhub_does_not_load_kernels() -> None:
+    code = "import sys, attnhub; attnhub.list_backends(); print('attnhub.backends.triton_flash.ops' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip().endswith("False")
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=SHORT.get)
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("causal_br", 2, 8, 2, 1000, 1537, 128, causal=True, bottom_right=True),
+        Case("plain", 1, 4, 4, 2048, 2048, 64),
+        Case("window", 1, 4, 4, 2047, 2047, 256, window=(300, 0)),
+        Case(
+            "all",
+            1,
+            4,
+            1,
+            777,
+            1029,
+            96,
+            causal=True,
+            window=(200, 30),
+            softcap=20.0,
+            mask="float_bcast",
+        ),
+    ],
+    ids=lambda c: c.id,
+)
+def test_gpu_large(case: Case, dtype: torch.dtype) -> None:
+    torch.manual_seed(8)
+    q, k, v, mask = _inputs(case, dtype)
+    dout = torch.randn(case.b, case.hq, case.nq, case.dv or case.d, dtype=dtype, device=DEVICE)
+    got = _run_flash(case, q, k, v, mask, dout)
+    _check_all(case, dtype, got, q, k, v, mask, dout)
+
+
+@gpu
+@requires_cuda
+def test_gpu_compile_fullgraph_and_cuda_graph() -> None:
+    import attnhub
+
+    q = torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def f(q, k):  # type: ignore[no-untyped-def]
+        return attnhub.attention(q, k, k, causal=True, backend="triton_flash")
+
+    eager = f(q, k)
+    compiled = torch.compile(f, fullgraph=True)(q, k)
+    # Inductor launches the same kernel, possibly specialized differently: near-equal.
+    torch.testing.assert_close(eager, compiled, atol=2e-2, rtol=2e-2)
+    compiled.sum().backward()
+
+    static_q = q.detach().clone()
+    static_k = k.detach().clone()
+    for _ in range(2):  # warm up (compile) outside the graph
+        ops.flash_attention(static_q, static_k, static_k, causal=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out, _ = ops.flash_attention(static_q, static_k, static_k, causal=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, eager.detach())
