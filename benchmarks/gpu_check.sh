@@ -27,14 +27,15 @@ python3 -m attnhub info | tee "$OUT/info.txt"
 
 if [[ $STEP == tests || $STEP == all ]]; then
     # -m gpu: the CUDA half of the suite (conformance on CUDA runs large cases).
-    timeout ${TESTS_TIMEOUT:-470} python3 -m pytest -q -m gpu -p no:cacheprovider tests \
-        --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -n 60 | tee "$OUT/gpu-tests.log"
+    timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -v -m gpu -p no:cacheprovider tests \
+        --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu-tests.log" | tail -n 40
     mkdir -p /tmp/empty-dir
     timeout ${FLEX_TIMEOUT:-90} python3 -m pytest -q -p no:cacheprovider -p attnhub.testing \
         --attnhub-backend flex_attention --attnhub-device cuda --attnhub-size large \
-        --rootdir /tmp --junitxml="$OUT/flex-conformance.xml" /tmp/empty-dir 2>&1 \
-        | tail -n 30 | tee "$OUT/flex-conformance.log"
-    python3 benchmarks/gpu_summary.py "$OUT/gpu-tests.xml" "$OUT/flex-conformance.xml" \
+        -v --rootdir /tmp /tmp/empty-dir > "$OUT/flex-conformance.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/flex-conformance.log" | tail -n 20
+    python3 benchmarks/gpu_summary.py "$OUT/gpu-tests.log" "$OUT/flex-conformance.log" \
         --out "$OUT/gpu-check-$DATE.json"
 fi
 if [[ $STEP == evidence || $STEP == all ]]; then

@@ -1,6 +1,9 @@
-"""Summarize pytest JUnit XML files from the GPU run into one committed JSON.
+"""Summarize the GPU run's pytest results into one committed JSON.
 
-    python benchmarks/gpu_summary.py gpu-tests.xml [more.xml ...] --out gpu-check.json
+    python benchmarks/gpu_summary.py gpu-tests.xml run.log [...] --out gpu-check.json
+
+Reads JUnit XML files, or ``pytest -v`` logs (``path::test[id] PASSED`` lines), which
+survive a run cut short by a time limit where JUnit XML is never written.
 
 Counts passed / failed / skipped tests per backend (read from the test ids, which
 start with the backend's name) and keeps every failure's id and first message line,
@@ -12,11 +15,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+
+_VERBOSE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 
 
 def _backend_of(name: str) -> str:
@@ -30,7 +36,19 @@ def summarize(paths: list[Path]) -> dict:
     failures = []
     for path in paths:
         if not path.exists():
-            failures.append({"test": str(path), "message": "no JUnit file: the step did not run"})
+            failures.append({"test": str(path), "message": "no result file: the step did not run"})
+            continue
+        if path.suffix != ".xml":
+            for line in path.read_text(errors="replace").splitlines():
+                match = _VERBOSE.match(line)
+                if match:
+                    test, outcome = match.groups()
+                    key = {"PASSED": "passed", "SKIPPED": "skipped", "XFAIL": "skipped"}.get(
+                        outcome, "failed"
+                    )
+                    per_backend[_backend_of(test)][key] += 1
+                    if key == "failed":
+                        failures.append({"test": test, "message": outcome})
             continue
         for case in ET.parse(path).getroot().iter("testcase"):
             name = case.get("name", "")
