@@ -64,6 +64,23 @@ class TorchSDPA(Backend):
     compile_safe = True
     copies_strided = False
 
+    def extra_reasons(self, request: AttentionRequest) -> list[str]:
+        if request.device_type != "cuda":
+            return []
+        # Seen on the H200 (torch 2.11, benchmarks/results/gpu-check-2026-11-30.json):
+        # PyTorch's CUDA kernels return NaN for query rows whose every key is masked,
+        # which a mask, or bottom-right causal with Nq > Nk, can produce; the contract
+        # wants zeros. (On the CPU, PyTorch gives zeros.)
+        if request.mask != "none":
+            return [
+                f"on CUDA, a {request.mask} attn_mask can mask whole rows, which PyTorch turns into NaN"
+            ]
+        if request.causal and request.alignment == "bottom_right" and request.q_longer:
+            return [
+                "on CUDA, bottom-right causal with Nq > Nk leaves rows with no key (NaN in PyTorch)"
+            ]
+        return []
+
     def memory_class(self, request: AttentionRequest) -> str:
         # Causal that is_causal cannot say (bottom-right, or beside a mask) becomes a
         # materialized (Nq, Nk) mask.
@@ -107,6 +124,12 @@ class TorchSDPA(Backend):
             is_causal=is_causal, scale=params.scale,
             enable_gqa=query.shape[1] != key.shape[1],
         )  # fmt: skip
+
+
+def _needs_lse(params: AttentionParams, *inputs: torch.Tensor) -> bool:
+    """The kernels' backward reads the lse of the forward: compute it when asked, or when
+    autograd will need it (PyTorch's SDPA passes the same flag)."""
+    return params.return_lse or (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))
 
 
 def _square_causal_only(request: AttentionRequest) -> list[str]:
@@ -190,7 +213,8 @@ class TorchSDPAEfficient(_PinnedSDPA):
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         query, key, value = self._contiguous(query, key, value)
         out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, None, params.return_lse, params.dropout_p, params.causal,
+            query, key, value, None, _needs_lse(params, query, key, value), params.dropout_p,
+            params.causal,
             scale=params.scale,
         )  # fmt: skip
         # The kernel pads the lse's query dimension to a multiple of 32.
@@ -219,7 +243,8 @@ class TorchSDPACudnn(_PinnedSDPA):
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         query, key, value = self._contiguous(query, key, value)
         out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            query, key, value, None, params.return_lse, 0.0, params.causal, False,
+            query, key, value, None, _needs_lse(params, query, key, value), 0.0, params.causal,
+            False,
             scale=params.scale,
         )  # fmt: skip
         if params.return_lse:

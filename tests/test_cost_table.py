@@ -9,6 +9,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,6 +79,8 @@ def isolated(monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     for name in ("ATTNHUB_RANKING", "ATTNHUB_BACKEND", "ATTNHUB_STRICT", "TRITON_INTERPRET"):
         monkeypatch.delenv(name, raising=False)
+    # Hide the shipped sm_90 table: these tests decide which tables exist.
+    monkeypatch.setattr(cost_table, "shipped_path", lambda device: tmp_path / "none" / device)
     cost_table.forget_tables()
     yield
     attnhub.set_policy(None)
@@ -93,6 +96,12 @@ def fake_registry(monkeypatch):  # type: ignore[no-untyped-def]
     dispatch.clear_cache()
     yield fresh
     dispatch.clear_cache()
+
+
+def test_the_shipped_sm90_table_is_well_formed():
+    path = Path(cost_table.__file__).parent / "data" / "cost_table_sm90.json"
+    table = cost_table.CostTable.from_json(json.loads(path.read_text()), path.name)
+    assert table.device == "sm90" and table.entries
 
 
 def names(ranked) -> list[str]:  # type: ignore[no-untyped-def]
