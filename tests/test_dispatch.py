@@ -325,3 +325,23 @@ def test_command_line(command):
         assert "chosen: torch_sdpa" in result.stdout
     else:
         assert "available here" in result.stdout and "declared capabilities" in result.stdout
+
+
+def test_info_reports_failed_and_skipped_plugins(fake_registry, capsys):
+    from attnhub import cli
+    from attnhub.registry import PluginFailure, PluginSkip
+
+    fake_registry.add(fake("general"))
+    fake_registry.failures.append(
+        PluginFailure("broken", "attnhub-broken", "ImportError: No module named 'cuda_kernels'")
+    )
+    fake_registry.skipped.append(
+        PluginSkip("muted", "attnhub-muted", "blocked by ATTNHUB_DISABLE_PLUGINS")
+    )
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "general" in out and "available here" in out
+    assert (
+        "  broken (distribution attnhub-broken): ImportError: No module named 'cuda_kernels'" in out
+    )
+    assert "  muted (distribution attnhub-muted): blocked by ATTNHUB_DISABLE_PLUGINS" in out
