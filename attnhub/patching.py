@@ -60,6 +60,7 @@ Nesting
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -70,6 +71,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import dispatch
 from .api import attention
 from .call_stats import ORIGINAL, record
 from .dispatch import normalize_backend_arg
@@ -94,6 +96,7 @@ _original: Callable[..., torch.Tensor] | None = None
 # of recursing. Dynamo traces threading.local reads and writes without a graph break.
 _inside = threading.local()
 _logged_fallbacks: set[str] = set()
+_STRICT = dispatch.Selection(None, True, "attnhub.patch")
 _LOGGED_LIMIT = 4096
 
 
@@ -150,8 +153,9 @@ def patch(
             names to choose among in that order, for the patched calls.
         strict: raise :class:`attnhub.NoBackendError` when no allowed backend can
             serve a call, instead of handing it to PyTorch's original function.
-            (``attnhub.use_backend(strict=True)`` or ``ATTNHUB_STRICT=1`` additionally
-            forbid the fallback to ``torch_reference``.)
+            Patched calls never fall back to the slow ``torch_reference`` unless
+            ``backend`` names it: where only it could serve, PyTorch's own function
+            serves (or, with ``strict``, the error is raised).
         aliases: also rebind module-level aliases of the function bound before
             patching (see the module docstring for what is and is not covered).
 
@@ -298,9 +302,19 @@ def _note_original(why: str, query: Any, key: Any) -> None:
     log.info("attnhub.patch: PyTorch's own scaled_dot_product_attention serves a call: %s", note)
 
 
+def _enter_strict(reference_named: bool) -> Any:
+    """Make the current context strict (no fallback to the reference) unless named."""
+    outer = dispatch._context_selection.get()
+    if reference_named:
+        return dispatch._context_selection.set(outer)
+    strict = _STRICT if outer is None else dataclasses.replace(outer, strict=True)
+    return dispatch._context_selection.set(strict)
+
+
 def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
     backend = handle.backend
     strict = handle.strict
+    reference_named = backend is not None and dispatch.REFERENCE in backend
 
     def scaled_dot_product_attention(
         query: torch.Tensor,
@@ -322,6 +336,12 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
         why = _outside_domain(query, key, value, attn_mask, is_causal, enable_gqa)
         if why is None:
             _inside.active = True
+            # Strict inside the patch: where only torch_reference (O(N^2) memory, slow)
+            # could serve a call, PyTorch's own function serves it instead, as before
+            # patching; a patch must never make a model much slower.
+            # (Under torch.compile the choice is made at trace time, with the selection
+            # in force then; context variables cannot be traced.)
+            token = None if torch.compiler.is_compiling() else _enter_strict(reference_named)
             try:
                 return attention(
                     query, key, value, attn_mask,
@@ -332,8 +352,10 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
             except NoBackendError as exc:
                 if strict:
                     raise
-                why = f"no attnhub backend can serve it ({exc.signature})"
+                why = f"{str(exc).splitlines()[0]} ({exc.signature})"
             finally:
+                if token is not None:
+                    dispatch._context_selection.reset(token)
                 _inside.active = False
         _note_original(why, query, key)
         return original(query, key, value, attn_mask, dropout_p, is_causal,

@@ -17,11 +17,14 @@ Environment (read when the registry loads):
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import pluggy
@@ -201,9 +204,7 @@ class BackendRegistry:
         trace = _env_flag("ATTNHUB_TRACE_PLUGINS")
         pm = plugin_manager or pluggy.PluginManager(hookspecs.PROJECT)
         pm.add_hookspecs(hookspecs)
-        # By name: the built-ins live in the wheel as attnhub.backends (source folder
-        # backends/, mapped by pyproject.toml), which static tools cannot follow.
-        builtin = importlib.import_module("attnhub.backends")
+        builtin = _import_builtin_backends()
         pm.register(builtin, name="attnhub.backends")
         self._call_plugin(pm, builtin, "attnhub.backends", BUILTIN)
         if trace:
@@ -236,6 +237,30 @@ class BackendRegistry:
             self._call_plugin(pm, plugin, ep.name, dist)
             if trace:
                 log.warning("attnhub: loaded plugin %s = %s from %s", ep.name, ep.value, dist)
+
+
+def _import_builtin_backends() -> Any:
+    """The built-in backends' module, ``attnhub.backends``.
+
+    The wheel ships the source folder ``backends/`` as ``attnhub.backends`` (mapped in
+    pyproject.toml). Where attnhub is imported from a source checkout instead (the
+    repository root on ``sys.path``, as ``python -m attnhub`` run there does), that
+    mapping does not exist, so the same folder is mapped here, the same way.
+    """
+    try:
+        return importlib.import_module("attnhub.backends")
+    except ModuleNotFoundError as exc:
+        source = Path(__file__).resolve().parent.parent / "backends"
+        if exc.name != "attnhub.backends" or not (source / "__init__.py").is_file():
+            raise
+    spec = importlib.util.spec_from_file_location(
+        "attnhub.backends", source / "__init__.py", submodule_search_locations=[str(source)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["attnhub.backends"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 _registry: BackendRegistry | None = None

@@ -306,3 +306,27 @@ def test_torch_compile_patched_model_without_graph_break():
         compiled = torch.compile(block, fullgraph=True, backend="eager")
         torch.testing.assert_close(compiled(x), ref, atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
+
+
+def test_a_call_only_the_reference_could_serve_goes_to_pytorch_instead():
+    from attnhub.registry import reload_registry
+
+    registry = reload_registry()
+    registry.remove("torch_sdpa")  # float64 on the CPU: now only torch_reference serves
+    attnhub.dispatch.clear_cache()
+    try:
+        q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+        expected = ORIGINAL(q, k, v, is_causal=True)
+        with attnhub.patch():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert torch.equal(out, expected)
+        assert attnhub.stats() == {SERVED_BY_PYTORCH: 1}
+        attnhub.reset_stats()
+        with attnhub.patch(backend=["torch_reference"]):  # named: then it serves
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.testing.assert_close(out, expected)
+        assert attnhub.stats() == {"torch_reference": 1}
+        with attnhub.patch(strict=True), pytest.raises(attnhub.NoBackendError, match="strict mode"):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    finally:
+        reload_registry()
