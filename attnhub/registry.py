@@ -89,7 +89,10 @@ def _declaration_problems(backend: Backend) -> list[str]:
             isinstance(backend.head_dim_multiple, int) and backend.head_dim_multiple >= 1,
             "head_dim_multiple must be an int >= 1",
         ),
-        (bool(backend.devices), "devices must name at least one device type"),
+        (
+            all(isinstance(d, str) for d in backend.devices),
+            "devices must be device type names such as 'cuda'",
+        ),
     ]
     problems += [message for ok, message in checks if not ok]
     return problems
@@ -107,13 +110,15 @@ class BackendRegistry:
         self.skipped: list[PluginSkip] = []
         self._current_origin = BUILTIN
         self._current_plugin = "attnhub.backends"
+        self._loading = False
 
     # -- registration ------------------------------------------------------
     def add(self, backend: Backend) -> None:
         """Register a backend instance (a class is instantiated).
 
-        Raises ``ValueError`` for a name already taken or nonsensical declarations;
-        during plugin loading that becomes a recorded failure of the plugin.
+        Raises ``ValueError`` for a name already taken or nonsensical declarations.
+        While plugins load, such a backend is instead left out and recorded as a
+        failure of its plugin, so that the plugin's other backends still register.
         """
         if isinstance(backend, type) and issubclass(backend, Backend):
             backend = backend()
@@ -123,14 +128,24 @@ class BackendRegistry:
             )
         problems = _declaration_problems(backend)
         if problems:
-            raise ValueError(f"backend {backend.name!r} declares nonsense: " + "; ".join(problems))
-        if backend.name in self._backends:
-            raise ValueError(
+            message = f"backend {backend.name!r} declares nonsense: " + "; ".join(problems)
+        elif backend.name in self._backends:
+            message = (
                 f"backend name {backend.name!r} from {self._current_origin} is already "
                 f"registered by {self._origins[backend.name]}"
             )
-        self._backends[backend.name] = backend
-        self._origins[backend.name] = self._current_origin
+        else:
+            self._backends[backend.name] = backend
+            self._origins[backend.name] = self._current_origin
+            return
+        if not self._loading:
+            raise ValueError(message)
+        self.failures.append(
+            PluginFailure(self._current_plugin, self._current_origin, f"ValueError: {message}")
+        )
+        log.warning(
+            "attnhub plugin %s (%s): %s", self._current_plugin, self._current_origin, message
+        )
 
     def remove(self, name: str) -> None:
         """Unregister a backend (tests and interactive use)."""
@@ -184,6 +199,7 @@ class BackendRegistry:
         impls = [impl for impl in hook.get_hookimpls() if impl.plugin is plugin]
         arguments = {"registry": self}
         self._current_origin, self._current_plugin = distribution, plugin_name
+        self._loading = True
         before = set(self._backends)
         try:
             for impl in impls:
@@ -197,6 +213,7 @@ class BackendRegistry:
             )
             log.warning("attnhub plugin %s (%s) failed: %s", plugin_name, distribution, exc)
         finally:
+            self._loading = False
             self._current_origin, self._current_plugin = BUILTIN, "attnhub.backends"
 
     def load(self, plugin_manager: pluggy.PluginManager | None = None) -> None:

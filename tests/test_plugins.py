@@ -147,7 +147,7 @@ def test_plugin_that_raises_while_registering_contributes_nothing(
         ({"causal_alignments": frozenset({"center"})}, r"causal_alignments must be within"),
         ({"memory": "constant"}, r"memory must be one of"),
         ({"head_dims": (128, 64)}, r"head_dims \(128, 64\) must be a \(low, high\) range"),
-        ({"devices": frozenset()}, r"devices must name at least one device type"),
+        ({"devices": frozenset({0})}, r"devices must be device type names"),
         ({"name": "Bad-Name"}, r"name 'Bad-Name' must be a lowercase identifier"),
     ],
     ids=["dtype", "mask", "alignment", "memory", "head_dims", "devices", "name"],
@@ -168,6 +168,23 @@ def test_plugin_that_declares_nonsense(
 
     assert re.search(error, failure.error), failure.error
     assert "fake_nonsense" not in registry.names() and "fake_good" in registry.names()
+
+
+def test_one_nonsense_backend_does_not_take_its_plugins_others_down(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    bad = _backend("fake_bad", memory="constant")
+    good = _backend("fake_fine")
+    registry = _load(
+        clean_env, FakeEntryPoint("mixed", "attnhub-mixed", lambda: _plugin(bad, good))
+    )
+    (failure,) = registry.failures
+    assert (
+        failure.distribution == "attnhub-mixed" and "'fake_bad' declares nonsense" in failure.error
+    )
+    assert "fake_fine" in registry.names() and "fake_bad" not in registry.names()
+    with pytest.raises(ValueError, match="declares nonsense"):  # outside loading it raises
+        registry.add(bad)
 
 
 def test_name_collision_with_a_builtin_and_between_plugins(clean_env: pytest.MonkeyPatch) -> None:
