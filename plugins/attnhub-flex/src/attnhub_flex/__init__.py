@@ -9,6 +9,14 @@ contract.md's features become FlexAttention's two hooks:
   added from the captured tensor, in contract.md's order (FlexAttention has already
   applied ``scale``).
 
+A block-sparse layout (``block_sparse=``, an ``attnhub.BlockSparseLayout``) becomes a
+``BlockMask`` built with ``BlockMask.from_kv_blocks`` from the layout's own compressed
+lists (partial blocks: ``index("partial_kv")``, full blocks: ``index("full_kv")``, at
+the layout's ``block_size``), intersected with the blocks the other masks keep, and a
+``mask_mod`` that is exact at token level (the layout's block state and its token-level
+``mask_mod``, and the other masks). It is built once per (layout, Nq, Nk, causal,
+alignment, window) and cached; see :func:`_layout_block_mask`.
+
 Grouped-query attention is ``enable_gqa=True``; the log-sum-exp comes from the kernel
 (natural log, -inf on rows with no key). Not offered, and declared so: dropout
 (FlexAttention has none, pytorch/pytorch#141784), a gradient for a float mask, and
@@ -29,7 +37,9 @@ gradients are refused.
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -73,7 +83,7 @@ def _index(sizes: torch.Size, *indices: Any) -> tuple[Any, ...]:
 def _mods(
     query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, params: AttentionParams
 ) -> tuple[Any, Any]:
-    """(mask_mod or None, score_mod or None) for the call."""
+    """(mask_mod or None, score_mod or None) for the call, without the layout."""
     nq, nk = query.shape[2], key.shape[2]
     offset = nk - nq if params.bottom_right else 0
     conditions = []
@@ -121,6 +131,226 @@ def _mods(
     return mask_mod, score_mod
 
 
+# -- block-sparse layouts ------------------------------------------------------------
+#
+# The compiled CUDA kernel tiles each sparse block with BLOCK_M x BLOCK_N tiles and
+# raises "Q and KV block size must be divisible by BLOCK_M and BLOCK_N" otherwise; its
+# default configurations use tiles of up to 128 (torch/_inductor/template_heuristics/
+# triton.py), so a layout is handed over at its own block size only when both sides
+# are multiples of 128. Other block sizes are served as exactly, through a BlockMask of
+# 128 x 128 blocks coarsened from the layout's (kept: any sub-block kept; full: every
+# sub-block full), the token-level mask_mod doing the rest. The eager CPU
+# implementation evaluates mask_mod on every score and ignores the block lists, so
+# there any block size is taken as it is.
+_KERNEL_BLOCK = 128
+
+# layout -> {(Nq, Nk, device, causal offset, window): BlockMask}. Weak keys: the cache
+# never keeps a layout alive, and an entry goes when its layout does (the BlockMask's
+# mask_mod captures the layout's tensors and mask_mod, never the layout itself, so the
+# value does not keep its key alive). Keying by id() instead would need the layout kept
+# alive to stop a recycled id from returning another layout's BlockMask.
+_block_masks: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+_block_masks_lock = threading.Lock()
+# BlockMask builds, counted for the tests (a reused layout must not rebuild).
+block_mask_builds = 0
+
+
+def _compress(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num, indices) int32 lists of the kept columns per row, kept ones first."""
+    num = mask.sum(-1, dtype=torch.int32)
+    indices = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num.contiguous(), indices.contiguous()
+
+
+def _layout_state(layout: Any) -> torch.Tensor:
+    """int8 (B or 1, H or 1, Nq blocks, Nk blocks): 0 dropped, 1 partial, 2 full."""
+    kept = layout.block_mask
+    full = layout.full_mask if layout.mask_mod is not None else kept
+    return kept.to(torch.int8) + full.to(torch.int8)
+
+
+def _layout_mod(layout: Any, state: torch.Tensor) -> Any:
+    """The layout's token-level mask (``to_dense_mask``) as a mask_mod; captures the
+    state tensor and the layout's mask_mod, not the layout."""
+    bq, bk = layout.block_size
+    lb, lh = state.shape[:2]
+    inner = layout.mask_mod
+
+    def mod(b: Any, h: Any, q: Any, k: Any) -> Any:
+        # A layout of batch or heads 1 applies to every batch or head, read at 0.
+        b = b if lb > 1 else b * 0
+        h = h if lh > 1 else h * 0
+        s = state[b, h, q // bq, k // bk]
+        if inner is None:
+            return s > 0
+        return (s == 2) | ((s == 1) & inner(b, h, q, k))
+
+    return mod
+
+
+def _reduce_to_blocks(
+    mod: Any, bh: tuple[int, int], nq: int, nk: int, block: tuple[int, int], device: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept, full) bool blocks of a token-level mask_mod; full = every in-range pair
+    kept (the kernel bounds-checks the ragged edge). One query block at a time, so
+    O(bq * Nk) memory."""
+    bq, bk = block
+    nqb, nkb = -(-nq // bq), -(-nk // bk)
+    nb, nh = bh
+    kept = torch.zeros(nb, nh, nqb, nkb, dtype=torch.bool, device=device)
+    full = torch.zeros_like(kept)
+    b = torch.arange(nb, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(nh, device=device).view(1, -1, 1, 1)
+    kv = torch.arange(nkb * bk, device=device).view(1, 1, 1, -1)
+    kv_valid = kv < nk
+    kv_clamped = kv.clamp(max=nk - 1)
+    for row in range(nqb):
+        q = torch.arange(row * bq, (row + 1) * bq, device=device).view(1, 1, -1, 1)
+        valid = (q < nq) & kv_valid
+        tile = mod(b, h, q.clamp(max=nq - 1), kv_clamped).expand(nb, nh, bq, nkb * bk)
+        tile = (tile & valid).view(nb, nh, bq, nkb, bk)
+        invalid = (~valid).expand(1, 1, bq, nkb * bk).reshape(1, 1, bq, nkb, bk)
+        kept[:, :, row] = tile.any(dim=(2, 4))
+        full[:, :, row] = (tile | invalid).all(dim=(2, 4)) & kept[:, :, row]
+    return kept, full
+
+
+def _coarsen(
+    kept: torch.Tensor, full: torch.Tensor, block: tuple[int, int], target: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of ``target`` tokens from blocks of ``block`` tokens (target a multiple):
+    kept if any sub-block is kept, full if every sub-block is (blocks past the end
+    count as full, they lie beyond N and the kernel bounds-checks them)."""
+    fq, fk = target[0] // block[0], target[1] // block[1]
+    b, h, nqb, nkb = kept.shape
+    pq, pk = -nqb % fq, -nkb % fk
+    kept = torch.nn.functional.pad(kept, (0, pk, 0, pq), value=False)
+    full = torch.nn.functional.pad(full, (0, pk, 0, pq), value=True)
+    shape = (b, h, (nqb + pq) // fq, fq, (nkb + pk) // fk, fk)
+    kept_c = kept.view(shape).any(dim=5).any(dim=3)
+    full_c = full.view(shape).all(dim=5).all(dim=3) & kept_c
+    return kept_c, full_c
+
+
+def _sparse_block(layout: Any, device_type: str) -> tuple[int, int]:
+    """The BlockMask's block size for this layout on this device (see _KERNEL_BLOCK)."""
+    if device_type == "cpu":
+        return layout.block_size
+    return tuple(  # type: ignore[return-value]
+        b if b % _KERNEL_BLOCK == 0 else _KERNEL_BLOCK if _KERNEL_BLOCK % b == 0 else -1
+        for b in layout.block_size
+    )
+
+
+def _build_layout_block_mask(
+    layout: Any,
+    nq: int,
+    nk: int,
+    other_mod: Any,
+    other_bh: tuple[int, int],
+    device: Any,
+    sparse_block: tuple[int, int],
+) -> Any:
+    """A BlockMask meaning ``layout.to_dense_mask(nq, nk) & other_mod``."""
+    global block_mask_builds
+    flex = _flex_module()
+    state = _layout_state(layout)
+    layout_mod = _layout_mod(layout, state)
+    if other_mod is None:
+        mask_mod = layout_mod
+    else:
+
+        def mask_mod(b: Any, h: Any, q: Any, k: Any) -> Any:
+            return layout_mod(b, h, q, k) & other_mod(b, h, q, k)
+
+    block = layout.block_size
+    if other_mod is None and sparse_block == block:
+        # The layout's own lists, as they are.
+        if layout.mask_mod is None:
+            full = layout.index("kv")
+            partial_num = torch.zeros_like(full.num)
+            partial = (partial_num, full.indices)
+        else:
+            full = layout.index("full_kv")
+            p = layout.index("partial_kv")
+            partial = (p.num, p.indices)
+        full_lists = (full.num, full.indices)
+    else:
+        kept = state > 0
+        full = state == 2
+        if other_mod is not None:
+            o_kept, o_full = _reduce_to_blocks(other_mod, other_bh, nq, nk, block, device)
+            kept, full = kept & o_kept, full & o_full
+        if sparse_block != block:
+            kept, full = _coarsen(kept, full, block, sparse_block)
+        partial = _compress(kept & ~full)
+        full_lists = _compress(full)
+    block_mask_builds += 1
+    return flex.BlockMask.from_kv_blocks(
+        partial[0],
+        partial[1],
+        full_lists[0],
+        full_lists[1],
+        BLOCK_SIZE=sparse_block,
+        mask_mod=mask_mod,
+        seq_lengths=(nq, nk),
+    )
+
+
+def _layout_block_mask(
+    query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, params: AttentionParams
+) -> Any:
+    """The call's BlockMask for ``params.block_sparse``, cached unless a bool
+    ``attn_mask`` (whose values the cache cannot key on) takes part."""
+    layout = params.block_sparse
+    nq, nk = query.shape[2], key.shape[2]
+    # Only the mask_mod side of _mods matters here: the float mask and the softcap
+    # are score_mod, which the BlockMask does not hold.
+    other_mod, _ = _mods(query, key, attn_mask if _is_bool(attn_mask) else None, params)
+    other_bh = (1, 1)
+    if _is_bool(attn_mask):
+        m = _as_4d(attn_mask)  # type: ignore[arg-type]
+        other_bh = (m.shape[0], m.shape[1])
+    sparse_block = _sparse_block(layout, query.device.type)
+    if min(sparse_block) < 1:
+        # A side neither a multiple nor a divisor of 128: reduce the exact token-level
+        # mask to 128 x 128 blocks (quadratic in N to build, like create_block_mask).
+        sparse_block = (_KERNEL_BLOCK, _KERNEL_BLOCK)
+        lmod = _layout_mod(layout, _layout_state(layout))
+        mod = (
+            lmod
+            if other_mod is None
+            else (lambda b, h, q, k: lmod(b, h, q, k) & other_mod(b, h, q, k))
+        )
+        b = max(layout.shape[0], other_bh[0])
+        h = max(layout.shape[1], other_bh[1])
+        return _flex_module().create_block_mask(
+            mod, b, h, nq, nk, device=query.device, BLOCK_SIZE=sparse_block
+        )
+    if _is_bool(attn_mask):
+        return _build_layout_block_mask(
+            layout, nq, nk, other_mod, other_bh, query.device, sparse_block
+        )
+    offset = nk - nq if params.bottom_right else 0
+    signature = (nq, nk, str(query.device), params.causal, offset, params.window)
+    with _block_masks_lock:
+        per_layout = _block_masks.setdefault(layout, {})
+        hit = per_layout.get(signature)
+    if hit is None:
+        hit = _build_layout_block_mask(
+            layout, nq, nk, other_mod, other_bh, query.device, sparse_block
+        )
+        with _block_masks_lock:
+            per_layout[signature] = hit
+    return hit
+
+
+def _is_bool(attn_mask: torch.Tensor | None) -> bool:
+    return attn_mask is not None and attn_mask.dtype == torch.bool
+
+
 class FlexAttention(Backend):
     name = "flex_attention"
     description = "torch.nn.attention.flex_attention (compiled on CUDA, eager on CPU)"
@@ -132,7 +362,7 @@ class FlexAttention(Backend):
     value_head_dim = True
     mask_kinds = frozenset({"none", "bool", "float"})
     causal_alignments = frozenset({"top_left", "bottom_right"})
-    window = softcap = gqa = lse = True
+    window = softcap = gqa = lse = block_sparse = True
     backward = True
     memory = "linear"
     compile_safe = True
@@ -163,7 +393,9 @@ class FlexAttention(Backend):
         nk = key.shape[2]
         mask_mod, score_mod = _mods(query, key, attn_mask, params)
         block_mask = None
-        if mask_mod is not None:
+        if params.block_sparse is not None:
+            block_mask = _layout_block_mask(query, key, attn_mask, params)
+        elif mask_mod is not None:
             block_mask = flex.create_block_mask(mask_mod, b, hq, nq, nk, device=query.device)
         kwargs: dict[str, Any] = {
             "score_mod": score_mod,
