@@ -83,6 +83,7 @@ class AttentionRequest:
     deterministic: bool = False
     last_dim_contiguous: bool = True
     block_sparse: bool = False
+    block_size: tuple[int, int] | None = None  # the block_sparse layout's (bq, bk)
     return_lse: bool = False
 
     @property
@@ -100,9 +101,13 @@ class AttentionRequest:
         flags = []
         if self.causal:
             flags.append(f"causal ({self.alignment})")
-        for name in ("window", "softcap", "dropout", "block_sparse", "return_lse"):
+        for name in ("window", "softcap", "dropout", "return_lse"):
             if getattr(self, name):
                 flags.append(name)
+        if self.block_sparse:
+            flags.append(
+                "block_sparse" + ("{}x{}".format(*self.block_size) if self.block_size else "")
+            )
         if self.mask != "none":
             flags.append(f"{self.mask} mask" + (" with grad" if self.mask_needs_grad else ""))
         if self.needs_grad:

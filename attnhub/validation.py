@@ -253,5 +253,6 @@ def build_request(
         deterministic=needs_grad and torch.are_deterministic_algorithms_enabled(),
         last_dim_contiguous=all(t.stride(-1) == 1 or t.shape[-1] <= 1 for t in (query, key, value)),
         block_sparse=params.block_sparse is not None,
+        block_size=params.block_sparse.block_size if params.block_sparse is not None else None,
         return_lse=params.return_lse,
     )

@@ -12,11 +12,12 @@ from attnhub.registry import BackendRegistry
 
 from .torch_reference import TorchReference
 from .torch_sdpa import PINNED, TorchSDPA
+from .triton_blocksparse import TritonBlockSparse
 from .triton_flash import TritonFlash
 from .xformers_backend import XFormers
 
 
 @hookimpl
 def attnhub_register_backends(registry: BackendRegistry) -> None:
-    for backend in (TorchReference, TorchSDPA, *PINNED, XFormers, TritonFlash):
+    for backend in (TorchReference, TorchSDPA, *PINNED, XFormers, TritonFlash, TritonBlockSparse):
         registry.add(backend())

@@ -1,0 +1,99 @@
+"""Compile the triton_blocksparse kernels for a GPU target on a machine without a GPU.
+
+Mirrors ``attnhub.backends.triton_flash.aot_check`` (and reuses its recorder and
+compiler): runs the block-sparse ops on CPU tensors with launches recorded instead of
+executed, compiles each recorded launch for sm_90 with Triton's ahead-of-time path and
+reports shared memory against the H100/H200 limit.
+
+    python -m attnhub.backends.triton_blocksparse.aot_check [--quick] [--capability 90]
+
+Exit status 1 when any variant fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+# Kernel modules decide between interpreter and compiler when imported.
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch
+
+from attnhub.backends.triton_flash import aot_check as flash_aot
+from attnhub.block_sparse import BlockSparseLayout
+
+from . import ops
+
+
+def record(cases: list[tuple[torch.dtype, int, int, dict]]) -> list:
+    """Forward+backward for each (dtype, head dim, block, options) on CPU, recorded."""
+    launches: list = []
+    original = ops._launcher  # every launch of ops.py, the shared preprocess kernel too
+    ops._launcher = lambda kernel, like: flash_aot._Recorder(kernel, launches)  # type: ignore[assignment]
+    try:
+        for dtype, d, block, options in cases:
+            options = dict(options)
+            n = 2 * block + 40
+            layout = BlockSparseLayout.sliding_window(n, block + 10, block)
+            q = torch.randn(1, 2, n, d, dtype=dtype, requires_grad=True)
+            k = torch.randn(1, 1, n, d, dtype=dtype, requires_grad=True)
+            mask = options.pop("mask", None)
+            if mask == "float":
+                mask = torch.randn(n, n, dtype=dtype)
+            out, _ = ops.block_sparse_attention(q, k, k, layout, mask, **options)
+            out.sum().backward()
+    finally:
+        ops._launcher = original  # type: ignore[assignment]
+    return launches
+
+
+def variants(quick: bool) -> list[tuple[torch.dtype, int, int, dict]]:
+    full = {"causal": True, "bottom_right": True, "window": (30, None), "softcap": 5.0,
+            "mask": "float", "dropout_p": 0.1}  # fmt: skip
+    if quick:
+        return [(torch.bfloat16, 128, 128, {"causal": True}), (torch.float32, 40, 64, full)]
+    cases: list[tuple[torch.dtype, int, int, dict]] = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for block in (64, 128):
+            for d in (64, 128):
+                cases += [(dtype, d, block, {}), (dtype, d, block, {"causal": True})]
+            cases += [(dtype, 40, block, full)]
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two variants (for CI)")
+    parser.add_argument("--capability", type=int, default=90)
+    args = parser.parse_args(argv)
+    # The block lists are int32 tensors, which triton_flash's kernels never take.
+    flash_aot._TYPES.setdefault(torch.int32, "i32")
+    types = flash_aot._TYPES
+    seen, failures, start = set(), 0, time.time()
+    for kernel, kargs, kwargs in record(variants(args.quick)):
+        key = (kernel.fn.__name__, str([types.get(getattr(a, "dtype", None), a == 1) for a in kargs]),
+               str(sorted(kwargs.items())))  # fmt: skip
+        if key in seen:
+            continue
+        seen.add(key)
+        name = f"{kernel.fn.__name__} {types[kargs[0].dtype]} {kwargs}"
+        try:
+            compiled = flash_aot.compile_launch(kernel, kargs, kwargs, args.capability)
+            shared = compiled.metadata.shared
+        except Exception as exc:
+            failures += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
+            continue
+        over = shared > flash_aot.SHARED_LIMIT
+        failures += over
+        print(f"{'FAIL' if over else 'ok'} {name} shared={shared}", flush=True)
+    print(f"{len(seen)} launches compiled for sm_{args.capability} in {time.time() - start:.0f} s, "
+          f"{failures} failures")  # fmt: skip
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

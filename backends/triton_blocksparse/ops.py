@@ -1,0 +1,301 @@
+"""``attnhub::triton_blocksparse_fwd`` / ``_bwd``: the block-sparse kernels as torch ops.
+
+Registered like triton_flash's ops (``triton_op`` on the GPU, an opaque ``custom_op``
+under the interpreter; the same launcher and interpreter lock). The layout enters as a
+list of int32/uint8 tensors built once per (layout, device) by :func:`layout_tensors`.
+
+Memory of the layout tensors (beyond the layout's own block masks):
+- block lists: 4 directions x (num + indices) int32, plus the tile numbers of partial
+  blocks in both directions: (B_l, H_l, Nq/bq, Nk/bk) int32 each, the same size as the
+  layout's ``block_mask`` (Lb x Lh x (Nq/bq) x (Nk/bk)), i.e. N^2 / (bq * bk) entries
+  (FlexAttention's BlockMask keeps the same);
+- token masks of partial blocks: uint8 (P, bq, bk), P = number of partial blocks, so
+  P * bq * bk bytes. Causal and sliding-window layouts have O(N / bq) partial blocks:
+  linear in N (causal at N = 64K, block 128: 512 tiles, 8 MiB). Nothing N x N is built.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+import triton
+
+from attnhub.backends.triton_flash import kernels as flash_kernels
+from attnhub.backends.triton_flash.ops import (
+    NO_WINDOW,
+    _band,
+    _common_meta,
+    _define,
+    _launcher,
+    _mask_view,
+    interpreting,
+)
+from attnhub.block_sparse import BlockSparseLayout, _compress
+
+from . import SUPPORTED_BLOCKS, kernels
+
+_TILE_CHUNK = 256  # partial blocks evaluated per mask_mod call when building tiles
+
+_cache: weakref.WeakKeyDictionary[BlockSparseLayout, dict[str, list[torch.Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def unsupported_block_size(block_size: tuple[int, int]) -> str | None:
+    bad = [b for b in block_size if b not in SUPPORTED_BLOCKS]
+    if bad:
+        return (
+            f"block_sparse block_size {tuple(block_size)} is not supported by triton_blocksparse "
+            f"(each side must be one of {SUPPORTED_BLOCKS}: the kernel's tile is the layout's block)"
+        )
+    return None
+
+
+def _tiles(layout: BlockSparseLayout, partial: torch.Tensor) -> torch.Tensor:
+    """uint8 (P, bq, bk) token masks of the partial blocks, in row-major block order."""
+    bq, bk = layout.block_size
+    coords = partial.nonzero()
+    count = coords.shape[0]
+    device = partial.device
+    tiles = torch.empty(max(count, 1), bq, bk, dtype=torch.uint8, device=device)
+    if count == 0 or layout.mask_mod is None:
+        tiles.fill_(1)
+        return tiles
+    rq = torch.arange(bq, device=device).view(1, -1, 1)
+    rk = torch.arange(bk, device=device).view(1, 1, -1)
+    for lo in range(0, count, _TILE_CHUNK):
+        c = coords[lo : lo + _TILE_CHUNK]
+        b, h = c[:, 0].view(-1, 1, 1), c[:, 1].view(-1, 1, 1)
+        q = c[:, 2].view(-1, 1, 1) * bq + rq
+        kv = c[:, 3].view(-1, 1, 1) * bk + rk
+        keep = layout.mask_mod(b, h, q, kv).expand(c.shape[0], bq, bk)
+        tiles[lo : lo + c.shape[0]] = keep.to(torch.uint8)
+    return tiles
+
+
+def layout_tensors(layout: BlockSparseLayout, device: torch.device) -> list[torch.Tensor]:
+    """[kv full num, kv full idx, kv partial num, kv partial idx, kv partial tile,
+    q full num, q full idx, q partial num, q partial idx, q partial tile, tiles]:
+    int32 block lists (B_l, H_l, rows[, cols]) and the uint8 (P, bq, bk) token masks.
+    Built once per layout and device (cached weakly on the layout)."""
+    per_layout = _cache.setdefault(layout, {})
+    key = str(device)
+    if key in per_layout:
+        return per_layout[key]
+    block = layout.block_mask.to(device)
+    if layout.mask_mod is None:  # to_dense_mask keeps every token of a kept block
+        full = block
+    else:
+        full = layout.full_mask.to(device)
+    partial = block & ~full
+    tile_id = torch.full(block.shape, -1, dtype=torch.int32, device=device)
+    tile_id[partial] = torch.arange(int(partial.sum()), dtype=torch.int32, device=device)
+    out: list[torch.Tensor] = []
+    for f, p, t in ((full, partial, tile_id), (full.mT, partial.mT, tile_id.mT)):
+        fi, pi = _compress(f), _compress(p)
+        ptile = t.gather(-1, pi.indices.long()).to(torch.int32)
+        out += [fi.num, fi.indices, pi.num, pi.indices, ptile]
+    out = [x.contiguous() for x in out]
+    out.append(_tiles(layout, partial))
+    per_layout[key] = out
+    return out
+
+
+def _index_strides(num: torch.Tensor, idx: torch.Tensor) -> tuple[int, ...]:
+    """(num batch, num head, idx batch, idx head) strides, 0 where the layout broadcasts,
+    and the idx row length."""
+    lb, lh = num.shape[:2]
+    return (
+        0 if lb == 1 else num.stride(0),
+        0 if lh == 1 else num.stride(1),
+        0 if lb == 1 else idx.stride(0),
+        0 if lh == 1 else idx.stride(1),
+        idx.shape[-1],
+    )
+
+
+def _launch_meta(bq: int, bk: int, interp: bool) -> dict[str, int]:
+    # First choices, not measured: 8 warps for 128 x 128 tiles, 4 below; two stages.
+    if interp:
+        return {"num_warps": 4, "num_stages": 1}
+    return {"num_warps": 8 if bq * bk >= 128 * 128 else 4, "num_stages": 2}
+
+
+def _fwd_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    index: list[torch.Tensor],
+    bq: int,
+    bk: int,
+    causal: bool,
+    bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    scale: float,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward over the kept blocks; shapes and conventions as triton_flash's op."""
+    b, hq, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    out = torch.empty((b, hq, nq, dv), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    if b * hq * nq == 0:
+        return out, lse
+    if nk == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    mask_t, ms, mask_kind = _mask_view(mask, q)
+    _, offset, left, right = _band(nq, nk, causal, bottom_right, window_left, window_right)
+    meta = _common_meta(
+        q, v, causal, bottom_right, window_left, window_right, softcap, mask_kind, dropout_p
+    )
+    fnum, fidx, pnum, pidx, ptile = index[:5]
+    tiles = index[10]
+    grid = (triton.cdiv(nq, bq), b * hq)
+    _launcher(kernels.bs_fwd_kernel, q)[grid](
+        q, k, v, mask_t, q if seed is None else seed, out, lse,
+        fnum, fidx, pnum, pidx, ptile, tiles,
+        *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(), *_index_strides(fnum, fidx),
+        hq, hq // hkv, nq, nk, d, dv, offset, left, right,
+        scale * math.log2(math.e), scale, softcap if softcap > 0.0 else 1.0, dropout_p,
+        BLOCK_M=bq, BLOCK_N=bk, HAS_PARTIAL=bool(int(pnum.max()) > 0) if pnum.numel() else False,
+        **meta, **_launch_meta(bq, bk, interpreting()),
+    )  # fmt: skip
+    return out, lse
+
+
+def _bwd_impl(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    index: list[torch.Tensor],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    bq: int,
+    bk: int,
+    causal: bool,
+    bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    scale: float,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward over the kept blocks: (dq, dk, dv); deterministic, no atomics."""
+    b, hq, nq, d = q.shape
+    hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    if b * hq * nq == 0 or nk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    mask_t, ms, mask_kind = _mask_view(mask, q)
+    _, offset, left, right = _band(nq, nk, causal, bottom_right, window_left, window_right)
+    meta = _common_meta(
+        q, v, causal, bottom_right, window_left, window_right, softcap, mask_kind, dropout_p
+    )
+    interp = interpreting()
+    delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    pre_m = 32 if interp else 64
+    _launcher(flash_kernels.attn_bwd_preprocess_kernel, q)[(triton.cdiv(nq, pre_m), b * hq)](
+        out, dout, delta, *out.stride(), *dout.stride(), hq, nq, dv_dim,
+        BLOCK_M=pre_m, BLOCK_DV=meta["BLOCK_DV"],
+    )  # fmt: skip
+    if dlse is not None:
+        delta = delta - dlse.float()
+    scalars = (offset, left, right, scale * math.log2(math.e), scale,
+               softcap if softcap > 0.0 else 1.0, dropout_p)  # fmt: skip
+    seed_t = q if seed is None else seed
+    tiles = index[10]
+    has_partial = bool(int(index[2].max()) > 0) if index[2].numel() else False
+    launch = {"BLOCK_M": bq, "BLOCK_N": bk, "HAS_PARTIAL": has_partial, **meta,
+              **_launch_meta(bq, bk, interp)}  # fmt: skip
+
+    fnum, fidx, pnum, pidx, ptile = index[5:10]
+    _launcher(kernels.bs_bwd_dkdv_kernel, q)[(triton.cdiv(nk, bk), b * hkv)](
+        q, k, v, mask_t, seed_t, dout, lse, delta, dk, dv,
+        fnum, fidx, pnum, pidx, ptile, tiles,
+        *q.stride(), *k.stride(), *v.stride(), *ms, *dout.stride(), *dk.stride(), *dv.stride(),
+        *_index_strides(fnum, fidx),
+        hq, hkv, hq // hkv, nq, nk, d, dv_dim, *scalars, **launch,
+    )  # fmt: skip
+    fnum, fidx, pnum, pidx, ptile = index[:5]
+    _launcher(kernels.bs_bwd_dq_kernel, q)[(triton.cdiv(nq, bq), b * hq)](
+        q, k, v, mask_t, seed_t, dout, lse, delta, dq,
+        fnum, fidx, pnum, pidx, ptile, tiles,
+        *q.stride(), *k.stride(), *v.stride(), *ms, *dout.stride(), *dq.stride(),
+        *_index_strides(fnum, fidx),
+        hq, hq // hkv, nq, nk, d, dv_dim, *scalars, **launch,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+triton_blocksparse_fwd = _define("attnhub::triton_blocksparse_fwd", _fwd_impl)
+triton_blocksparse_bwd = _define("attnhub::triton_blocksparse_bwd", _bwd_impl)
+_N_SCALARS = 9  # bq, bk, causal, bottom_right, window_left, window_right, softcap, scale, p
+
+
+def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, mask, seed, index, *scalars = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, mask, seed, out, lse, *index)
+    ctx.scalars = scalars
+
+
+def _backward(ctx, dout, dlse):  # type: ignore[no-untyped-def]
+    q, k, v, mask, seed, out, lse, *index = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = triton_blocksparse_bwd(
+        dout, q, k, v, mask, seed, list(index), out, lse, dlse, *ctx.scalars
+    )
+    return (dq, dk, dv, None, None, [None] * len(index)) + (None,) * _N_SCALARS
+
+
+triton_blocksparse_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: BlockSparseLayout,
+    mask: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
+    bottom_right: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable block-sparse attention; returns (out, lse). As triton_flash's
+    ``flash_attention`` with the layout's token mask applied as well."""
+    why = unsupported_block_size(layout.block_size)
+    if why is not None:
+        raise ValueError(why)
+    layout.check_compatible(q, k)
+    left, right = window if window is not None else (None, None)
+    seed = None
+    if dropout_p > 0.0:
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
+    bq, bk = layout.block_size
+    extra: Any = layout_tensors(layout, q.device)
+    return triton_blocksparse_fwd(
+        q, k, v, mask, seed, extra, bq, bk, causal, bottom_right,
+        NO_WINDOW if left is None else int(left), NO_WINDOW if right is None else int(right),
+        float(softcap or 0.0), float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])),
+        float(dropout_p),
+    )  # fmt: skip

@@ -1,0 +1,303 @@
+"""triton_blocksparse: forward and backward against the float64 reference with the
+layout's dense mask, in Triton's interpreter (float32, float16) on CPU.
+
+The reference is ``reference_attention`` with the same ``block_sparse`` layout (it
+applies ``layout.to_dense_mask``); the tolerance rule is contract.md's (via
+attnhub.testing.tolerance). GPU cases are marked ``gpu`` and skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+import attnhub  # noqa: E402
+from attnhub import BlockSparseLayout  # noqa: E402
+from attnhub.backends.torch_reference import reference_attention  # noqa: E402
+from attnhub.backends.triton_blocksparse import TritonBlockSparse, ops  # noqa: E402
+from attnhub.request import AttentionParams  # noqa: E402
+from attnhub.testing.tolerance import assert_matches_reference  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16]
+SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+gpu = pytest.mark.gpu
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+interpreter_only = pytest.mark.skipif(HAS_CUDA, reason="the backend is offered on CPU only")
+
+
+def _random_layout(b, h, nq, nk, block, density, seed):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    bq, bk = (block, block) if isinstance(block, int) else block
+    shape = (b, h, -(-nq // bq), -(-nk // bk))
+    return BlockSparseLayout.from_block_mask(torch.rand(shape, generator=gen) < density, block)
+
+
+def _run(layout, q, k, v, dout, mask=None, **kw):  # type: ignore[no-untyped-def]
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = ops.block_sparse_attention(q, k, v, layout.to(q.device), mask, **kw)
+    out.backward(dout)
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def _ref(layout, q, k, v, dout, dtype, mask=None, causal=False, bottom_right=False,
+         window=None, softcap=None):  # type: ignore[no-untyped-def]  # fmt: skip
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    params = AttentionParams(
+        causal=causal, alignment="bottom_right" if bottom_right else "top_left", window=window,
+        softcap=softcap, scale=q.shape[-1] ** -0.5, block_sparse=layout.to(q.device),
+    )  # fmt: skip
+    out, lse = reference_attention(q, k, v, mask, params)
+    out.backward(dout.to(dtype))
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def _check(layout, dtype, b, hq, hkv, nq, nk, d, mask=None, qkv=None, **kw):  # type: ignore[no-untyped-def]
+    if qkv is None:
+        q = torch.randn(b, hq, nq, d, dtype=dtype, device=DEVICE)
+        k = torch.randn(b, hkv, nk, d, dtype=dtype, device=DEVICE)
+        v = torch.randn(b, hkv, nk, d, dtype=dtype, device=DEVICE)
+    else:
+        q, k, v = qkv
+    dout = torch.randn(b, hq, nq, d, dtype=dtype, device=DEVICE)
+    got = _run(layout, q, k, v, dout, mask, scale=d**-0.5, **kw)
+    r64 = _ref(layout, q, k, v, dout, torch.float64, mask, **kw)
+    rlp = _ref(layout, q, k, v, dout, dtype, mask, **kw)
+    for name, x, lp, r in zip(("out", "lse", "dq", "dk", "dv"), got, rlp, r64):
+        assert_matches_reference(x, lp, r, name)
+    empty = torch.isinf(r64[1])
+    assert (got[0][empty] == 0).all() and (got[2][empty] == 0).all()
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+@pytest.mark.parametrize("density", [0.2, 0.5, 1.0])
+def test_random_layouts(dtype: torch.dtype, density: float) -> None:
+    torch.manual_seed(int(density * 10))
+    layout = _random_layout(1, 2, 192, 192, 64, density, seed=int(density * 100))
+    _check(layout, dtype, 1, 2, 2, 192, 192, 32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+def test_empty_rows_and_ragged(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    keep = torch.rand(1, 1, 3, 2) < 0.6
+    keep[0, 0, 1] = False  # a query block with no kept key block
+    layout = BlockSparseLayout.from_block_mask(keep, 64)
+    got = _check(layout, dtype, 1, 2, 2, 150, 100, 40)
+    assert torch.isinf(got[1][:, :, 64:128]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+@pytest.mark.parametrize("bottom_right", [False, True], ids=["tl", "br"])
+def test_causal_combined(dtype: torch.dtype, bottom_right: bool) -> None:
+    torch.manual_seed(2)
+    layout = _random_layout(1, 1, 130, 200, 64, 0.6, seed=3)
+    _check(layout, dtype, 1, 2, 2, 130, 200, 32, causal=True, bottom_right=bottom_right)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+def test_gqa_and_head_broadcast_layout(dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    layout = _random_layout(2, 4, 128, 128, 64, 0.5, seed=4)  # per batch and head
+    _check(layout, dtype, 2, 4, 2, 128, 128, 16)
+    layout = _random_layout(1, 4, 128, 128, 64, 0.5, seed=5)  # batch broadcast
+    _check(layout, dtype, 2, 4, 1, 128, 128, 16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+def test_partial_blocks_causal_layout(dtype: torch.dtype) -> None:
+    torch.manual_seed(4)
+    _check(BlockSparseLayout.causal(170, 64), dtype, 1, 2, 2, 170, 170, 32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+def test_partial_blocks_sliding_window(dtype: torch.dtype) -> None:
+    torch.manual_seed(5)
+    layout = BlockSparseLayout.sliding_window(200, 50, 64, causal=False)
+    _check(layout, dtype, 1, 2, 1, 200, 200, 32, softcap=3.0)
+
+
+def test_mask_mod_per_head_with_window_and_float_mask() -> None:
+    torch.manual_seed(6)
+
+    def mod(b, h, q, kv):  # type: ignore[no-untyped-def]
+        return ((q + kv + h) % 3) != 0
+
+    layout = BlockSparseLayout.from_mask_mod(mod, 100, 140, 64, heads=2)
+    mask = torch.randn(100, 140, device=DEVICE)
+    _check(layout, torch.float32, 1, 2, 2, 100, 140, 16, mask=mask, window=(30, 20))
+
+
+def test_block_128_and_rectangular_blocks() -> None:
+    torch.manual_seed(7)
+    layout = _random_layout(1, 1, 256, 200, 128, 0.7, seed=8)
+    _check(layout, torch.float16, 1, 1, 1, 256, 200, 16)
+    layout = _random_layout(1, 1, 100, 130, (32, 64), 0.6, seed=9)
+    _check(layout, torch.float32, 1, 1, 1, 100, 130, 16, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+def test_dropped_blocks_are_never_read(dtype: torch.dtype) -> None:
+    """NaN in the K/V rows of key blocks no query block keeps: the answer equals the
+    reference on the clean tensors (so those rows were never loaded)."""
+    torch.manual_seed(8)
+    keep = torch.ones(1, 1, 3, 4, dtype=torch.bool)
+    keep[..., 1] = False
+    keep[0, 0, 2, 3] = False
+    keep[0, 0, 0, 3] = False
+    keep[0, 0, 1, 3] = False  # key block 3 (ragged tail) dropped everywhere too
+    layout = BlockSparseLayout.from_block_mask(keep, 64)
+    q = torch.randn(1, 2, 150, 32, dtype=dtype, device=DEVICE)
+    k = torch.randn(1, 2, 230, 32, dtype=dtype, device=DEVICE)
+    v = torch.randn(1, 2, 230, 32, dtype=dtype, device=DEVICE)
+    dout = torch.randn(1, 2, 150, 32, dtype=dtype, device=DEVICE)
+    kn, vn = k.clone(), v.clone()
+    for t in (kn, vn):
+        t[:, :, 64:128] = float("nan")
+        t[:, :, 192:] = float("nan")
+    got = _run(layout, q, kn, vn, dout, scale=32**-0.5)
+    for x in got[:3]:
+        assert torch.isfinite(x).all() or x is got[1]
+    assert not torch.isnan(got[1]).any()
+    r64 = _ref(layout, q, k, v, dout, torch.float64)
+    rlp = _ref(layout, q, k, v, dout, dtype)
+    for name, x, lp, r in zip(("out", "lse", "dq"), got[:3], rlp, r64):
+        assert_matches_reference(x, lp, r, name)
+    keep_rows = torch.ones(230, dtype=torch.bool)
+    keep_rows[64:128] = False
+    keep_rows[192:] = False
+    assert_matches_reference(
+        got[3][:, :, keep_rows], rlp[3][:, :, keep_rows], r64[3][:, :, keep_rows], "dk"
+    )
+    assert_matches_reference(
+        got[4][:, :, keep_rows], rlp[4][:, :, keep_rows], r64[4][:, :, keep_rows], "dv"
+    )
+    assert (got[3][:, :, ~keep_rows] == 0).all() and (got[4][:, :, ~keep_rows] == 0).all()
+
+
+def test_dropout_full_layout_matches_triton_flash() -> None:
+    """With every block kept, dropout draws triton_flash's Philox stream exactly."""
+    from attnhub.backends.triton_flash import ops as flash_ops
+
+    torch.manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 100, 32) for _ in range(3))
+    dout = torch.randn(1, 2, 100, 32)
+    layout = BlockSparseLayout.from_block_mask(torch.ones(1, 1, 2, 2, dtype=torch.bool), 64)
+    torch.manual_seed(10)
+    got = _run(layout, q, k, v, dout, causal=True, dropout_p=0.3)
+    qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
+    torch.manual_seed(10)
+    out, lse = flash_ops.flash_attention(qd, kd, vd, causal=True, dropout_p=0.3)
+    out.backward(dout)
+    for x, y in zip(got, (out, lse, qd.grad, kd.grad, vd.grad)):
+        assert (x - y.detach()).abs().max().item() < 1e-4
+
+
+def test_lse_gradient() -> None:
+    torch.manual_seed(11)
+    layout = BlockSparseLayout.causal(96, 64)
+    q, k, v = (torch.randn(1, 1, 96, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out, lse = ops.block_sparse_attention(q32, k32, v32, layout)
+    (out.sum() + lse.sum()).backward()
+    params = AttentionParams(scale=16**-0.5, block_sparse=layout)
+    ro, rl = reference_attention(q, k, v, None, params)
+    (ro.sum() + rl.sum()).backward()
+    for x, r in ((q32.grad, q.grad), (k32.grad, k.grad), (v32.grad, v.grad)):
+        assert (x.double() - r).abs().max().item() < 1e-4
+
+
+def test_layout_tensors_are_compact_and_cached() -> None:
+    layout = BlockSparseLayout.causal(64 * 40, 64)
+    first = ops.layout_tensors(layout, torch.device("cpu"))
+    assert ops.layout_tensors(layout, torch.device("cpu")) is first
+    tiles = first[-1]
+    assert tiles.shape == (40, 64, 64)  # one token mask per diagonal block: linear in N
+    assert torch.equal(tiles[0].bool(), torch.ones(64, 64, dtype=torch.bool).tril())
+
+
+@interpreter_only
+def test_declarations_and_dispatch() -> None:
+    import attnhub
+
+    backend = TritonBlockSparse()
+    assert backend.block_sparse and backend.memory == "linear"
+    assert backend.devices == frozenset({"cpu"}) and backend.unavailable_reason() is None
+    q = torch.randn(1, 2, 100, 16)
+    layout = BlockSparseLayout.causal(100, 64)
+    decision = attnhub.explain(q, q, q, block_sparse=layout)
+    assert decision.chosen == "triton_blocksparse", str(decision)
+    out, lse = attnhub.attention(q, q, q, block_sparse=layout, return_lse=True)
+    ref, ref_lse = attnhub.attention(
+        q, q, q, causal=True, return_lse=True, backend="torch_reference"
+    )
+    assert (out - ref).abs().max().item() < 1e-5
+    assert (lse - ref_lse).abs().max().item() < 1e-5
+    dense = attnhub.explain(q, q, q, causal=True)
+    assert dense.chosen != "triton_blocksparse"
+    reasons = dict((c.name, c.reasons) for c in dense.candidates)["triton_blocksparse"]
+    assert any("only serves block_sparse" in r for r in reasons)
+
+
+def test_unavailable_without_interpreter() -> None:
+    code = (
+        "from attnhub.backends.triton_blocksparse import TritonBlockSparse as T; b = T(); "
+        "print(b.devices == frozenset(), b.unavailable_reason())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, check=True)  # fmt: skip
+    assert "True not yet run on a GPU; available under TRITON_INTERPRET=1 only" in result.stdout
+
+
+def test_unsupported_block_size_is_declined_at_dispatch_and_raises_in_the_op() -> None:
+    layout = BlockSparseLayout.from_block_mask(torch.ones(1, 1, 2, 2, dtype=torch.bool), 48)
+    q = torch.randn(1, 1, 96, 16)
+    decision = attnhub.explain(q, q, q, block_sparse=layout)
+    assert decision.chosen != "triton_blocksparse"
+    assert decision.reasons()["triton_blocksparse"] == [
+        "block_size (48, 48) is not supported (each side must be one of (16, 32, 64, 128): "
+        "the kernel's tile is the layout's block)"
+    ]
+    with pytest.raises(ValueError, match="block_size"):
+        ops.block_sparse_attention(q, q, q, layout)
+
+
+def test_kernels_compile_for_sm90() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-m", "attnhub.backends.triton_blocksparse.aot_check", "--quick"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=SHORT.get)
+@pytest.mark.parametrize("block", [64, 128])
+def test_gpu_large(dtype: torch.dtype, block: int) -> None:
+    torch.manual_seed(12)
+    for layout in (
+        _random_layout(2, 4, 2048, 2048, block, 0.3, seed=13),
+        BlockSparseLayout.sliding_window(2048, 300, block),
+        BlockSparseLayout.bigbird(2048, block),
+    ):
+        _check(layout, dtype, 2, 4, 2, 2048, 2048, 128, causal=layout.mask_mod is None)
