@@ -14,43 +14,22 @@ the GPU check passes on the H200.
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-from attnhub.backend import Backend
 from attnhub.request import AttentionRequest
+
+from ..triton_flash import TritonFlash, _interpreting
 
 # Block sizes (bq and bk each) the kernels take as tiles: powers of two that tl.dot
 # accepts; 64 and 128 are the sizes the issue asks for.
 SUPPORTED_BLOCKS = (16, 32, 64, 128)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+class TritonBlockSparse(TritonFlash):
+    """triton_flash's declarations (the same kernels' inner loops run each kept block),
+    plus block_sparse, minus what has not yet run: no GPU until it is checked there."""
 
-
-class TritonBlockSparse(Backend):
     name = "triton_blocksparse"
     description = "block-sparse FlashAttention in Triton (visits only kept blocks)"
-    min_capability = (9, 0)
-    dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
-    head_dims = (16, 256)
-    value_head_dim = True
-    mask_kinds = frozenset({"none", "bool", "float"})
-    mask_grad = False
-    causal_alignments = frozenset({"top_left", "bottom_right"})
-    window = softcap = dropout = gqa = lse = True
     block_sparse = True
-    backward = True
-    deterministic = True
-    memory = "linear"
-    compile_safe = False
-    copies_strided = False
-
-    @property  # type: ignore[override]
-    def priority(self) -> int:  # type: ignore[override]
-        return 0 if _interpreting() else 50
 
     @property  # type: ignore[override]
     def devices(self) -> frozenset[str]:  # type: ignore[override]
@@ -59,13 +38,9 @@ class TritonBlockSparse(Backend):
         return frozenset({"cpu"}) if _interpreting() else frozenset()
 
     def unavailable_reason(self) -> str | None:
-        try:
-            import triton  # noqa: F401
-        except Exception as exc:
-            return f"triton does not import: {type(exc).__name__}: {exc}"
         if not _interpreting():
             return "not yet run on a GPU; available under TRITON_INTERPRET=1 only"
-        return None
+        return super().unavailable_reason()
 
     def extra_reasons(self, request: AttentionRequest) -> list[str]:
         if not request.block_sparse:
@@ -77,9 +52,7 @@ class TritonBlockSparse(Backend):
                 f"block_size {request.block_size} is not supported (each side must be one of "
                 f"{SUPPORTED_BLOCKS}: the kernel's tile is the layout's block)"
             ]
-        if request.device_type == "cpu" and request.dtype == torch.bfloat16:
-            return ["bfloat16 is not reliable in Triton's CPU interpreter"]
-        return []
+        return super().extra_reasons(request)
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         from .ops import block_sparse_attention
