@@ -30,6 +30,10 @@ from .validation import (
 _CallKey = tuple[Any, ...]
 _call_cache: dict[_CallKey, tuple[str, Runner]] = {}
 _call_cache_lock = threading.Lock()
+# Bound once: the hot path looks these up on every call.
+_grad_enabled = torch.is_grad_enabled
+_context_selection = dispatch._context_selection
+_environment_key = dispatch.environment_key
 _CALL_CACHE_LIMIT = 4096
 
 
@@ -57,50 +61,6 @@ def _prepare(
         # zeros with a log-sum-exp of -inf when there are no keys), whatever was asked.
         selection = dispatch.Selection((dispatch.REFERENCE,), False, "empty input")
     return dispatch.decide(request, selection), params
-
-
-def _call_key(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    options: tuple[Any, ...],
-    backend: Any,
-) -> _CallKey:
-    # Everything validation and dispatch read, and nothing more; hashing fails
-    # (TypeError) for unhashable options, which then take the slow path.
-    grad = torch.is_grad_enabled() and (
-        query.requires_grad
-        or key.requires_grad
-        or value.requires_grad
-        or (attn_mask is not None and attn_mask.requires_grad)
-    )
-    mask_meta = (
-        None
-        if attn_mask is None
-        else (attn_mask.shape, attn_mask.dtype, attn_mask.device, attn_mask.requires_grad)
-    )
-    return (
-        query.shape,
-        query.stride(),
-        query.dtype,
-        query.device,
-        key.shape,
-        key.stride(),
-        key.dtype,
-        key.device,
-        value.shape,
-        value.stride(),
-        value.dtype,
-        value.device,
-        mask_meta,
-        options,
-        backend,
-        grad,
-        grad and torch.are_deterministic_algorithms_enabled(),
-        dispatch._context_selection.get(),
-        dispatch.environment_key(),
-    )
 
 
 @overload
@@ -213,10 +173,29 @@ def attention(
             dropout_p, block_sparse, return_lse, backend,
         )  # fmt: skip
     options = (causal, alignment, window, softcap, scale, dropout_p, block_sparse, return_lse)
+    # The key holds everything validation and dispatch read, and nothing more. It is
+    # built inline: this is the per-call cost (see benchmarks/overhead.py). Hashing
+    # fails (TypeError) for unhashable options, and attribute access for non-tensors:
+    # both take the slow path, which validates.
     try:
-        call_key = _call_key(query, key, value, attn_mask, options, backend)
-        hit = _call_cache.get(call_key)
-    except (TypeError, AttributeError):  # unhashable options, or not tensors at all
+        grad = _grad_enabled() and (
+            query.requires_grad
+            or key.requires_grad
+            or value.requires_grad
+            or (attn_mask is not None and attn_mask.requires_grad)
+        )
+        call_key: _CallKey | None = (
+            query.shape, query.stride(), query.dtype, query.device,
+            key.shape, key.stride(), key.dtype, key.device,
+            value.shape, value.stride(), value.dtype, value.device,
+            None if attn_mask is None
+            else (attn_mask.shape, attn_mask.dtype, attn_mask.device, attn_mask.requires_grad),
+            options, backend, grad,
+            grad and torch.are_deterministic_algorithms_enabled(),
+            _context_selection.get(), _environment_key(),
+        )  # fmt: skip
+        hit = _call_cache.get(call_key)  # type: ignore[arg-type]
+    except (TypeError, AttributeError):
         call_key, hit = None, None
     if hit is None:
         decision, params = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
