@@ -32,6 +32,7 @@ _call_cache: dict[_CallKey, tuple[str, Runner]] = {}
 _call_cache_lock = threading.Lock()
 # Bound once: the hot path looks these up on every call.
 _grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
 _context_selection = dispatch._context_selection
 _environment_key = dispatch.environment_key
 _CALL_CACHE_LIMIT = 4096
@@ -167,7 +168,7 @@ def attention(
         TypeError, ValueError: bad input, naming the argument.
         NoBackendError: no backend (or none of those asked for) can serve the call.
     """
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return _attention_traced(
             query, key, value, attn_mask, causal, alignment, window, softcap, scale,
             dropout_p, block_sparse, return_lse, backend,

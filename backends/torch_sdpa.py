@@ -103,6 +103,8 @@ class TorchSDPA(Backend):
         if request.heads_q != request.heads_kv:
             static["enable_gqa"] = True
         sdpa = F.scaled_dot_product_attention
+        if request.mask == "none" and not static:  # the commonest call: nothing to add
+            return lambda query, key, value, attn_mask: sdpa(query, key, value)
         if request.mask == "none":
             return lambda query, key, value, attn_mask: sdpa(query, key, value, **static)
         if request.mask == "float":
