@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 # Kernel modules decide between interpreter and compiler when imported.
 os.environ.pop("TRITON_INTERPRET", None)
@@ -69,30 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="two variants (for CI)")
     parser.add_argument("--capability", type=int, default=90)
     args = parser.parse_args(argv)
-    # The block lists are int32 tensors, which triton_flash's kernels never take.
-    flash_aot._TYPES.setdefault(torch.int32, "i32")
-    types = flash_aot._TYPES
-    seen, failures, start = set(), 0, time.time()
-    for kernel, kargs, kwargs in record(variants(args.quick)):
-        key = (kernel.fn.__name__, str([types.get(getattr(a, "dtype", None), a == 1) for a in kargs]),
-               str(sorted(kwargs.items())))  # fmt: skip
-        if key in seen:
-            continue
-        seen.add(key)
-        name = f"{kernel.fn.__name__} {types[kargs[0].dtype]} {kwargs}"
-        try:
-            compiled = flash_aot.compile_launch(kernel, kargs, kwargs, args.capability)
-            shared = compiled.metadata.shared
-        except Exception as exc:
-            failures += 1
-            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
-            continue
-        over = shared > flash_aot.SHARED_LIMIT
-        failures += over
-        print(f"{'FAIL' if over else 'ok'} {name} shared={shared}", flush=True)
-    print(f"{len(seen)} launches compiled for sm_{args.capability} in {time.time() - start:.0f} s, "
-          f"{failures} failures")  # fmt: skip
-    return 1 if failures else 0
+    return 1 if flash_aot.compile_all(record(variants(args.quick)), args.capability) else 0
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ _TYPES = {
     torch.float32: "fp32",
     torch.uint8: "u8",
     torch.int64: "i64",
+    torch.int32: "i32",  # triton_blocksparse's block lists
 }
 
 
@@ -124,13 +125,11 @@ def variants(quick: bool) -> list[tuple[torch.dtype, int, dict]]:
     return cases
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two variants (for CI)")
-    parser.add_argument("--capability", type=int, default=90)
-    args = parser.parse_args(argv)
+def compile_all(launches: list, capability: int) -> int:  # type: ignore[type-arg]
+    """Compile each distinct recorded launch for ``sm_<capability>``; print shared
+    memory per kernel; return the number of failures (errors or over the limit)."""
     seen, failures, start = set(), 0, time.time()
-    for kernel, kargs, kwargs in record(variants(args.quick)):
+    for kernel, kargs, kwargs in launches:
         key = (kernel.fn.__name__, str([_TYPES.get(getattr(a, "dtype", None), a == 1) for a in kargs]),
                str(sorted(kwargs.items())))  # fmt: skip
         if key in seen:
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         seen.add(key)
         name = f"{kernel.fn.__name__} {_TYPES[kargs[0].dtype]} {kwargs}"
         try:
-            shared = compile_launch(kernel, kargs, kwargs, args.capability).metadata.shared
+            shared = compile_launch(kernel, kargs, kwargs, capability).metadata.shared
         except Exception as exc:
             failures += 1
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
@@ -146,9 +145,17 @@ def main(argv: list[str] | None = None) -> int:
         over = shared > SHARED_LIMIT
         failures += over
         print(f"{'FAIL' if over else 'ok'} {name} shared={shared}", flush=True)
-    print(f"{len(seen)} launches compiled for sm_{args.capability} in {time.time() - start:.0f} s, "
+    print(f"{len(seen)} launches compiled for sm_{capability} in {time.time() - start:.0f} s, "
           f"{failures} failures")  # fmt: skip
-    return 1 if failures else 0
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two variants (for CI)")
+    parser.add_argument("--capability", type=int, default=90)
+    args = parser.parse_args(argv)
+    return 1 if compile_all(record(variants(args.quick)), args.capability) else 0
 
 
 if __name__ == "__main__":
