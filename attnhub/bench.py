@@ -18,6 +18,18 @@ The protocol is the one in ``shared/perf/anchors-h200.md``, so numbers compare:
   minus what was allocated before it (the inputs);
 - fresh ``torch.randn`` inputs per grid point, shared by every competitor.
 
+The block-sparse extra (``--block-sparse``, off by default; issue 5): bf16, B=2, H=16,
+N=8192, D=128, non-causal, layouts of 128 x 128 blocks (``attnhub.BlockSparseLayout``):
+random at densities 1, 0.5, 0.25, 0.1, 0.05 (a fixed seed; exactly round(s * blocks)
+blocks kept), a sliding window of 1024 tokens and BigBird. ``triton_blocksparse`` and
+``flex_attention`` (with a BlockMask of the same blocks) run each layout; dense
+``triton_flash`` runs the same shape once (``"layout": ["dense", 0]``, density null);
+and a memory point at N=65536 (sliding window, the same B, H, D) shows how peak memory
+grows with N. Block-sparse rows carry ``"density"`` (the fraction of kept blocks),
+``"layout"`` ([kind, parameter]) and ``"block_size"``; their FLOPs count the (query,
+key) pairs inside kept blocks (the work a block-sparse kernel does, masked pairs of
+partial blocks included), i.e. density * Nq * Nk when N is a multiple of the block.
+
 Competitors: registered backends through ``attnhub.attention(..., backend=name)``
 (skipped, with the reasons ``attnhub.explain`` gives, where they cannot serve),
 ``flex_attention`` timed directly (``torch.compile(flex_attention, dynamic=False)``
@@ -41,7 +53,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +82,30 @@ DEFAULT_FLEX_SEQLENS = (1024, 4096, 16384)
 DEFAULT_WINDOWS = (256, 1024, 4096)
 # The sliding-window extra: bf16, B=2, H=16, N=16384, D=128, causal, window (W-1, 0).
 WINDOW_SHAPE = (2, 16, 16384, 128)
+# The block-sparse extra (issue 5): bf16, B=2, H=16, N=8192, D=128, block 128, non-causal.
+BLOCK_SPARSE_SHAPE = (2, 16, 8192, 128)
+BLOCK_SIZE = 128
+# A layout spec is (kind, parameter): ("random", density), ("sliding_window", window in
+# tokens: query i keeps keys i - W..i), ("bigbird", random blocks per query block; one
+# global block and a band of 3 blocks), ("strided", stride in blocks), ("causal", 0).
+# ("dense", 0) is the dense baseline: no block_sparse at all.
+LayoutSpec = tuple[str, float]
+DENSE: LayoutSpec = ("dense", 0)
+LAYOUT_KINDS = ("random", "sliding_window", "bigbird", "strided", "causal")
+DEFAULT_BLOCK_SPARSE_LAYOUTS: tuple[LayoutSpec, ...] = (
+    ("random", 1.0),
+    ("random", 0.5),
+    ("random", 0.25),
+    ("random", 0.1),
+    ("random", 0.05),
+    ("sliding_window", 1024),
+    ("bigbird", 2),
+)
+BLOCK_SPARSE_BACKENDS = ("triton_blocksparse", FLEX)
+BLOCK_SPARSE_DENSE_BACKENDS = ("triton_flash",)
+# The memory point: the extra's B, H, D at N = 64K, with a cheap (linear) layout.
+DEFAULT_BLOCK_SPARSE_LONG_SEQLENS = (65536,)
+BLOCK_SPARSE_LONG_LAYOUT: LayoutSpec = ("sliding_window", 1024)
 
 _DTYPE_ALIASES = {
     "bf16": torch.bfloat16,
@@ -109,10 +145,18 @@ class Point:
     head_dim: int
     causal: bool
     window: int | None = None  # W keys: window=(W - 1, 0)
+    # The block-sparse extra: the layout spec (DENSE: the dense baseline) and its block.
+    layout: LayoutSpec | None = None
+    block_size: int | None = None
+    # Filled in once the layout is built: its density and the token pairs it keeps.
+    density: float | None = None
+    kept_pairs: float | None = None
 
     def pairs(self) -> float:
         """(query, key) pairs computed, as the protocol counts them."""
         n = self.seqlen
+        if self.kept_pairs is not None:
+            return self.kept_pairs  # pairs inside the layout's kept blocks
         if self.window is not None:
             w = min(self.window, n)
             return float(w * n - w * (w - 1) // 2)  # causal window: min(i + 1, W) keys
@@ -121,9 +165,16 @@ class Point:
     def flops(self, mode: str) -> float:
         return 4.0 * self.batch * self.heads * self.head_dim * self.pairs() * _FLOP_FACTOR[mode]
 
+    @property
+    def sparse(self) -> bool:
+        """A block-sparse point (not the dense baseline)."""
+        return self.layout is not None and self.layout[0] != DENSE[0]
+
     def label(self) -> str:
         text = f"{_short(self.dtype)} B{self.batch} H{self.heads} N{self.seqlen} D{self.head_dim}"
         text += " causal" if self.causal else ""
+        if self.layout is not None:
+            text += f" {layout_label(self.layout)}"
         return text + (f" window {self.window}" if self.window is not None else "")
 
     def where(self) -> dict[str, Any]:
@@ -137,7 +188,16 @@ class Point:
         }
         if self.window is not None:
             row["window"] = [self.window - 1, 0]
+        if self.layout is not None:
+            row["layout"] = list(self.layout)
+            row["block_size"] = self.block_size
         return row
+
+
+def layout_label(spec: Sequence[Any]) -> str:
+    """``random 0.25``, ``sliding_window 1024``, ``dense``: a layout spec for people."""
+    kind, param = spec[0], spec[1]
+    return kind if kind in (DENSE[0], "causal") else f"{kind} {param:g}"
 
 
 def _short(dtype: str) -> str:
@@ -169,6 +229,16 @@ class BenchConfig:
     memory: bool = True
     time_budget: float | None = None  # seconds; points not started by then are skipped
     flex_on_cpu: bool = False  # compiling FlexAttention on CPU is slow; tests only
+    # The block-sparse extra (empty layouts and long seqlens: not run).
+    block_sparse_layouts: tuple[LayoutSpec, ...] = ()
+    block_sparse_shape: tuple[int, int, int, int] = BLOCK_SPARSE_SHAPE
+    block_size: int = BLOCK_SIZE
+    block_sparse_dtype: str = "bfloat16"
+    block_sparse_backends: tuple[str, ...] = BLOCK_SPARSE_BACKENDS  # on the layouts
+    block_sparse_dense_backends: tuple[str, ...] = BLOCK_SPARSE_DENSE_BACKENDS  # baseline
+    block_sparse_long_seqlens: tuple[int, ...] = ()  # memory points: N (B, H, D as above)
+    block_sparse_long_layout: LayoutSpec = BLOCK_SPARSE_LONG_LAYOUT
+    block_sparse_seed: int = 0  # random and BigBird layouts
 
     def __post_init__(self) -> None:
         for mode in self.modes:
@@ -180,6 +250,13 @@ class BenchConfig:
             raise ValueError("no backends to time")
         if len(self.window_shape) != 4:
             raise ValueError(f"window_shape must be B,H,N,D, got {self.window_shape!r}")
+        if len(self.block_sparse_shape) != 4:
+            raise ValueError(f"block_sparse_shape must be B,H,N,D, got {self.block_sparse_shape!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        parse_dtype(self.block_sparse_dtype)
+        for spec in (*self.block_sparse_layouts, self.block_sparse_long_layout):
+            check_layout_spec(spec)
 
     @classmethod
     def quick(cls, **overrides: Any) -> BenchConfig:
@@ -201,7 +278,24 @@ class BenchConfig:
         b, h, n, d = self.window_shape
         for w in self.windows:
             points.append(Point("bfloat16", b, h, n, d, True, w))
+        b, h, n, d = self.block_sparse_shape
+        dtype = dtype_name(parse_dtype(self.block_sparse_dtype))
+        specs = [DENSE, *self.block_sparse_layouts] if self.block_sparse_layouts else []
+        runs = [(n, spec) for spec in specs]
+        runs += [
+            (long_n, self.block_sparse_long_layout) for long_n in self.block_sparse_long_seqlens
+        ]
+        for seqlen, spec in runs:
+            points.append(
+                Point(dtype, b, h, seqlen, d, False, layout=spec, block_size=self.block_size)
+            )
         return points
+
+    def backends_for(self, point: Point) -> tuple[str, ...]:
+        """The competitors of a point: the grid's, or the block-sparse extra's."""
+        if point.layout is None:
+            return self.backends
+        return self.block_sparse_backends if point.sparse else self.block_sparse_dense_backends
 
 
 # -- timing --------------------------------------------------------------------
@@ -323,6 +417,139 @@ def _flex_block_mask(point: Point, device: torch.device) -> Any:
     return masks[key]
 
 
+# -- block-sparse layouts ---------------------------------------------------------
+
+
+def check_layout_spec(spec: Any) -> None:
+    """ValueError unless ``spec`` is a (kind, parameter) pair the extra can build."""
+    if not isinstance(spec, tuple) or len(spec) != 2 or not isinstance(spec[0], str):
+        raise ValueError(f"a layout spec is a (kind, parameter) pair, got {spec!r}")
+    kind, param = spec
+    if kind not in LAYOUT_KINDS:
+        raise ValueError(f"unknown layout kind {kind!r}; kinds are {', '.join(LAYOUT_KINDS)}")
+    if not isinstance(param, (int, float)) or isinstance(param, bool):
+        raise ValueError(f"layout {kind}: the parameter must be a number, got {param!r}")
+    if kind == "random" and not 0 < param <= 1:
+        raise ValueError(f"random layout: density must be in (0, 1], got {param!r}")
+    if kind in ("sliding_window", "bigbird") and param < 0:
+        raise ValueError(f"{kind} layout: the parameter must be >= 0, got {param!r}")
+    if kind == "strided" and param < 1:
+        raise ValueError(f"strided layout: the stride must be >= 1, got {param!r}")
+
+
+def build_layout(
+    spec: LayoutSpec, seqlen: int, block_size: int, *, seed: int = 0, device: Any = "cpu"
+) -> Any:
+    """The ``attnhub.BlockSparseLayout`` of a spec, for Nq = Nk = ``seqlen``.
+
+    ``("random", s)`` keeps exactly round(s * blocks) blocks (at least one), drawn with
+    a generator seeded with ``seed``, the same blocks in every batch and head; so
+    density 1.0 keeps every block and the densities are s up to rounding.
+    """
+    from .block_sparse import BlockSparseLayout
+
+    check_layout_spec(spec)
+    kind, param = spec
+    if kind == "random":
+        blocks = -(-seqlen // block_size)
+        total = blocks * blocks
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
+        keep = torch.zeros(total, dtype=torch.bool)
+        keep[order[: max(1, round(param * total))]] = True
+        mask = keep.view(1, 1, blocks, blocks).to(device)
+        return BlockSparseLayout.from_block_mask(mask, block_size)
+    if kind == "sliding_window":
+        return BlockSparseLayout.sliding_window(seqlen, int(param), block_size, device=device)
+    if kind == "bigbird":
+        return BlockSparseLayout.bigbird(
+            seqlen, block_size, random_blocks=int(param), seed=seed, device=device
+        )
+    if kind == "strided":
+        return BlockSparseLayout.strided(seqlen, block_size, stride=int(param), device=device)
+    return BlockSparseLayout.causal(seqlen, block_size, device=device)
+
+
+def kept_pairs(layout: Any, seqlen: int) -> float:
+    """Token pairs inside the layout's kept blocks (blocks clipped at N), averaged over
+    the layout's batch and heads: density * N * N when N is a multiple of the block."""
+    bq, bk = layout.block_size
+    nqb, nkb = layout.shape[2:]
+    rows = torch.full((nqb,), float(bq))
+    rows[-1] = seqlen - bq * (nqb - 1)
+    cols = torch.full((nkb,), float(bk))
+    cols[-1] = seqlen - bk * (nkb - 1)
+    kept = layout.block_mask.float().mean(dim=(0, 1)).cpu()
+    return float((kept * rows[:, None] * cols[None, :]).sum())
+
+
+# (spec, N, block, seed, device) -> layout; built once, so that the compressed index
+# lists a kernel builds on first use are built once too, outside the timed calls.
+_layouts: dict[tuple[Any, ...], Any] = {}
+
+
+def _layout_for(point: Point, device: torch.device, seed: int) -> Any:
+    assert point.layout is not None and point.block_size is not None
+    key = (point.layout, point.seqlen, point.block_size, seed, str(device))
+    if key not in _layouts:
+        _layouts[key] = build_layout(
+            point.layout, point.seqlen, point.block_size, seed=seed, device=device
+        )
+    return _layouts[key]
+
+
+def _layout_state_mod(layout: Any) -> Callable[..., torch.Tensor]:
+    """``layout.to_dense_mask`` as a mask_mod, exact at every token pair: a block's
+    state (0 dropped, 1 partial, 2 full), the layout's own mask_mod on partial ones."""
+    kept = layout.block_mask
+    full = layout.full_mask if layout.mask_mod is not None else kept
+    state = kept.to(torch.int8) + full.to(torch.int8)
+    bq, bk = layout.block_size
+    lb, lh = state.shape[:2]
+    inner = layout.mask_mod
+
+    def mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        b = b if lb > 1 else b * 0
+        h = h if lh > 1 else h * 0
+        s = state[b, h, q // bq, kv // bk]
+        if inner is None:
+            return s > 0
+        return (s == 2) | ((s == 1) & inner(b, h, q, kv))
+
+    return mod
+
+
+def flex_layout_block_mask(layout: Any, seqlen: int, *, exact: bool) -> Any:
+    """FlexAttention's ``BlockMask`` with the layout's blocks: its compressed per-query-
+    block lists as they are (full blocks as ``full_kv_*``, partial ones as ``kv_*``),
+    at the layout's block size.
+
+    The compiled kernel visits only the listed blocks and evaluates ``mask_mod`` on the
+    partial ones only, so there ``mask_mod`` is the layout's own token-level mask_mod
+    (none when every kept block is full): the BlockMask a FlexAttention user would
+    write. FlexAttention's eager path (CPU) ignores the lists and evaluates ``mask_mod``
+    at every pair, so ``exact`` gives a mask_mod equal to ``layout.to_dense_mask``.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if layout.mask_mod is None:  # every kept block is full
+        full = layout.index("kv")
+        partial_num, partial_idx = torch.zeros_like(full.num), full.indices
+    else:
+        full = layout.index("full_kv")
+        partial = layout.index("partial_kv")
+        partial_num, partial_idx = partial.num, partial.indices
+    mask_mod = _layout_state_mod(layout) if exact else layout.mask_mod
+    return BlockMask.from_kv_blocks(
+        partial_num,
+        partial_idx,
+        full.num,
+        full.indices,
+        BLOCK_SIZE=layout.block_size,
+        mask_mod=mask_mod,
+        seq_lengths=(seqlen, seqlen),
+    )
+
+
 # -- one grid point --------------------------------------------------------------
 
 
@@ -360,7 +587,7 @@ class _Calls:
     unavailable: dict[str, str] = field(default_factory=dict)  # "fwd"/"train" -> reason
 
 
-def _attnhub_calls(name: str, point: Point, x: _Inputs) -> _Calls:
+def _attnhub_calls(name: str, point: Point, x: _Inputs, layout: Any = None) -> _Calls:
     import attnhub
 
     backend = None if name == AUTO else name
@@ -368,12 +595,14 @@ def _attnhub_calls(name: str, point: Point, x: _Inputs) -> _Calls:
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], Any]:
         return lambda: attnhub.attention(
-            q, k, v, causal=point.causal, window=window, backend=backend
+            q, k, v, causal=point.causal, window=window, block_sparse=layout, backend=backend
         )
 
     calls = _Calls(call(x.q, x.k, x.v), call(x.qg, x.kg, x.vg))
     for kind, (q, k, v) in (("fwd", (x.q, x.k, x.v)), ("train", x.grads)):
-        decision = attnhub.explain(q, k, v, causal=point.causal, window=window, backend=backend)
+        decision = attnhub.explain(
+            q, k, v, causal=point.causal, window=window, block_sparse=layout, backend=backend
+        )
         if decision.chosen is None:
             reasons = decision.reasons().get(name) if backend else None
             calls.unavailable[kind] = "; ".join(reasons or ()) or "no backend can serve this call"
@@ -383,12 +612,13 @@ def _attnhub_calls(name: str, point: Point, x: _Inputs) -> _Calls:
 
 
 def _flex_calls(
-    point: Point, x: _Inputs, device: torch.device, config: BenchConfig
+    point: Point, x: _Inputs, device: torch.device, config: BenchConfig, layout: Any = None
 ) -> _Calls | str:
     if device.type != "cuda" and not config.flex_on_cpu:
         return "compiled FlexAttention is timed on CUDA only"
     if (
         point.window is None
+        and point.layout is None
         and config.flex_seqlens is not None
         and point.seqlen not in config.flex_seqlens
     ):
@@ -396,7 +626,10 @@ def _flex_calls(
         return f"FlexAttention runs at N in {{{allowed}}} only (one compile per shape; --flex-seqlens all)"
     try:
         compiled = _flex_compiled()
-        block_mask = _flex_block_mask(point, device)
+        if layout is None:
+            block_mask = _flex_block_mask(point, device)
+        else:
+            block_mask = _flex_layout_mask(point, layout, device)
     except Exception as exc:
         return f"FlexAttention unavailable: {type(exc).__name__}: {_first_line(exc)}"
 
@@ -404,6 +637,17 @@ def _flex_calls(
         return lambda: compiled(q, k, v, block_mask=block_mask)
 
     return _Calls(call(x.q, x.k, x.v), call(x.qg, x.kg, x.vg))
+
+
+def _flex_layout_mask(point: Point, layout: Any, device: torch.device) -> Any:
+    """The layout's BlockMask, built once per layout (see flex_layout_block_mask)."""
+    key = (point.layout, point.seqlen, point.block_size, id(layout), str(device))
+    masks: dict[Any, Any] = _flex_state.setdefault("layout_masks", {})
+    if key not in masks:
+        # The layout is kept alive beside its BlockMask, so its id is not reused.
+        block_mask = flex_layout_block_mask(layout, point.seqlen, exact=device.type != "cuda")
+        masks[key] = (layout, block_mask)
+    return masks[key][1]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -447,10 +691,13 @@ class _Recorder:
             "ms": ms,
             "tflops": tflops,
             "peak_mib": peak,
-            "density": None,
+            "density": point.density,
         }
         if point.window is not None:
             row["window"] = [point.window - 1, 0]
+        if point.layout is not None:
+            row["layout"] = list(point.layout)
+            row["block_size"] = point.block_size
         if chosen is not None:
             row["chosen"] = chosen
         self.results.append(row)
@@ -463,10 +710,13 @@ def _run_competitor(
     device: torch.device,
     config: BenchConfig,
     rec: _Recorder,
+    layout: Any = None,
 ) -> None:
     modes = [m for m in MODES if m in config.modes]
     calls = (
-        _flex_calls(point, x, device, config) if name == FLEX else _attnhub_calls(name, point, x)
+        _flex_calls(point, x, device, config, layout)
+        if name == FLEX
+        else _attnhub_calls(name, point, x, layout)
     )
     if isinstance(calls, str):
         rec.skip(name, point, modes, calls)
@@ -617,11 +867,12 @@ def run_bench(
         "config": _config_json(config),
     }
     start = time.monotonic()
-    with _progress(len(points) * len(config.backends), progress) as bar:
+    total = sum(len(config.backends_for(p)) for p in points)
+    with _progress(total, progress) as bar:
         for i, point in enumerate(points):
             if config.time_budget is not None and time.monotonic() - start > config.time_budget:
                 for rest in points[i:]:
-                    for name in config.backends:
+                    for name in config.backends_for(rest):
                         rec.skip(
                             name,
                             rest,
@@ -629,11 +880,26 @@ def run_bench(
                             f"time budget of {config.time_budget:g} s spent",
                         )
                 break
+            backends = config.backends_for(point)
+            layout = None
+            if point.sparse:
+                try:
+                    layout = _layout_for(point, device, config.block_sparse_seed)
+                except Exception as exc:
+                    reason = f"layout not built: {type(exc).__name__}: {_first_line(exc)}"
+                    for name in backends:
+                        rec.skip(name, point, config.modes, reason)
+                    if bar is not None:
+                        bar.update(len(backends))
+                    continue
+                point = replace(
+                    point, density=layout.density, kept_pairs=kept_pairs(layout, point.seqlen)
+                )
             x = _make_inputs(point, device)
-            for name in config.backends:
+            for name in backends:
                 if bar is not None:
                     bar.set_postfix_str(f"{point.label()} {name}", refresh=False)
-                _run_competitor(name, point, x, device, config, rec)
+                _run_competitor(name, point, x, device, config, rec, layout)
                 if bar is not None:
                     bar.update(1)
             del x
@@ -645,7 +911,10 @@ def run_bench(
 
 
 def _config_json(config: BenchConfig) -> dict[str, Any]:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()}
+    def plain(value: Any) -> Any:
+        return [plain(v) for v in value] if isinstance(value, tuple) else value
+
+    return {k: plain(v) for k, v in asdict(config).items()}
 
 
 # -- command line --------------------------------------------------------------
@@ -691,6 +960,40 @@ def _modes(text: str) -> tuple[str, ...]:
 
 def _flex_seqlens(text: str) -> tuple[int, ...] | None:
     return None if text.strip().lower() == "all" else _ints(text)
+
+
+def _layout_spec(text: str) -> LayoutSpec:
+    kind, _, param = text.strip().partition(":")
+    try:
+        param = param.strip()
+        value: float = int(param) if param.lstrip("-").isdigit() else float(param or 0)
+        spec = (kind.strip(), value)
+        check_layout_spec(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"layout {text!r}: {exc}") from None
+    return spec
+
+
+def _layout_specs(text: str) -> tuple[LayoutSpec, ...]:
+    return tuple(_layout_spec(v) for v in text.split(",") if v.strip())
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    shape = _ints(text)
+    if len(shape) != 4 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected B,H,N,D (four positive integers), got {text!r}")
+    return shape
+
+
+def _dtype(text: str) -> str:
+    try:
+        return dtype_name(parse_dtype(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _spec_text(specs: Iterable[LayoutSpec]) -> str:
+    return ",".join(f"{kind}:{param:g}" for kind, param in specs)
 
 
 def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
@@ -766,12 +1069,123 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> BenchConfig:
         memory=args.memory,
         time_budget=args.time_budget,
     )
+    chosen.update(_block_sparse_config(args))
     chosen.update(overrides)
     return BenchConfig.quick(**chosen) if args.quick else BenchConfig(**chosen)
 
 
+def add_block_sparse_arguments(parser: argparse.ArgumentParser) -> None:
+    """The block-sparse extra's options (``bench`` only: the cost table is dense)."""
+    g = parser.add_argument_group(
+        "block-sparse extra (issue 5)",
+        "Layouts of BLOCK x BLOCK blocks at one shape, non-causal: triton_blocksparse and "
+        "flex_attention (a BlockMask of the same blocks) on each layout, the dense "
+        "baseline (triton_flash) once on the same shape, and a memory point at long N. "
+        "Rows carry density (fraction of kept blocks), layout [kind, parameter] and "
+        "block_size; TFLOP/s count the pairs inside kept blocks.",
+    )
+    g.add_argument(
+        "--block-sparse",
+        action="store_true",
+        help=(
+            "add the block-sparse extra: bf16, B=2, H=16, N=8192, D=128, block 128; layouts "
+            f"{_spec_text(DEFAULT_BLOCK_SPARSE_LAYOUTS)}; plus the memory point at N=65536 "
+            f"({_spec_text([BLOCK_SPARSE_LONG_LAYOUT])})"
+        ),
+    )
+    g.add_argument(
+        "--block-sparse-layouts",
+        type=_layout_specs,
+        metavar="KIND:P,...",
+        help=(
+            "the extra with these layouts (implies --block-sparse): random:DENSITY, "
+            "sliding_window:W (query i keeps keys i-W..i), bigbird:RANDOM_BLOCKS, "
+            "strided:STRIDE, causal"
+        ),
+    )
+    g.add_argument(
+        "--block-sparse-shape",
+        type=_shape,
+        default=BLOCK_SPARSE_SHAPE,
+        metavar="B,H,N,D",
+        help="shape of the extra (default 2,16,8192,128)",
+    )
+    g.add_argument(
+        "--block-size", type=int, default=BLOCK_SIZE, help="layout block size (default 128)"
+    )
+    g.add_argument("--block-sparse-dtype", type=_dtype, default="bfloat16", help="default bf16")
+    g.add_argument(
+        "--block-sparse-backends",
+        type=_names,
+        help=f"run on each layout (default {','.join(BLOCK_SPARSE_BACKENDS)})",
+    )
+    g.add_argument(
+        "--block-sparse-dense-backends",
+        type=_names,
+        help=(
+            "dense baselines, run once on the extra's shape without block_sparse "
+            f"(default {','.join(BLOCK_SPARSE_DENSE_BACKENDS)})"
+        ),
+    )
+    g.add_argument(
+        "--block-sparse-long-seqlens",
+        type=_ints,
+        metavar="N,...",
+        help=(
+            "N of the memory points (the extra's B, H, D; default "
+            f"{','.join(map(str, DEFAULT_BLOCK_SPARSE_LONG_SEQLENS))}); implies --block-sparse"
+        ),
+    )
+    g.add_argument(
+        "--block-sparse-long-layout",
+        type=_layout_spec,
+        default=BLOCK_SPARSE_LONG_LAYOUT,
+        metavar="KIND:P",
+        help=f"layout of the memory points (default {_spec_text([BLOCK_SPARSE_LONG_LAYOUT])})",
+    )
+    g.add_argument(
+        "--no-block-sparse-long",
+        dest="block_sparse_long",
+        action="store_false",
+        help="skip the memory points",
+    )
+    g.add_argument(
+        "--block-sparse-seed",
+        type=int,
+        default=0,
+        help="seed of the random and BigBird layouts (default 0)",
+    )
+
+
+def _block_sparse_config(args: argparse.Namespace) -> dict[str, Any]:
+    """BenchConfig fields from the block-sparse options (none: ``tune``'s parser)."""
+    if not hasattr(args, "block_sparse"):
+        return {}
+    chosen: dict[str, Any] = {
+        "block_sparse_shape": tuple(args.block_sparse_shape),
+        "block_size": args.block_size,
+        "block_sparse_dtype": args.block_sparse_dtype,
+        "block_sparse_long_layout": args.block_sparse_long_layout,
+        "block_sparse_seed": args.block_sparse_seed,
+    }
+    for key in ("block_sparse_backends", "block_sparse_dense_backends"):
+        if getattr(args, key) is not None:
+            chosen[key] = getattr(args, key)
+    layouts = args.block_sparse_layouts
+    long_seqlens = args.block_sparse_long_seqlens
+    on = bool(args.block_sparse or layouts or long_seqlens)
+    if on:
+        chosen["block_sparse_layouts"] = (
+            layouts if layouts is not None else DEFAULT_BLOCK_SPARSE_LAYOUTS
+        )
+        if args.block_sparse_long:
+            chosen["block_sparse_long_seqlens"] = long_seqlens or DEFAULT_BLOCK_SPARSE_LONG_SEQLENS
+    return chosen
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_grid_arguments(parser)
+    add_block_sparse_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("-o", "--output", help="results JSON (default attnhub-bench-<date>.json); plots and a markdown table go beside it")  # fmt: skip
     out.add_argument("--no-plots", dest="plots", action="store_false", help="write no PNG plots")
@@ -818,9 +1232,13 @@ __all__ = [
     "BenchConfig",
     "Point",
     "add_arguments",
+    "add_block_sparse_arguments",
     "add_grid_arguments",
+    "build_layout",
     "config_from_args",
     "environment",
+    "flex_layout_block_mask",
+    "kept_pairs",
     "run_bench",
     "write_json",
 ]

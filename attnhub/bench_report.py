@@ -8,7 +8,11 @@
 - ``<stem>-tflops-<dtype>.png``: TFLOP/s against N per backend, one panel per head dim
   x causal x mode;
 - ``<stem>-memory-<dtype>.png``: peak memory beyond the inputs against N (CUDA runs);
-- ``<stem>-window.png``: the sliding-window extra, ms against W.
+- ``<stem>-window.png``: the sliding-window extra, ms against W;
+- ``<stem>-block-sparse.png``: the block-sparse extra, ms against density for the
+  random layouts (fwd and fwd_bwd panels), dense baselines as horizontal lines, the
+  other layouts as single markers; its table (ms, peak memory, the ratios the issue's
+  targets name) is in the markdown.
 
 matplotlib (the ``bench`` extra) is imported only to draw; tables need nothing.
 """
@@ -22,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .bench import AUTO, DEFAULT_BACKENDS, FLEX, MODES
+from .bench import AUTO, DEFAULT_BACKENDS, DENSE, FLEX, LAYOUT_KINDS, MODES, layout_label
 
 Row = dict[str, Any]
 
@@ -63,7 +67,11 @@ def _short(dtype: str) -> str:
 
 
 def _dense(data: dict[str, Any]) -> list[Row]:
-    return [r for r in data["results"] if r.get("window") is None and r.get("density") is None]
+    return [
+        r
+        for r in data["results"]
+        if r.get("window") is None and r.get("density") is None and r.get("layout") is None
+    ]
 
 
 def _windowed(data: dict[str, Any]) -> list[Row]:
@@ -158,11 +166,107 @@ def window_table(data: dict[str, Any]) -> str:
     return _md(table)
 
 
+# -- the block-sparse extra ---------------------------------------------------------
+
+BLOCK_SPARSE = "triton_blocksparse"
+DENSE_BASELINE = "triton_flash"
+
+
+def _block_sparse_order(names: Iterable[str]) -> list[str]:
+    """The dense baseline, triton_blocksparse, flex_attention, then the rest."""
+    names = set(names)
+    first = [b for b in (DENSE_BASELINE, BLOCK_SPARSE, FLEX) if b in names]
+    return first + [b for b in _backend_order(names) if b not in first]
+
+
+def _block_sparse(data: dict[str, Any]) -> list[Row]:
+    return [r for r in data["results"] if r.get("layout") is not None]
+
+
+def _shape_key(r: Row) -> tuple[Any, ...]:
+    return (r["dtype"], r["B"], r["Hq"], r["Nq"], r["D"], r.get("block_size"))
+
+
+def _shape_text(key: tuple[Any, ...]) -> str:
+    dtype, b, h, n, d, block = key
+    return f"{_short(dtype)} B{b} H{h} N{n} D{d} block {block}"
+
+
+def _layout_order(layout: Sequence[Any]) -> tuple[int, float, str]:
+    """Dense first, then random by falling density, then the other kinds."""
+    kind, param = layout[0], layout[1]
+    if kind == DENSE[0]:
+        rank = 0
+    else:
+        rank = 1 + LAYOUT_KINDS.index(kind) if kind in LAYOUT_KINDS else len(LAYOUT_KINDS) + 1
+    return (rank, -param if kind == "random" else param, kind)
+
+
+def _dense_rows(rows: list[Row]) -> dict[tuple[Any, ...], dict[str, Row]]:
+    """(shape, mode) -> backend -> row of the dense baselines."""
+    out: dict[tuple[Any, ...], dict[str, Row]] = defaultdict(dict)
+    for r in rows:
+        if r["layout"][0] == DENSE[0]:
+            out[(_shape_key(r), r["mode"])][r["backend"]] = r
+    return out
+
+
+def block_sparse_table(data: dict[str, Any]) -> str:
+    """The block-sparse extra: ms per backend per (shape, layout, mode), with
+    bs/dense (triton_blocksparse over dense triton_flash; the issue's forward target is
+    at most s + 0.05, the ``target`` column), dense/bs (the speedup) and flex/bs
+    (flex_attention over triton_blocksparse: >= 1 where triton_blocksparse is faster)."""
+    rows = _block_sparse(data)
+    if not rows:
+        return ""
+    backends = _block_sparse_order(r["backend"] for r in rows)
+    dense = _dense_rows(rows)
+    cells: dict[tuple[Any, ...], dict[str, Row]] = defaultdict(dict)
+    for r in rows:
+        key = (_shape_key(r), _layout_order(r["layout"]), tuple(r["layout"]), MODES.index(r["mode"]))  # fmt: skip
+        cells[key][r["backend"]] = r
+    with_peak = [b for b in backends if any(r.get("peak_mib") is not None for r in rows if r["backend"] == b)]  # fmt: skip
+    header = ["shape", "layout", "density", "mode", *(f"{b} ms" for b in backends)]
+    vs_dense = BLOCK_SPARSE in backends and DENSE_BASELINE in backends
+    vs_flex = BLOCK_SPARSE in backends and FLEX in backends
+    header += ["bs/dense", "target", "dense/bs"] if vs_dense else []
+    header += ["flex/bs"] if vs_flex else []
+    header += [f"{b} MiB" for b in with_peak]
+    table = [header]
+    for key in sorted(cells):
+        shape, _, layout, mode_index = key
+        mode = MODES[mode_index]
+        by = cells[key]
+        density = next((r["density"] for r in by.values() if r.get("density") is not None), None)
+        line = [_shape_text(shape), layout_label(layout), _num(density, 3), mode]
+        for b in backends:
+            cell = by.get(b)
+            text = _num(cell["ms"], 3) if cell else ""
+            if cell and b == AUTO and cell.get("chosen"):
+                text += f" ({cell['chosen']})"
+            line.append(text)
+        base = dense.get((shape, mode), {}).get(DENSE_BASELINE)
+        bs = by.get(BLOCK_SPARSE) if layout[0] != DENSE[0] else None
+        bs_ms, base_ms = _get(bs, "ms"), _get(base, "ms")
+        if vs_dense:
+            line.append(_ratio(bs_ms, base_ms))
+            target = density + 0.05 if density is not None and mode == "fwd" else None
+            line.append(_num(target, 3))
+            line.append(_ratio(base_ms, bs_ms))
+        if vs_flex:
+            line.append(_ratio(_get(by.get(FLEX), "ms"), bs_ms))
+        for b in with_peak:
+            line.append(_num(_get(by.get(b), "peak_mib"), 1))
+        table.append(line)
+    return _md(table)
+
+
 def skipped_summary(data: dict[str, Any]) -> str:
     """One line per (backend, reason), with how many grid points it covers."""
     points: dict[tuple[str, str], set[tuple[Any, ...]]] = defaultdict(set)
     for s in data.get("skipped", []):
-        point = tuple(str(s.get(k)) for k in ("dtype", "B", "Hq", "Nq", "D", "causal", "window"))
+        keys = ("dtype", "B", "Hq", "Nq", "D", "causal", "window", "layout", "block_size")
+        point = tuple(str(s.get(k)) for k in keys)
         points[(s["backend"], s["reason"])].add(point)
     if not points:
         return "skipped: nothing"
@@ -185,6 +289,14 @@ def markdown_table(data: dict[str, Any]) -> str:
     windows = window_table(data)
     if windows:
         parts.append("Sliding window (causal, window=(W-1, 0)), ms\n\n" + windows)
+    sparse = block_sparse_table(data)
+    if sparse:
+        parts.append(
+            "Block-sparse (non-causal; density: fraction of kept blocks), ms. bs/dense: "
+            f"{BLOCK_SPARSE} over dense {DENSE_BASELINE} (forward target: at most the "
+            f"target column, s + 0.05); dense/bs: the speedup; flex/bs: {FLEX} over "
+            f"{BLOCK_SPARSE} (>= 1: {BLOCK_SPARSE} faster)\n\n" + sparse
+        )
     parts.append(skipped_summary(data))
     return "\n\n".join(parts)
 
@@ -277,6 +389,57 @@ def plot_window(rows: list[Row], title: str, path: Path) -> Path | None:
     return path
 
 
+def plot_block_sparse(rows: list[Row], title: str, path: Path) -> Path | None:
+    """ms against density: a line per backend over the random layouts, the other
+    layouts as single markers, dense baselines as horizontal lines and, in the forward
+    panel, the issue's target (s + 0.05) x dense triton_flash. A row of panels per
+    shape that has random layouts; columns fwd and fwd_bwd."""
+    shapes = sorted({_shape_key(r) for r in rows if r["layout"][0] == "random"})
+    present = [m for m in ("fwd", "fwd_bwd") if any(r["mode"] == m for r in rows)]
+    if not shapes or not present:
+        return None
+    fig, axes = _figure(len(shapes), len(present))
+    backends = _block_sparse_order(r["backend"] for r in rows)
+    markers = {"sliding_window": "s", "bigbird": "^", "strided": "D", "causal": "v"}
+    dense = _dense_rows(rows)
+    for i, shape in enumerate(shapes):
+        for j, mode in enumerate(present):
+            ax = axes[i][j]
+            here = [r for r in rows if _shape_key(r) == shape and r["mode"] == mode]
+            for b in backends:
+                color = _color(b, backends)
+                pts = sorted(
+                    (r["density"], r["ms"])
+                    for r in here
+                    if r["backend"] == b and r["layout"][0] == "random"
+                )
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=b, color=color)
+                for r in here:
+                    kind = r["layout"][0]
+                    if r["backend"] == b and kind not in ("random", DENSE[0]):
+                        ax.plot([r["density"]], [r["ms"]], marker=markers.get(kind, "*"),
+                                linestyle="none", color=color,
+                                label=f"{b}, {layout_label(r['layout'])}")  # fmt: skip
+            for b, r in sorted(dense.get((shape, mode), {}).items()):
+                ax.axhline(r["ms"], color=_color(b, backends), linestyle="--",
+                           label=f"{b} (dense)")  # fmt: skip
+            base = dense.get((shape, mode), {}).get(DENSE_BASELINE)
+            if mode == "fwd" and base is not None:
+                ax.plot([0, 1], [0.05 * base["ms"], 1.05 * base["ms"]], color="gray",
+                        linestyle=":", label="target (s + 0.05) x dense")  # fmt: skip
+            ax.set_xlim(0, 1.05)
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{_shape_text(shape)}, {mode}", fontsize=9)
+            ax.set_xlabel("density (fraction of kept blocks)")
+            ax.set_ylabel("ms")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=6)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def write_plots(data: dict[str, Any], stem: Path) -> list[Path]:
     """PNG plots beside ``stem`` (a path without suffix); returns the files written."""
     env = data["env"]
@@ -299,6 +462,15 @@ def write_plots(data: dict[str, Any], stem: Path) -> list[Path]:
     if windowed:
         out = plot_window(
             windowed, f"sliding window, ms: {what}", stem.with_name(f"{stem.name}-window.png")
+        )
+        if out is not None:
+            written.append(out)
+    sparse = _block_sparse(data)
+    if sparse:
+        out = plot_block_sparse(
+            sparse,
+            f"block-sparse, ms against density: {what}",
+            stem.with_name(f"{stem.name}-block-sparse.png"),
         )
         if out is not None:
             written.append(out)

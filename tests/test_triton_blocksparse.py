@@ -33,7 +33,7 @@ DTYPES = [torch.float32, torch.float16]
 SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 gpu = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-interpreter_only = pytest.mark.skipif(HAS_CUDA, reason="the backend is offered on CPU only")
+interpreter_only = pytest.mark.skipif(HAS_CUDA, reason="checks the interpreter's CPU declaration")
 
 
 def _random_layout(b, h, nq, nk, block, density, seed):  # type: ignore[no-untyped-def]
@@ -251,7 +251,7 @@ def test_declarations_and_dispatch() -> None:
 
     backend = TritonBlockSparse()
     assert backend.block_sparse and backend.memory == "linear"
-    assert backend.devices == frozenset({"cpu"}) and backend.unavailable_reason() is None
+    assert backend.devices == frozenset({"cuda", "cpu"}) and backend.unavailable_reason() is None
     q = torch.randn(1, 2, 100, 16)
     layout = BlockSparseLayout.causal(100, 64)
     decision = attnhub.explain(q, q, q, block_sparse=layout)
@@ -268,15 +268,16 @@ def test_declarations_and_dispatch() -> None:
     assert any("only serves block_sparse" in r for r in reasons)
 
 
-def test_unavailable_without_interpreter() -> None:
+def test_without_interpreter_it_declares_cuda_like_triton_flash() -> None:
     code = (
-        "from attnhub.backends.triton_blocksparse import TritonBlockSparse as T; b = T(); "
-        "print(b.devices == frozenset(), b.unavailable_reason())"
+        "from attnhub.backends.triton_blocksparse import TritonBlockSparse as T; "
+        "from attnhub.backends.triton_flash import TritonFlash as F; b, f = T(), F(); "
+        "print(sorted(b.devices), b.min_capability, b.unavailable_reason() == f.unavailable_reason())"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=env, check=True)  # fmt: skip
-    assert "True not yet run on a GPU; available under TRITON_INTERPRET=1 only" in result.stdout
+    assert result.stdout.strip() == "['cuda'] (9, 0) True"
 
 
 def test_unsupported_block_size_is_declined_at_dispatch_and_raises_in_the_op() -> None:

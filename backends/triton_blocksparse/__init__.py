@@ -8,15 +8,15 @@ reused): any Nq/Nk, head dims 16..256, GQA, causal in both alignments, window, s
 bool/float masks, dropout, return_lse, fully masked rows as zeros. Extra memory is
 linear in N for layouts with O(N) partial blocks (see ops.py for the accounting).
 
-Not yet run on a GPU: offered only under ``TRITON_INTERPRET=1`` (CPU tensors) until
-the GPU check passes on the H200.
+Runs on CUDA (sm_90, checked on the H200: tests/test_triton_blocksparse.py -m gpu) and,
+under ``TRITON_INTERPRET=1``, on CPU tensors like triton_flash.
 """
 
 from __future__ import annotations
 
 from attnhub.request import AttentionRequest
 
-from ..triton_flash import TritonFlash, _interpreting
+from ..triton_flash import TritonFlash
 
 # Block sizes (bq and bk each) the kernels take as tiles: powers of two that tl.dot
 # accepts; 64 and 128 are the sizes the issue asks for.
@@ -25,22 +25,11 @@ SUPPORTED_BLOCKS = (16, 32, 64, 128)
 
 class TritonBlockSparse(TritonFlash):
     """triton_flash's declarations (the same kernels' inner loops run each kept block),
-    plus block_sparse, minus what has not yet run: no GPU until it is checked there."""
+    plus block_sparse."""
 
     name = "triton_blocksparse"
     description = "block-sparse FlashAttention in Triton (visits only kept blocks)"
     block_sparse = True
-
-    @property  # type: ignore[override]
-    def devices(self) -> frozenset[str]:  # type: ignore[override]
-        # Not yet run on a GPU: CPU through the interpreter only. Add "cuda" once the
-        # GPU check (tests/test_triton_blocksparse.py -m gpu) has passed on the H200.
-        return frozenset({"cpu"}) if _interpreting() else frozenset()
-
-    def unavailable_reason(self) -> str | None:
-        if not _interpreting():
-            return "not yet run on a GPU; available under TRITON_INTERPRET=1 only"
-        return super().unavailable_reason()
 
     def extra_reasons(self, request: AttentionRequest) -> list[str]:
         if not request.block_sparse:

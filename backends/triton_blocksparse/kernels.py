@@ -11,8 +11,13 @@ and the inner loops for full blocks (``_fwd_inner``, ``_bwd_q_inner``,
 
 Tiles
 -----
-BLOCK_M == bq and BLOCK_N == bk, the layout's block size: one program owns one query
-block (forward, dQ) or one key block (dK/dV) of the layout.
+BQ, BK                the layout's block size (bq, bk).
+BLOCK_M, BLOCK_N      the kernel's tile, dividing BQ and BK: triton_flash's launch
+                      configuration for the call, capped at the block. One program owns
+                      BLOCK_M query rows (forward, dQ) or BLOCK_N keys (dK/dV), a slice of
+                      one layout block, and walks each kept block of its row (column) in
+                      tiles, so a 128 x 128 layout runs with the dense kernel's tile shapes
+                      and register budget instead of one 128 x 128 tile per step.
 
 Block lists (int32, from ``layout.index``; read through (batch, head) strides that are
 0 where the layout broadcasts)
@@ -22,9 +27,13 @@ FullNum, FullIdx      per row block the full column blocks: no token mask. Insid
 PartNum, PartIdx      per row block the partial column blocks, always MASKED=True plus
                       the block's token mask.
 PartTile              for each entry of PartIdx, the tile number in Tiles.
-Tiles                 uint8 (P, BLOCK_M, BLOCK_N): the token masks of the P partial blocks
+Tiles                 uint8 (P, BQ, BK): the token masks of the P partial blocks
                       (1 = keep), local coordinates (query row, key) within the block.
 Blocks wholly outside the call's band (causal/window) are skipped without a load.
+EVEN_BLOCKS           no causal/window band and NQ, NK multiples of BQ, BK: every full
+                      block is unmasked, and the full blocks' tiles run in one flat loop
+                      (what lets Triton pipeline across blocks); otherwise a loop per
+                      block decides masked or not.
 """
 
 from __future__ import annotations
@@ -35,47 +44,17 @@ import triton.language as tl
 from attnhub.backends.triton_flash.kernels import (
     _DYNAMIC,
     _bwd_kv_inner,
+    _bwd_kv_step,
     _bwd_q_inner,
+    _bwd_q_step,
+    _fp32_scalars,
     _fwd_inner,
+    _fwd_step,
     _key_ranges,
     _load_lse2,
     _load_rows,
     _query_ranges,
-    _scores,
 )
-
-
-@triton.jit
-def _fwd_partial(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, tile_ptrs, mask_rows, drop_rows, seed,
-    start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn,
-    NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-    qk_scale, sm_scale, softcap, dropout_p,
-    EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """One partial key block: ``_fwd_inner``'s step with the block's token mask."""
-    offs_n = start_n + offs_n0
-    k = _load_rows(k_ptrs, offs_n, NK, offs_d, HEAD_D, True, not EVEN_D)
-    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-    s, _t = _scores(
-        qk, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
-        mask_rows, stride_mn, qk_scale, sm_scale, softcap,
-        True, HAS_BAND, HAS_SOFTCAP, MASK_KIND, True,
-    )  # fmt: skip
-    s = tl.where(tl.load(tile_ptrs) != 0, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if HAS_DROPOUT:
-        rnd = tl.rand(seed, drop_rows[:, None] + offs_n[None, :])
-        p = tl.where(rnd >= dropout_p, p, 0.0)
-    v = _load_rows(v_ptrs, offs_n, NK, offs_dv, HEAD_DV, True, not EVEN_D)
-    acc += tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-    return acc, l_i, m_new
 
 
 @triton.jit(do_not_specialize=_DYNAMIC)
@@ -94,10 +73,12 @@ def bs_fwd_kernel(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, HAS_PARTIAL: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, EVEN_BLOCKS: tl.constexpr,
 ):  # fmt: skip
-    """Out and Lse for one query block, visiting only its kept key blocks."""
-    qb = tl.program_id(0)
-    start_m = qb * BLOCK_M
+    """Out and Lse for BLOCK_M rows of one query block, visiting only its kept key blocks."""
+    qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
+    start_m = tl.program_id(0) * BLOCK_M
+    qb = start_m // BQ  # the layout's row block
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
@@ -144,43 +125,63 @@ def bs_fwd_kernel(
     idx_off = b * stride_ib + h * stride_ih + qb * NCOLS
 
     n_full = tl.load(FullNum + num_off)
-    for i in range(0, n_full):
-        start_n = tl.load(FullIdx + idx_off + i) * BLOCK_N
-        k_ptrs = k_base + start_n.to(tl.int64) * stride_kn
-        v_ptrs = v_base + start_n.to(tl.int64) * stride_vn
-        if (start_n >= f_lo) & (start_n + BLOCK_N <= f_hi):
-            acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
-                start_n, start_n + BLOCK_N, offs_m, offs_n0, offs_d, offs_dv,
-                stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+    if EVEN_BLOCKS:
+        # No band and no ragged block: every full block is unmasked. One flat loop over
+        # all their key tiles (BK // BLOCK_N per block) lets Triton pipeline the loads
+        # across blocks, as in the dense kernel.
+        for j in range(0, n_full * (BK // BLOCK_N)):
+            start_n = tl.load(FullIdx + idx_off + j // (BK // BLOCK_N)) * BK
+            start_n += (j % (BK // BLOCK_N)) * BLOCK_N
+            acc, l_i, m_i = _fwd_step(
+                acc, l_i, m_i, q, k_base + start_n.to(tl.int64) * stride_kn,
+                v_base + start_n.to(tl.int64) * stride_vn, k_base, mask_rows, drop_rows, seed,
+                start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn,
+                NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
                 qk_scale, sm_scale, softcap, dropout_p,
-                BLOCK_N, False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
+                False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION, False,
             )  # fmt: skip
-        elif (start_n < hi) & (start_n + BLOCK_N > lo):
-            acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
-                start_n, start_n + BLOCK_N, offs_m, offs_n0, offs_d, offs_dv,
-                stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                qk_scale, sm_scale, softcap, dropout_p,
-                BLOCK_N, True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
-            )  # fmt: skip
+    else:
+        for i in range(0, n_full):
+            start_n = tl.load(FullIdx + idx_off + i) * BK
+            k_ptrs = k_base + start_n.to(tl.int64) * stride_kn
+            v_ptrs = v_base + start_n.to(tl.int64) * stride_vn
+            if (start_n >= f_lo) & (start_n + BK <= f_hi):
+                acc, l_i, m_i = _fwd_inner(
+                    acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
+                    start_n, start_n + BK, offs_m, offs_n0, offs_d, offs_dv,
+                    stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                    qk_scale, sm_scale, softcap, dropout_p,
+                    BLOCK_N, False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
+                )  # fmt: skip
+            elif (start_n < hi) & (start_n + BK > lo):
+                acc, l_i, m_i = _fwd_inner(
+                    acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
+                    start_n, start_n + BK, offs_m, offs_n0, offs_d, offs_dv,
+                    stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                    qk_scale, sm_scale, softcap, dropout_p,
+                    BLOCK_N, True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
+                )  # fmt: skip
     if HAS_PARTIAL:
-        tile_local = (offs_m - start_m)[:, None] * BLOCK_N + offs_n0[None, :]
+        # This program's rows of a (BQ, BK) token mask; key tiles step along it.
+        tile_local = (offs_m - qb * BQ)[:, None] * BK + offs_n0[None, :]
         n_part = tl.load(PartNum + num_off)
         for i in range(0, n_part):
-            start_n = tl.load(PartIdx + idx_off + i) * BLOCK_N
-            if (start_n < hi) & (start_n + BLOCK_N > lo):
-                tile = tl.load(PartTile + idx_off + i).to(tl.int64)
-                acc, l_i, m_i = _fwd_partial(
-                    acc, l_i, m_i, q,
-                    k_base + start_n.to(tl.int64) * stride_kn,
-                    v_base + start_n.to(tl.int64) * stride_vn,
-                    Tiles + tile * (BLOCK_M * BLOCK_N) + tile_local,
-                    mask_rows, drop_rows, seed, start_n, offs_m, offs_n0, offs_d, offs_dv,
-                    stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                    qk_scale, sm_scale, softcap, dropout_p,
-                    EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
-                )  # fmt: skip
+            block_n = tl.load(PartIdx + idx_off + i) * BK
+            tile = tl.load(PartTile + idx_off + i).to(tl.int64)
+            for sub in range(0, BK, BLOCK_N):
+                start_n = block_n + sub
+                if (start_n < hi) & (start_n + BLOCK_N > lo):
+                    acc, l_i, m_i = _fwd_step(
+                        acc, l_i, m_i, q,
+                        k_base + start_n.to(tl.int64) * stride_kn,
+                        v_base + start_n.to(tl.int64) * stride_vn,
+                        Tiles + tile * (BQ * BK) + sub + tile_local,
+                        mask_rows, drop_rows, seed, start_n, offs_m, offs_n0, offs_d, offs_dv,
+                        stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                        qk_scale, sm_scale, softcap, dropout_p,
+                        True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
+                        INPUT_PRECISION, True,
+                    )  # fmt: skip
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -197,38 +198,6 @@ def bs_fwd_kernel(
         mask=(offs_m[:, None] < NQ) & (offs_dv[None, :] < HEAD_DV),
     )  # fmt: skip
     tl.store(Lse + pid_bh * NQ + offs_m, lse, mask=offs_m < NQ)
-
-
-@triton.jit
-def _bwd_q_partial(
-    dq, q, do, lse2, delta, k_ptrs, v_ptrs, tile_ptrs, mask_rows, drop_rows, seed,
-    start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn,
-    NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-    qk_scale, sm_scale, softcap, dropout_p,
-    EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """One partial key block: ``_bwd_q_inner``'s step with the block's token mask."""
-    offs_n = start_n + offs_n0
-    k = _load_rows(k_ptrs, offs_n, NK, offs_d, HEAD_D, True, not EVEN_D)
-    v = _load_rows(v_ptrs, offs_n, NK, offs_dv, HEAD_DV, True, not EVEN_D)
-    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-    s, t = _scores(
-        qk, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
-        mask_rows, stride_mn, qk_scale, sm_scale, softcap,
-        True, HAS_BAND, HAS_SOFTCAP, MASK_KIND, True,
-    )  # fmt: skip
-    s = tl.where(tl.load(tile_ptrs) != 0, s, float("-inf"))
-    p = tl.exp2(s - lse2[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
-    if HAS_DROPOUT:
-        rnd = tl.rand(seed, drop_rows[:, None] + offs_n[None, :])
-        dp = tl.where(rnd >= dropout_p, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-    ds = p * (dp - delta[:, None])
-    if HAS_SOFTCAP:
-        ds = ds * (1.0 - t * t)
-    dq += tl.dot(ds.to(k.dtype), k, input_precision=INPUT_PRECISION)
-    return dq
 
 
 @triton.jit(do_not_specialize=_DYNAMIC)
@@ -248,10 +217,12 @@ def bs_bwd_dq_kernel(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, HAS_PARTIAL: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, EVEN_BLOCKS: tl.constexpr,
 ):  # fmt: skip
-    """dQ for one query block over its kept key blocks."""
-    qb = tl.program_id(0)
-    start_m = qb * BLOCK_M
+    """dQ for BLOCK_M rows of one query block over its kept key blocks."""
+    qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
+    start_m = tl.program_id(0) * BLOCK_M
+    qb = start_m // BQ  # the layout's row block
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
@@ -297,88 +268,65 @@ def bs_bwd_dq_kernel(
     idx_off = b * stride_ib + h * stride_ih + qb * NCOLS
 
     n_full = tl.load(FullNum + num_off)
-    for i in range(0, n_full):
-        start_n = tl.load(FullIdx + idx_off + i) * BLOCK_N
-        k_ptrs = k_base + start_n.to(tl.int64) * stride_kn
-        v_ptrs = v_base + start_n.to(tl.int64) * stride_vn
-        if (start_n >= f_lo) & (start_n + BLOCK_N <= f_hi):
-            dq = _bwd_q_inner(
-                dq, q, do, lse2, delta, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
-                start_n, start_n + BLOCK_N, offs_m, offs_n0, offs_d, offs_dv,
-                stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+    if EVEN_BLOCKS:
+        # As in the forward: one flat loop over the full blocks' key tiles.
+        for j in range(0, n_full * (BK // BLOCK_N)):
+            start_n = tl.load(FullIdx + idx_off + j // (BK // BLOCK_N)) * BK
+            start_n += (j % (BK // BLOCK_N)) * BLOCK_N
+            dq = _bwd_q_step(
+                dq, q, do, lse2, delta, k_base + start_n.to(tl.int64) * stride_kn,
+                v_base + start_n.to(tl.int64) * stride_vn, k_base, mask_rows, drop_rows, seed,
+                start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn,
+                NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
                 qk_scale, sm_scale, softcap, dropout_p,
-                BLOCK_N, False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
+                False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION, False,
             )  # fmt: skip
-        elif (start_n < hi) & (start_n + BLOCK_N > lo):
-            dq = _bwd_q_inner(
-                dq, q, do, lse2, delta, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
-                start_n, start_n + BLOCK_N, offs_m, offs_n0, offs_d, offs_dv,
-                stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                qk_scale, sm_scale, softcap, dropout_p,
-                BLOCK_N, True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
-            )  # fmt: skip
+    else:
+        for i in range(0, n_full):
+            start_n = tl.load(FullIdx + idx_off + i) * BK
+            k_ptrs = k_base + start_n.to(tl.int64) * stride_kn
+            v_ptrs = v_base + start_n.to(tl.int64) * stride_vn
+            if (start_n >= f_lo) & (start_n + BK <= f_hi):
+                dq = _bwd_q_inner(
+                    dq, q, do, lse2, delta, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
+                    start_n, start_n + BK, offs_m, offs_n0, offs_d, offs_dv,
+                    stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                    qk_scale, sm_scale, softcap, dropout_p,
+                    BLOCK_N, False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
+                )  # fmt: skip
+            elif (start_n < hi) & (start_n + BK > lo):
+                dq = _bwd_q_inner(
+                    dq, q, do, lse2, delta, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
+                    start_n, start_n + BK, offs_m, offs_n0, offs_d, offs_dv,
+                    stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                    qk_scale, sm_scale, softcap, dropout_p,
+                    BLOCK_N, True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
+                )  # fmt: skip
     if HAS_PARTIAL:
-        tile_local = (offs_m - start_m)[:, None] * BLOCK_N + offs_n0[None, :]
+        # This program's rows of a (BQ, BK) token mask; key tiles step along it.
+        tile_local = (offs_m - qb * BQ)[:, None] * BK + offs_n0[None, :]
         n_part = tl.load(PartNum + num_off)
         for i in range(0, n_part):
-            start_n = tl.load(PartIdx + idx_off + i) * BLOCK_N
-            if (start_n < hi) & (start_n + BLOCK_N > lo):
-                tile = tl.load(PartTile + idx_off + i).to(tl.int64)
-                dq = _bwd_q_partial(
-                    dq, q, do, lse2, delta,
-                    k_base + start_n.to(tl.int64) * stride_kn,
-                    v_base + start_n.to(tl.int64) * stride_vn,
-                    Tiles + tile * (BLOCK_M * BLOCK_N) + tile_local,
-                    mask_rows, drop_rows, seed, start_n, offs_m, offs_n0, offs_d, offs_dv,
-                    stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                    qk_scale, sm_scale, softcap, dropout_p,
-                    EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
-                )  # fmt: skip
+            block_n = tl.load(PartIdx + idx_off + i) * BK
+            tile = tl.load(PartTile + idx_off + i).to(tl.int64)
+            for sub in range(0, BK, BLOCK_N):
+                start_n = block_n + sub
+                if (start_n < hi) & (start_n + BLOCK_N > lo):
+                    dq = _bwd_q_step(
+                        dq, q, do, lse2, delta,
+                        k_base + start_n.to(tl.int64) * stride_kn,
+                        v_base + start_n.to(tl.int64) * stride_vn,
+                        Tiles + tile * (BQ * BK) + sub + tile_local,
+                        mask_rows, drop_rows, seed, start_n, offs_m, offs_n0, offs_d, offs_dv,
+                        stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                        qk_scale, sm_scale, softcap, dropout_p,
+                        True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
+                        INPUT_PRECISION, True,
+                    )  # fmt: skip
 
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows * stride_dqm + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < HEAD_D))  # fmt: skip
-
-
-@triton.jit
-def _bwd_kv_partial(
-    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, tile_ptrs, mask_base, drop_base, seed,
-    start_m, offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn,
-    NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-    qk_scale, sm_scale, softcap, dropout_p,
-    EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """One partial query block: ``_bwd_kv_inner``'s step (transposed tiles) with the
-    block's token mask."""
-    offs_m = start_m + offs_m0
-    q = _load_rows(q_ptrs, offs_m, NQ, offs_d, HEAD_D, True, not EVEN_D)
-    do = _load_rows(do_ptrs, offs_m, NQ, offs_dv, HEAD_DV, True, not EVEN_D)
-    lse2 = _load_lse2(lse_ptrs, offs_m, NQ, True)
-    delta = tl.load(delta_ptrs, mask=offs_m < NQ, other=0.0)
-    qkT = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
-    sT, tT = _scores(
-        qkT, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
-        mask_base + offs_m.to(tl.int64) * stride_mm, stride_mn, qk_scale, sm_scale, softcap,
-        True, HAS_BAND, HAS_SOFTCAP, MASK_KIND, False,
-    )  # fmt: skip
-    sT = tl.where(tl.load(tile_ptrs) != 0, sT, float("-inf"))
-    pT = tl.exp2(sT - lse2[None, :])
-    dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
-    if HAS_DROPOUT:
-        rnd = tl.rand(seed, drop_base + offs_m[None, :].to(tl.int64) * NK + offs_n[:, None])
-        kept = rnd >= dropout_p
-        inv_keep = 1.0 / (1.0 - dropout_p)
-        pdT = tl.where(kept, pT * inv_keep, 0.0)
-        dpT = tl.where(kept, dpT * inv_keep, 0.0)
-    else:
-        pdT = pT
-    dv += tl.dot(pdT.to(do.dtype), do, input_precision=INPUT_PRECISION)
-    dsT = pT * (dpT - delta[None, :])
-    if HAS_SOFTCAP:
-        dsT = dsT * (1.0 - tT * tT)
-    dk += tl.dot(dsT.to(q.dtype), q, input_precision=INPUT_PRECISION)
-    return dk, dv
 
 
 @triton.jit(do_not_specialize=_DYNAMIC)
@@ -399,11 +347,13 @@ def bs_bwd_dkdv_kernel(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, HAS_PARTIAL: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, EVEN_BLOCKS: tl.constexpr,
 ):  # fmt: skip
-    """dK and dV for one key block, over the kept query blocks of each of the GROUP query
+    """dK and dV for BLOCK_N keys of one key block, over the kept query blocks of each of the GROUP query
     heads that read it (the block lists here are the per-key-block "q" direction)."""
-    kb = tl.program_id(0)
-    start_n = kb * BLOCK_N
+    qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
+    start_n = tl.program_id(0) * BLOCK_N
+    kb = start_n // BK  # the layout's column block
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // HKV
     hk = pid_bh % HKV
@@ -426,8 +376,9 @@ def bs_bwd_dkdv_kernel(
     lo, f_lo, f_hi, hi = _query_ranges(
         start_n, NQ, NK, offset, win_left, win_right, BLOCK_M, BLOCK_N, HAS_BAND
     )
-    # Token mask of a partial block, transposed: (keys, rows) like this kernel's tiles.
-    tile_local = offs_m0[None, :] * BLOCK_N + (offs_n - start_n)[:, None]
+    # This program's keys of a (BQ, BK) token mask, transposed to (keys, rows) like this
+    # kernel's tiles; query tiles step down it.
+    tile_local = offs_m0[None, :] * BK + (offs_n - kb * BK)[:, None]
     for g in range(0, GROUP):
         h = hk * GROUP + g
         bh = b * H + h
@@ -450,48 +401,67 @@ def bs_bwd_dkdv_kernel(
         idx_off = b * stride_ib + h * stride_ih + kb * NCOLS
 
         n_full = tl.load(FullNum + num_off)
-        for i in range(0, n_full):
-            start_m = tl.load(FullIdx + idx_off + i) * BLOCK_M
-            s64 = start_m.to(tl.int64)
-            if (start_m >= f_lo) & (start_m + BLOCK_M <= f_hi):
-                dk, dv = _bwd_kv_inner(
+        if EVEN_BLOCKS:
+            # One flat loop over the full blocks' query tiles (see the forward).
+            for j in range(0, n_full * (BQ // BLOCK_M)):
+                start_m = tl.load(FullIdx + idx_off + j // (BQ // BLOCK_M)) * BQ
+                start_m += (j % (BQ // BLOCK_M)) * BLOCK_M
+                s64 = start_m.to(tl.int64)
+                dk, dv = _bwd_kv_step(
                     dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
-                    lse_base + s64, delta_base + s64, mask_base, drop_base, seed,
-                    start_m, start_m + BLOCK_M, offs_n, offs_m0, offs_d, offs_dv,
-                    stride_qm, stride_dom, stride_mm, stride_mn,
+                    lse_base + s64, delta_base + s64, q_base, mask_base, drop_base, seed,
+                    start_m, offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn,
                     NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
                     qk_scale, sm_scale, softcap, dropout_p,
-                    BLOCK_M, False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND,
-                    HAS_DROPOUT, INPUT_PRECISION,
+                    False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
+                    INPUT_PRECISION, False,
                 )  # fmt: skip
-            elif (start_m < hi) & (start_m + BLOCK_M > lo):
-                dk, dv = _bwd_kv_inner(
-                    dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
-                    lse_base + s64, delta_base + s64, mask_base, drop_base, seed,
-                    start_m, start_m + BLOCK_M, offs_n, offs_m0, offs_d, offs_dv,
-                    stride_qm, stride_dom, stride_mm, stride_mn,
-                    NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                    qk_scale, sm_scale, softcap, dropout_p,
-                    BLOCK_M, True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND,
-                    HAS_DROPOUT, INPUT_PRECISION,
-                )  # fmt: skip
+        else:
+            for i in range(0, n_full):
+                start_m = tl.load(FullIdx + idx_off + i) * BQ
+                s64 = start_m.to(tl.int64)
+                if (start_m >= f_lo) & (start_m + BQ <= f_hi):
+                    dk, dv = _bwd_kv_inner(
+                        dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
+                        lse_base + s64, delta_base + s64, mask_base, drop_base, seed,
+                        start_m, start_m + BQ, offs_n, offs_m0, offs_d, offs_dv,
+                        stride_qm, stride_dom, stride_mm, stride_mn,
+                        NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                        qk_scale, sm_scale, softcap, dropout_p,
+                        BLOCK_M, False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND,
+                        HAS_DROPOUT, INPUT_PRECISION,
+                    )  # fmt: skip
+                elif (start_m < hi) & (start_m + BQ > lo):
+                    dk, dv = _bwd_kv_inner(
+                        dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
+                        lse_base + s64, delta_base + s64, mask_base, drop_base, seed,
+                        start_m, start_m + BQ, offs_n, offs_m0, offs_d, offs_dv,
+                        stride_qm, stride_dom, stride_mm, stride_mn,
+                        NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                        qk_scale, sm_scale, softcap, dropout_p,
+                        BLOCK_M, True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND,
+                        HAS_DROPOUT, INPUT_PRECISION,
+                    )  # fmt: skip
         if HAS_PARTIAL:
             n_part = tl.load(PartNum + num_off)
             for i in range(0, n_part):
-                start_m = tl.load(PartIdx + idx_off + i) * BLOCK_M
-                if (start_m < hi) & (start_m + BLOCK_M > lo):
-                    s64 = start_m.to(tl.int64)
-                    tile = tl.load(PartTile + idx_off + i).to(tl.int64)
-                    dk, dv = _bwd_kv_partial(
-                        dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
-                        lse_base + s64, delta_base + s64,
-                        Tiles + tile * (BLOCK_M * BLOCK_N) + tile_local,
-                        mask_base, drop_base, seed,
-                        start_m, offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn,
-                        NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                        qk_scale, sm_scale, softcap, dropout_p,
-                        EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
-                    )  # fmt: skip
+                block_m = tl.load(PartIdx + idx_off + i) * BQ
+                tile = tl.load(PartTile + idx_off + i).to(tl.int64)
+                for sub in range(0, BQ, BLOCK_M):
+                    start_m = block_m + sub
+                    if (start_m < hi) & (start_m + BLOCK_M > lo):
+                        s64 = start_m.to(tl.int64)
+                        dk, dv = _bwd_kv_step(
+                            dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
+                            lse_base + s64, delta_base + s64,
+                            Tiles + tile * (BQ * BK) + sub * BK + tile_local,
+                            mask_base, drop_base, seed,
+                            start_m, offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn,
+                            NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                            qk_scale, sm_scale, softcap, dropout_p,
+                            True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
+                            INPUT_PRECISION, True,
+                        )  # fmt: skip
 
     dk = dk * sm_scale
     inb_n = offs_n[:, None] < NK

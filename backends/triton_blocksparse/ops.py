@@ -24,9 +24,11 @@ import torch
 import triton
 
 from attnhub.backends.triton_flash import kernels as flash_kernels
+from attnhub.backends.triton_flash.configs import launch_config
 from attnhub.backends.triton_flash.ops import (
     NO_WINDOW,
     _band,
+    _capability,
     _common_meta,
     _define,
     _launcher,
@@ -42,6 +44,9 @@ _TILE_CHUNK = 256  # partial blocks evaluated per mask_mod call when building ti
 _cache: weakref.WeakKeyDictionary[BlockSparseLayout, dict[str, list[torch.Tensor]]] = (
     weakref.WeakKeyDictionary()
 )
+# Whether a layout has any partial block (decides the HAS_PARTIAL constexpr). Kept on the
+# host beside the tensors so that a call never reads a device tensor (no GPU sync).
+_has_partial: weakref.WeakKeyDictionary[BlockSparseLayout, bool] = weakref.WeakKeyDictionary()
 
 
 def unsupported_block_size(block_size: tuple[int, int]) -> str | None:
@@ -91,6 +96,7 @@ def layout_tensors(layout: BlockSparseLayout, device: torch.device) -> list[torc
     else:
         full = layout.full_mask.to(device)
     partial = block & ~full
+    _has_partial[layout] = bool(partial.any())
     tile_id = torch.full(block.shape, -1, dtype=torch.int32, device=device)
     tile_id[partial] = torch.arange(int(partial.sum()), dtype=torch.int32, device=device)
     out: list[torch.Tensor] = []
@@ -117,11 +123,23 @@ def _index_strides(num: torch.Tensor, idx: torch.Tensor) -> tuple[int, ...]:
     )
 
 
-def _launch_meta(bq: int, bk: int, interp: bool) -> dict[str, int]:
-    # First choices, not measured: 8 warps for 128 x 128 tiles, 4 below; two stages.
-    if interp:
-        return {"num_warps": 4, "num_stages": 1}
-    return {"num_warps": 8 if bq * bk >= 128 * 128 else 4, "num_stages": 2}
+def _tiles_meta(
+    direction: str, bq: int, bk: int, meta: dict[str, Any], q: torch.Tensor, nk: int,
+    causal: bool,
+) -> tuple[int, int, dict[str, Any]]:  # fmt: skip
+    """(BLOCK_M, BLOCK_N, launch meta) for one kernel: triton_flash's launch configuration
+    for the same call (its measured tiles, warps and stages), with the tile capped at the
+    layout's block so that it divides it (both are powers of two); and EVEN_BLOCKS (no
+    band, no ragged block: full blocks need no mask, see kernels.py)."""
+    cfg = launch_config(
+        direction, max(meta["BLOCK_D"], meta["BLOCK_DV"]), q.element_size(), causal,
+        _capability(q.device), interpreting(),
+    )  # fmt: skip
+    block_m, block_n = min(cfg.block_m, bq), min(cfg.block_n, bk)
+    even = not meta["HAS_BAND"] and q.shape[2] % bq == 0 and nk % bk == 0
+    launch = {**cfg.meta(), "BLOCK_M": block_m, "BLOCK_N": block_n, "BQ": bq, "BK": bk,
+              "EVEN_BLOCKS": even}  # fmt: skip
+    return block_m, block_n, launch
 
 
 def _fwd_impl(
@@ -133,6 +151,7 @@ def _fwd_impl(
     index: list[torch.Tensor],
     bq: int,
     bk: int,
+    has_partial: bool,
     causal: bool,
     bottom_right: bool,
     window_left: int,
@@ -159,15 +178,14 @@ def _fwd_impl(
     )
     fnum, fidx, pnum, pidx, ptile = index[:5]
     tiles = index[10]
-    grid = (triton.cdiv(nq, bq), b * hq)
-    _launcher(kernels.bs_fwd_kernel, q)[grid](
+    block_m, _, launch = _tiles_meta("fwd", bq, bk, meta, q, nk, causal)
+    _launcher(kernels.bs_fwd_kernel, q)[(triton.cdiv(nq, block_m), b * hq)](
         q, k, v, mask_t, q if seed is None else seed, out, lse,
         fnum, fidx, pnum, pidx, ptile, tiles,
         *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(), *_index_strides(fnum, fidx),
         hq, hq // hkv, nq, nk, d, dv, offset, left, right,
         scale * math.log2(math.e), scale, softcap if softcap > 0.0 else 1.0, dropout_p,
-        BLOCK_M=bq, BLOCK_N=bk, HAS_PARTIAL=bool(int(pnum.max()) > 0) if pnum.numel() else False,
-        **meta, **_launch_meta(bq, bk, interpreting()),
+        HAS_PARTIAL=has_partial, **meta, **launch,
     )  # fmt: skip
     return out, lse
 
@@ -185,6 +203,7 @@ def _bwd_impl(
     dlse: torch.Tensor | None,
     bq: int,
     bk: int,
+    has_partial: bool,
     causal: bool,
     bottom_right: bool,
     window_left: int,
@@ -219,32 +238,33 @@ def _bwd_impl(
                softcap if softcap > 0.0 else 1.0, dropout_p)  # fmt: skip
     seed_t = q if seed is None else seed
     tiles = index[10]
-    has_partial = bool(int(index[2].max()) > 0) if index[2].numel() else False
-    launch = {"BLOCK_M": bq, "BLOCK_N": bk, "HAS_PARTIAL": has_partial, **meta,
-              **_launch_meta(bq, bk, interp)}  # fmt: skip
+    meta["HAS_PARTIAL"] = has_partial
 
     fnum, fidx, pnum, pidx, ptile = index[5:10]
-    _launcher(kernels.bs_bwd_dkdv_kernel, q)[(triton.cdiv(nk, bk), b * hkv)](
+    _, block_n, launch = _tiles_meta("bwd_kv", bq, bk, meta, q, nk, causal)
+    _launcher(kernels.bs_bwd_dkdv_kernel, q)[(triton.cdiv(nk, block_n), b * hkv)](
         q, k, v, mask_t, seed_t, dout, lse, delta, dk, dv,
         fnum, fidx, pnum, pidx, ptile, tiles,
         *q.stride(), *k.stride(), *v.stride(), *ms, *dout.stride(), *dk.stride(), *dv.stride(),
         *_index_strides(fnum, fidx),
-        hq, hkv, hq // hkv, nq, nk, d, dv_dim, *scalars, **launch,
+        hq, hkv, hq // hkv, nq, nk, d, dv_dim, *scalars, **meta, **launch,
     )  # fmt: skip
     fnum, fidx, pnum, pidx, ptile = index[:5]
-    _launcher(kernels.bs_bwd_dq_kernel, q)[(triton.cdiv(nq, bq), b * hq)](
+    block_m, _, launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal)
+    _launcher(kernels.bs_bwd_dq_kernel, q)[(triton.cdiv(nq, block_m), b * hq)](
         q, k, v, mask_t, seed_t, dout, lse, delta, dq,
         fnum, fidx, pnum, pidx, ptile, tiles,
         *q.stride(), *k.stride(), *v.stride(), *ms, *dout.stride(), *dq.stride(),
         *_index_strides(fnum, fidx),
-        hq, hq // hkv, nq, nk, d, dv_dim, *scalars, **launch,
+        hq, hq // hkv, nq, nk, d, dv_dim, *scalars, **meta, **launch,
     )  # fmt: skip
     return dq, dk, dv
 
 
 triton_blocksparse_fwd = _define("attnhub::triton_blocksparse_fwd", _fwd_impl)
 triton_blocksparse_bwd = _define("attnhub::triton_blocksparse_bwd", _bwd_impl)
-_N_SCALARS = 9  # bq, bk, causal, bottom_right, window_left, window_right, softcap, scale, p
+# bq, bk, has_partial, causal, bottom_right, window_left, window_right, softcap, scale, p
+_N_SCALARS = 10
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
@@ -294,7 +314,7 @@ def block_sparse_attention(
     bq, bk = layout.block_size
     extra: Any = layout_tensors(layout, q.device)
     return triton_blocksparse_fwd(
-        q, k, v, mask, seed, extra, bq, bk, causal, bottom_right,
+        q, k, v, mask, seed, extra, bq, bk, _has_partial[layout], causal, bottom_right,
         NO_WINDOW if left is None else int(left), NO_WINDOW if right is None else int(right),
         float(softcap or 0.0), float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])),
         float(dropout_p),

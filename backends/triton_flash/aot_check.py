@@ -9,6 +9,13 @@ against the H100/H200 limit.
 
     python -m attnhub.backends.triton_flash.aot_check [--quick] [--capability 90]
 
+One launch as a GPU test makes it, with launch configurations forced (``configs.OVERRIDE``),
+compile time, registers and spills per kernel (the fp32 D=256 rows were sized this way):
+
+    python -m attnhub.backends.triton_flash.aot_check --dtype fp32 --head-dim 256 \
+        --shape 1,16,16,2049,1000 --causal --bottom-right --config bwd_kv=16,32,8,1 \
+        --kernel bwd --registers
+
 Run it without ``TRITON_INTERPRET`` in the environment (it removes it itself, so run
 it in a fresh process). Exit status 1 when any variant fails.
 """
@@ -17,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -29,7 +39,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import ops
+from . import configs, ops
 
 SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KiB)
 _TYPES = {
@@ -54,22 +64,28 @@ class _Recorder:
 
 
 def record(cases: list[tuple[torch.dtype, int, dict]]) -> list:
-    """Run forward+backward for each (dtype, head dim, options) on CPU, recording launches."""
+    """Run forward+backward for each (dtype, head dim, options) on CPU, recording launches.
+
+    ``options`` may hold ``shape``: (B, Hq, Hkv, Nq, Nk), default (1, 2, 1, 40, 50); the
+    shape decides the JIT's specialization (ints equal to 1, multiples of 16), so a GPU
+    test's launch is reproduced exactly by passing its shape. The backward gets a
+    contiguous grad_out, as in training and in the conformance tests."""
     launches: list = []
     original = ops._launcher
     ops._launcher = lambda kernel, like: _Recorder(kernel, launches)  # type: ignore[assignment]
     try:
         for dtype, d, options in cases:
             options = dict(options)
-            q = torch.randn(1, 2, 40, d, dtype=dtype, requires_grad=True)
-            k = torch.randn(1, 1, 50, d, dtype=dtype, requires_grad=True)
+            b, hq, hkv, nq, nk = options.pop("shape", (1, 2, 1, 40, 50))
+            q = torch.randn(b, hq, nq, d, dtype=dtype, requires_grad=True)
+            k = torch.randn(b, hkv, nk, d, dtype=dtype, requires_grad=True)
             mask = options.pop("mask", None)
             if mask == "float":
-                mask = torch.randn(40, 50, dtype=dtype)
+                mask = torch.randn(nq, nk, dtype=dtype)
             elif mask == "bool":
-                mask = torch.rand(1, 1, 40, 50) > 0.5
+                mask = torch.rand(1, 1, nq, nk) > 0.5
             out, _ = ops.flash_attention(q, k, k, mask, **options)
-            out.sum().backward()
+            out.backward(torch.randn_like(out))
     finally:
         ops._launcher = original
     return launches
@@ -125,37 +141,121 @@ def variants(quick: bool) -> list[tuple[torch.dtype, int, dict]]:
     return cases
 
 
-def compile_all(launches: list, capability: int) -> int:  # type: ignore[type-arg]
+def ptxas_usage(ptx: str, capability: int) -> str:
+    """Registers and spills of compiled PTX, from ``ptxas -v`` (the ptxas Triton ships;
+    the AOT metadata lacks them: the driver reports them only on load)."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run(
+            [get_ptxas(capability).path, "-v", f"--gpu-name={sm_arch_from_capability(capability)}",
+             src, "-o", os.path.join(tmp, "k.o")],
+            capture_output=True, text=True, check=False,
+        ).stderr  # fmt: skip
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log)
+    if not (regs and spills):
+        return "registers=?"
+    return f"registers={regs.group(1)} stack={spills.group(1)} spill_stores={spills.group(2)}"
+
+
+def compile_all(
+    launches: list,
+    capability: int,
+    *,
+    kernel_filter: str | None = None,
+    registers: bool = False,
+) -> int:
     """Compile each distinct recorded launch for ``sm_<capability>``; print shared
-    memory per kernel; return the number of failures (errors or over the limit)."""
+    memory and compile time per kernel (and registers/spills with ``registers``);
+    return the number of failures (errors or over the limit). ``kernel_filter``: only
+    kernels whose name contains it."""
     seen, failures, start = set(), 0, time.time()
     for kernel, kargs, kwargs in launches:
+        if kernel_filter is not None and kernel_filter not in kernel.fn.__name__:
+            continue
         key = (kernel.fn.__name__, str([_TYPES.get(getattr(a, "dtype", None), a == 1) for a in kargs]),
                str(sorted(kwargs.items())))  # fmt: skip
         if key in seen:
             continue
         seen.add(key)
         name = f"{kernel.fn.__name__} {_TYPES[kargs[0].dtype]} {kwargs}"
+        began = time.time()
         try:
-            shared = compile_launch(kernel, kargs, kwargs, capability).metadata.shared
+            compiled = compile_launch(kernel, kargs, kwargs, capability)
         except Exception as exc:
             failures += 1
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
             continue
+        took = time.time() - began
+        shared = compiled.metadata.shared
+        usage = f" {ptxas_usage(compiled.asm['ptx'], capability)}" if registers else ""
         over = shared > SHARED_LIMIT
         failures += over
-        print(f"{'FAIL' if over else 'ok'} {name} shared={shared}", flush=True)
+        print(f"{'FAIL' if over else 'ok'} {name} shared={shared}{usage} compile={took:.1f}s",
+              flush=True)  # fmt: skip
     print(f"{len(seen)} launches compiled for sm_{capability} in {time.time() - start:.0f} s, "
           f"{failures} failures")  # fmt: skip
     return failures
+
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_KERNELS = {"fwd": "attn_fwd_kernel", "bwd": "attn_bwd_d", "bwd_kv": "attn_bwd_dkdv_kernel",
+            "bwd_q": "attn_bwd_dq_kernel", "pre": "attn_bwd_preprocess_kernel"}  # fmt: skip
+
+
+def _config(text: str) -> tuple[str, configs.LaunchConfig]:
+    direction, _, values = text.partition("=")
+    if direction not in ("fwd", "bwd_kv", "bwd_q"):
+        raise argparse.ArgumentTypeError(f"{direction!r}: not one of fwd, bwd_kv, bwd_q")
+    return direction, configs.LaunchConfig(*(int(v) for v in values.split(",")))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two variants (for CI)")
     parser.add_argument("--capability", type=int, default=90)
+    one = parser.add_argument_group("one case instead of the variants (given --dtype)")
+    one.add_argument("--dtype", choices=sorted(_DTYPES))
+    one.add_argument("--head-dim", type=int, default=128)
+    one.add_argument("--shape", default="1,2,1,40,50", help="B,Hq,Hkv,Nq,Nk (default %(default)s)")
+    one.add_argument("--causal", action="store_true")
+    one.add_argument("--bottom-right", action="store_true")
+    one.add_argument("--window", help="LEFT,RIGHT (empty side: unbounded)")
+    parser.add_argument(
+        "--config", type=_config, action="append", default=[],
+        help="force a launch config: fwd|bwd_kv|bwd_q=BLOCK_M,BLOCK_N,WARPS,STAGES (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("--kernel", choices=sorted(_KERNELS), help="compile only these kernels")
+    parser.add_argument(
+        "--registers", action="store_true",
+        help="also report registers and spills (runs ptxas -v once more per kernel)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    return 1 if compile_all(record(variants(args.quick)), args.capability) else 0
+    if args.dtype is None:
+        cases = variants(args.quick)
+    else:
+        options: dict = {"shape": tuple(int(v) for v in args.shape.split(","))}
+        if args.causal:
+            options["causal"] = True
+        if args.bottom_right:
+            options["bottom_right"] = True
+        if args.window:
+            options["window"] = tuple(int(v) if v else None for v in args.window.split(","))
+        cases = [(_DTYPES[args.dtype], args.head_dim, options)]
+    configs.OVERRIDE.update(dict(args.config))
+    try:
+        launches = record(cases)
+    finally:
+        for direction, _ in args.config:
+            configs.OVERRIDE.pop(direction, None)
+    kernel_filter = _KERNELS[args.kernel] if args.kernel else None
+    failures = compile_all(launches, args.capability, kernel_filter=kernel_filter,
+                           registers=args.registers)  # fmt: skip
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -65,6 +65,17 @@ def _tanh(x):
 
 
 @triton.jit
+def _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p):
+    """The float arguments as float32. A plain launch types Python floats as fp32, but
+    Inductor (torch.compile through wrap_triton) passes them as fp64, which would turn
+    the scores, and so the loop-carried accumulators, into fp64."""
+    return (
+        tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32),
+        tl.cast(softcap, tl.float32), tl.cast(dropout_p, tl.float32),
+    )  # fmt: skip
+
+
+@triton.jit
 def _load_rows(ptrs, rows, nrows, cols, ncols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
     """Load a (rows, cols) tile, masking only the dimensions that can run out of bounds."""
     if CHECK_ROWS:
@@ -180,6 +191,49 @@ def _scores(
 
 
 @triton.jit
+def _fwd_step(
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, tile_ptrs, mask_rows, drop_rows, seed,
+    start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn,
+    NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+    qk_scale, sm_scale, softcap, dropout_p,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, HAS_TILE: tl.constexpr,
+):  # fmt: skip
+    """One key tile (keys start_n .. start_n + BLOCK_N - 1; k_ptrs/v_ptrs point at its
+    first row) folded into the running softmax. HAS_TILE: also apply a (rows, keys)
+    uint8 token mask read at tile_ptrs (block-sparse partial blocks)."""
+    offs_n = start_n + offs_n0
+    k = _load_rows(k_ptrs, offs_n, NK, offs_d, HEAD_D, MASKED, not EVEN_D)
+    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+    s, _t = _scores(
+        qk, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
+        mask_rows, stride_mn, qk_scale, sm_scale, softcap,
+        MASKED, HAS_BAND, HAS_SOFTCAP, MASK_KIND, True,
+    )  # fmt: skip
+    if HAS_TILE:
+        s = tl.where(tl.load(tile_ptrs) != 0, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED or MASK_KIND != 0 or HAS_TILE:
+        # A row with no kept key so far has m_new = -inf: shift by 0 instead, so
+        # that exp2(-inf - -inf) never makes a NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if HAS_DROPOUT:
+        # The softmax sum uses every weight; only the output sees the dropped ones.
+        rnd = tl.rand(seed, drop_rows[:, None] + offs_n[None, :])
+        p = tl.where(rnd >= dropout_p, p, 0.0)
+    v = _load_rows(v_ptrs, offs_n, NK, offs_dv, HEAD_DV, MASKED, not EVEN_D)
+    acc += tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
     start, end, offs_m, offs_n0, offs_d, offs_dv,
@@ -192,32 +246,13 @@ def _fwd_inner(
 ):  # fmt: skip
     # k_ptrs/v_ptrs point at key row `start`; advanced by BLOCK_N rows per step.
     for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + offs_n0
-        k = _load_rows(k_ptrs, offs_n, NK, offs_d, HEAD_D, MASKED, not EVEN_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-        s, _t = _scores(
-            qk, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
-            mask_rows, stride_mn, qk_scale, sm_scale, softcap,
-            MASKED, HAS_BAND, HAS_SOFTCAP, MASK_KIND, True,
+        acc, l_i, m_i = _fwd_step(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, k_ptrs, mask_rows, drop_rows, seed,
+            start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn,
+            NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+            qk_scale, sm_scale, softcap, dropout_p,
+            MASKED, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION, False,
         )  # fmt: skip
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if MASKED or MASK_KIND != 0:
-            # A row with no kept key so far has m_new = -inf: shift by 0 instead, so
-            # that exp2(-inf - -inf) never makes a NaN.
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_use = m_new
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if HAS_DROPOUT:
-            # The softmax sum uses every weight; only the output sees the dropped ones.
-            rnd = tl.rand(seed, drop_rows[:, None] + offs_n[None, :])
-            p = tl.where(rnd >= dropout_p, p, 0.0)
-        v = _load_rows(v_ptrs, offs_n, NK, offs_dv, HEAD_DV, MASKED, not EVEN_D)
-        acc += tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
@@ -244,6 +279,7 @@ def attn_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Out (B, H, NQ, DV) and Lse (B, H, NQ) float32 natural log, for one row block."""
+    qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
     start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
@@ -378,6 +414,53 @@ def _load_lse2(lse_ptrs, rows, NQ, CHECK: tl.constexpr):
 
 
 @triton.jit
+def _bwd_kv_step(
+    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, tile_ptrs, mask_base, drop_base, seed,
+    start_m, offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn,
+    NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+    qk_scale, sm_scale, softcap, dropout_p,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, HAS_TILE: tl.constexpr,
+):  # fmt: skip
+    """One query tile (rows start_m .. start_m + BLOCK_M - 1, pointers at its first row)
+    added to dK/dV. Works on transposed tiles (keys, rows), as Triton's fused-attention
+    tutorial. HAS_TILE: also apply a (keys, rows) token mask read at tile_ptrs."""
+    offs_m = start_m + offs_m0
+    q = _load_rows(q_ptrs, offs_m, NQ, offs_d, HEAD_D, MASKED, not EVEN_D)
+    do = _load_rows(do_ptrs, offs_m, NQ, offs_dv, HEAD_DV, MASKED, not EVEN_D)
+    lse2 = _load_lse2(lse_ptrs, offs_m, NQ, MASKED)
+    if MASKED:
+        delta = tl.load(delta_ptrs, mask=offs_m < NQ, other=0.0)
+    else:
+        delta = tl.load(delta_ptrs)
+    qkT = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
+    sT, tT = _scores(
+        qkT, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
+        mask_base + offs_m.to(tl.int64) * stride_mm, stride_mn, qk_scale, sm_scale, softcap,
+        MASKED, HAS_BAND, HAS_SOFTCAP, MASK_KIND, False,
+    )  # fmt: skip
+    if HAS_TILE:
+        sT = tl.where(tl.load(tile_ptrs) != 0, sT, float("-inf"))
+    pT = tl.exp2(sT - lse2[None, :])
+    dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+    if HAS_DROPOUT:
+        rnd = tl.rand(seed, drop_base + offs_m[None, :].to(tl.int64) * NK + offs_n[:, None])
+        kept = rnd >= dropout_p
+        inv_keep = 1.0 / (1.0 - dropout_p)
+        pdT = tl.where(kept, pT * inv_keep, 0.0)
+        dpT = tl.where(kept, dpT * inv_keep, 0.0)
+    else:
+        pdT = pT
+    dv += tl.dot(pdT.to(do.dtype), do, input_precision=INPUT_PRECISION)
+    dsT = pT * (dpT - delta[None, :])
+    if HAS_SOFTCAP:
+        dsT = dsT * (1.0 - tT * tT)
+    dk += tl.dot(dsT.to(q.dtype), q, input_precision=INPUT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def _bwd_kv_inner(
     dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mask_base, drop_base, seed,
     start, end, offs_n, offs_m0, offs_d, offs_dv,
@@ -388,37 +471,15 @@ def _bwd_kv_inner(
     HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # Works on transposed tiles (keys, rows), as Triton's fused-attention tutorial.
+    # The row pointers point at query row `start`; advanced by BLOCK_M rows per step.
     for start_m in range(start, end, BLOCK_M):
-        offs_m = start_m + offs_m0
-        q = _load_rows(q_ptrs, offs_m, NQ, offs_d, HEAD_D, MASKED, not EVEN_D)
-        do = _load_rows(do_ptrs, offs_m, NQ, offs_dv, HEAD_DV, MASKED, not EVEN_D)
-        lse2 = _load_lse2(lse_ptrs, offs_m, NQ, MASKED)
-        if MASKED:
-            delta = tl.load(delta_ptrs, mask=offs_m < NQ, other=0.0)
-        else:
-            delta = tl.load(delta_ptrs)
-        qkT = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
-        sT, tT = _scores(
-            qkT, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
-            mask_base + offs_m.to(tl.int64) * stride_mm, stride_mn, qk_scale, sm_scale, softcap,
-            MASKED, HAS_BAND, HAS_SOFTCAP, MASK_KIND, False,
+        dk, dv = _bwd_kv_step(
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, q_ptrs, mask_base, drop_base,
+            seed, start_m, offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn,
+            NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+            qk_scale, sm_scale, softcap, dropout_p,
+            MASKED, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION, False,
         )  # fmt: skip
-        pT = tl.exp2(sT - lse2[None, :])
-        dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
-        if HAS_DROPOUT:
-            rnd = tl.rand(seed, drop_base + offs_m[None, :].to(tl.int64) * NK + offs_n[:, None])
-            kept = rnd >= dropout_p
-            inv_keep = 1.0 / (1.0 - dropout_p)
-            pdT = tl.where(kept, pT * inv_keep, 0.0)
-            dpT = tl.where(kept, dpT * inv_keep, 0.0)
-        else:
-            pdT = pT
-        dv += tl.dot(pdT.to(do.dtype), do, input_precision=INPUT_PRECISION)
-        dsT = pT * (dpT - delta[None, :])
-        if HAS_SOFTCAP:
-            dsT = dsT * (1.0 - tT * tT)
-        dk += tl.dot(dsT.to(q.dtype), q, input_precision=INPUT_PRECISION)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
         lse_ptrs += BLOCK_M
@@ -445,6 +506,7 @@ def attn_bwd_dkdv_kernel(
 ):  # fmt: skip
     """dK (B, HKV, NK, D) and dV (B, HKV, NK, DV) for one key block, summed over the
     GROUP query heads that read it (in a fixed order: deterministic)."""
+    qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
     start_n = tl.program_id(0) * BLOCK_N
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // HKV
@@ -522,6 +584,41 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _bwd_q_step(
+    dq, q, do, lse2, delta, k_ptrs, v_ptrs, tile_ptrs, mask_rows, drop_rows, seed,
+    start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn,
+    NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+    qk_scale, sm_scale, softcap, dropout_p,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, HAS_TILE: tl.constexpr,
+):  # fmt: skip
+    """One key tile (pointers at its first row) added to dQ. HAS_TILE: also apply a
+    (rows, keys) token mask read at tile_ptrs."""
+    offs_n = start_n + offs_n0
+    k = _load_rows(k_ptrs, offs_n, NK, offs_d, HEAD_D, MASKED, not EVEN_D)
+    v = _load_rows(v_ptrs, offs_n, NK, offs_dv, HEAD_DV, MASKED, not EVEN_D)
+    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+    s, t = _scores(
+        qk, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
+        mask_rows, stride_mn, qk_scale, sm_scale, softcap,
+        MASKED, HAS_BAND, HAS_SOFTCAP, MASK_KIND, True,
+    )  # fmt: skip
+    if HAS_TILE:
+        s = tl.where(tl.load(tile_ptrs) != 0, s, float("-inf"))
+    p = tl.exp2(s - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+    if HAS_DROPOUT:
+        rnd = tl.rand(seed, drop_rows[:, None] + offs_n[None, :])
+        dp = tl.where(rnd >= dropout_p, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=INPUT_PRECISION)
+    return dq
+
+
+@triton.jit
 def _bwd_q_inner(
     dq, q, do, lse2, delta, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
     start, end, offs_m, offs_n0, offs_d, offs_dv,
@@ -532,25 +629,15 @@ def _bwd_q_inner(
     HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
+    # k_ptrs/v_ptrs point at key row `start`; advanced by BLOCK_N rows per step.
     for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + offs_n0
-        k = _load_rows(k_ptrs, offs_n, NK, offs_d, HEAD_D, MASKED, not EVEN_D)
-        v = _load_rows(v_ptrs, offs_n, NK, offs_dv, HEAD_DV, MASKED, not EVEN_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-        s, t = _scores(
-            qk, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
-            mask_rows, stride_mn, qk_scale, sm_scale, softcap,
-            MASKED, HAS_BAND, HAS_SOFTCAP, MASK_KIND, True,
+        dq = _bwd_q_step(
+            dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_ptrs, mask_rows, drop_rows, seed,
+            start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn,
+            NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+            qk_scale, sm_scale, softcap, dropout_p,
+            MASKED, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION, False,
         )  # fmt: skip
-        p = tl.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
-        if HAS_DROPOUT:
-            rnd = tl.rand(seed, drop_rows[:, None] + offs_n[None, :])
-            dp = tl.where(rnd >= dropout_p, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-        ds = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=INPUT_PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return dq
@@ -573,6 +660,7 @@ def attn_bwd_dq_kernel(
     INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dQ (B, H, NQ, D) for one row block (its own pass: no atomics)."""
+    qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
     start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
