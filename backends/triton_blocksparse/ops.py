@@ -27,12 +27,14 @@ from attnhub.backends.triton_flash import kernels as flash_kernels
 from attnhub.backends.triton_flash.configs import launch_config
 from attnhub.backends.triton_flash.ops import (
     NO_WINDOW,
+    DirectAttention,
     _band,
     _capability,
     _common_meta,
     _define,
     _launcher,
     _mask_view,
+    direct,
     interpreting,
 )
 from attnhub.block_sparse import BlockSparseLayout, _compress
@@ -313,9 +315,12 @@ def block_sparse_attention(
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
     bq, bk = layout.block_size
     extra: Any = layout_tensors(layout, q.device)
-    return triton_blocksparse_fwd(
-        q, k, v, mask, seed, extra, bq, bk, _has_partial[layout], causal, bottom_right,
+    scalars = (
+        bq, bk, _has_partial[layout], causal, bottom_right,
         NO_WINDOW if left is None else int(left), NO_WINDOW if right is None else int(right),
         float(softcap or 0.0), float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])),
         float(dropout_p),
     )  # fmt: skip
+    if direct(q, k, v, mask):  # plain eager: skip the op's dispatch (see triton_flash.ops)
+        return DirectAttention.apply(_fwd_impl, _bwd_impl, (extra,), q, k, v, mask, seed, *scalars)
+    return triton_blocksparse_fwd(q, k, v, mask, seed, extra, *scalars)
