@@ -320,6 +320,42 @@ def test_opcheck_forward_and_backward() -> None:
     torch.library.opcheck(torch.ops.attnhub.triton_flash_bwd.default, bargs)
 
 
+def test_eager_calls_skip_the_op_and_traced_calls_see_it() -> None:
+    """Plain eager calls run the implementations directly (DirectAttention); a dispatch
+    mode (as used by tracers, profilers and FLOP counters) sees the registered ops, and
+    both give the same outputs and gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 20, 16, device=DEVICE) for _ in range(3))
+    assert ops.direct(q, k, v, None)
+    grads = []
+    seen = Seen()
+    for mode in (None, seen):
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        if mode is None:
+            out, lse = ops.flash_attention(qs, ks, vs, causal=True)
+            out.sum().backward()
+        else:
+            with mode:
+                assert not ops.direct(q, k, v, None)
+                out, lse = ops.flash_attention(qs, ks, vs, causal=True)
+                out.sum().backward()
+        grads.append((out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad))
+    assert "attnhub.triton_flash_fwd" in seen.ops and "attnhub.triton_flash_bwd" in seen.ops
+    for direct, through_op in zip(*grads):
+        assert torch.equal(direct, through_op)
+
+
 def test_lse_gradient() -> None:
     """A loss on the returned lse differentiates through it (d lse / d s = P)."""
     case = Case("lse_grad", 1, 2, 2, 30, 40, 16, causal=True, bottom_right=True)
