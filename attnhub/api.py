@@ -1,9 +1,14 @@
 """The public calls: :func:`attention`, :func:`explain`, :func:`list_backends`.
 
 The per-call cost matters (attention is called once per layer per step), so a call is
-keyed on cheap metadata (shapes, strides, dtypes, devices, options, grad state, the
-backend selection in force) and a key seen before skips validation and ranking and
-goes straight to the backend it chose last time.
+keyed on cheap metadata (shapes, whether each last dimension is contiguous, dtypes,
+devices, options and their types, grad state, the backend selection in force) and a
+key seen before skips validation and ranking and goes straight to the runner its
+backend prepared last time. In front of that dict sits a one-entry memo, the entry
+the last call used: a model calls attention with one signature many times in a row,
+and PyTorch's C++ tensor guards check all the tensors' metadata in one call for a
+third of what reading it from Python costs (see :class:`_Guards`).
+benchmarks/overhead.py measures it.
 """
 
 from __future__ import annotations
@@ -14,9 +19,8 @@ from typing import Any, Literal, overload
 
 import torch
 
-from . import dispatch
+from . import call_stats, dispatch
 from .backend import Runner
-from .call_stats import record as record_served
 from .registry import get_registry
 from .request import AttentionParams
 from .validation import (
@@ -28,19 +32,50 @@ from .validation import (
 )
 
 _CallKey = tuple[Any, ...]
-_call_cache: dict[_CallKey, tuple[str, Runner]] = {}
+# A decided call: (backend name, runner, guards, memo context, deterministic flag).
+# The last three serve the one-entry memo in front of the dict (see _Guards).
+_Entry = tuple[str, Runner, Any, Any, Any]
+_call_cache: dict[_CallKey, _Entry] = {}
 _call_cache_lock = threading.Lock()
 # Bound once: the hot path looks these up on every call.
+_call_cache_get = _call_cache.get
 _grad_enabled = torch.is_grad_enabled
+_deterministic = torch.are_deterministic_algorithms_enabled
 _is_compiling = torch.compiler.is_compiling
-_context_selection = dispatch._context_selection
-_environment_key = dispatch.environment_key
+_context_get = dispatch._context_selection.get
+_env_get = dispatch.environment_get
+_ENV_BACKEND, _ENV_STRICT = dispatch.ENVIRONMENT_KEYS
+_stats_local = call_stats._local
+_new_stats_counts = call_stats._new_thread_counts
 _CALL_CACHE_LIMIT = 4096
 
 
+class _NoGuards:
+    """Stands in for the guards of an entry that has none: never matches."""
+
+    @staticmethod
+    def check(*tensors: Any) -> bool:
+        return False
+
+
+_NO_GUARDS = _NoGuards()
+_NO_CONTEXT = object()  # equal to no memo context: an entry without it is never memoized
+
+
+def _no_runner(query: Any, key: Any, value: Any, attn_mask: Any) -> torch.Tensor:
+    raise AssertionError("the empty entry never matches")
+
+
+_NO_ENTRY: _Entry = ("", _no_runner, _NO_GUARDS, _NO_CONTEXT, None)
+# The entry the last call used; its guards are checked before the dict is consulted.
+_last: _Entry = _NO_ENTRY
+
+
 def clear_call_cache() -> None:
+    global _last
     with _call_cache_lock:
         _call_cache.clear()
+        _last = _NO_ENTRY
 
 
 def _prepare(
@@ -168,48 +203,226 @@ def attention(
         TypeError, ValueError: bad input, naming the argument.
         NoBackendError: no backend (or none of those asked for) can serve the call.
     """
+    global _last
     if _is_compiling():
         return _attention_traced(
             query, key, value, attn_mask, causal, alignment, window, softcap, scale,
             dropout_p, block_sparse, return_lse, backend,
         )  # fmt: skip
-    options = (causal, alignment, window, softcap, scale, dropout_p, block_sparse, return_lse)
-    # The key holds everything validation and dispatch read, and nothing more. It is
-    # built inline: this is the per-call cost (see benchmarks/overhead.py). Hashing
-    # fails (TypeError) for unhashable options, and attribute access for non-tensors:
-    # both take the slow path, which validates.
+    # The fast path: the per-call cost (benchmarks/overhead.py). Everything that
+    # validation and dispatch read is compared with what a decided call had, and
+    # nothing more: first with the entry the last call used (its tensors' metadata
+    # checked by _Guards in one C call), then through the dict, keyed on it. Any
+    # exception on the way (unhashable options, a non-tensor, an array that will not
+    # compare) means no key: the slow path validates and raises what it should.
     try:
-        grad = _grad_enabled() and (
-            query.requires_grad
-            or key.requires_grad
-            or value.requires_grad
-            or (attn_mask is not None and attn_mask.requires_grad)
-        )
-        call_key: _CallKey | None = (
-            query.shape, query.stride(), query.dtype, query.device,
-            key.shape, key.stride(), key.dtype, key.device,
-            value.shape, value.stride(), value.dtype, value.device,
-            None if attn_mask is None
-            else (attn_mask.shape, attn_mask.dtype, attn_mask.device, attn_mask.requires_grad),
-            options, backend, grad,
-            grad and torch.are_deterministic_algorithms_enabled(),
-            _context_selection.get(), _environment_key(),
+        if (
+            (causal is False or causal is True)
+            and alignment is _TOP_LEFT
+            and window is None
+            and softcap is None
+            and scale is None
+            and dropout_p is _NO_DROPOUT
+            and block_sparse is None
+            and return_lse is False
+        ):
+            options: Any = causal  # the defaults but for causal, a bool
+        else:
+            options = _options_key(
+                causal, alignment, window, softcap, scale, dropout_p, block_sparse, return_lse
+            )
+        grad_mode = _grad_enabled()
+        context: Any = (
+            options, backend, attn_mask is None, grad_mode,
+            _context_get(), _env_get(_ENV_BACKEND), _env_get(_ENV_STRICT),
         )  # fmt: skip
-        hit = _call_cache.get(call_key)  # type: ignore[arg-type]
-    except (TypeError, AttributeError):
-        call_key, hit = None, None
-    if hit is None:
-        decision, params = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
-        chosen = dispatch.choose(decision)
-        hit = (chosen.name, chosen.prepare(decision.request, params))
-        if call_key is not None:
-            with _call_cache_lock:
-                if len(_call_cache) >= _CALL_CACHE_LIMIT:
-                    _call_cache.clear()
-                _call_cache[call_key] = hit
-    name, runner = hit
-    record_served(name)  # attnhub.stats(): per-thread counters, no lock
-    return runner(query, key, value, attn_mask)
+        entry = _last
+        if not (
+            entry[3] == context
+            and (
+                entry[2].check(query, key, value)
+                if attn_mask is None
+                else entry[2].check(query, key, value, attn_mask)
+            )
+            and (entry[4] is None or entry[4] is _deterministic())
+        ):
+            grad = grad_mode and (
+                query.requires_grad
+                or key.requires_grad
+                or value.requires_grad
+                or (attn_mask is not None and attn_mask.requires_grad)
+            )
+            # Of the strides, the request reads only stride(-1) == 1 or shape[-1] <= 1;
+            # with the shape, "contiguous or stride(-1) == 1" determines that for a
+            # non-empty tensor (calls with an empty one are not cached), and
+            # is_contiguous() costs half of stride().
+            call_key: _CallKey = (
+                query.shape, key.shape, value.shape,
+                query.dtype, key.dtype, value.dtype,
+                query.device, key.device, value.device,
+                query.is_contiguous() or query.stride(-1) == 1,
+                key.is_contiguous() or key.stride(-1) == 1,
+                value.is_contiguous() or value.stride(-1) == 1,
+                None if attn_mask is None
+                else (attn_mask.shape, attn_mask.dtype, attn_mask.device, attn_mask.requires_grad),
+                context, grad, grad and _deterministic(),
+            )  # fmt: skip
+            entry = _call_cache_get(call_key)  # type: ignore[assignment]
+            if entry is not None:
+                _last = entry
+    except Exception:
+        call_key, context, entry = (), _NO_CONTEXT, None
+    if entry is None:
+        entry = _slow_path(
+            call_key, context, query, key, value, attn_mask,
+            (causal, alignment, window, softcap, scale, dropout_p, block_sparse, return_lse),
+            backend,
+        )  # fmt: skip
+    name = entry[0]
+    # attnhub.stats(): call_stats.record(name), inlined (the call alone is a tenth of
+    # the per-call cost): a per-thread dict, no lock.
+    try:
+        counts = _stats_local.counts
+    except AttributeError:
+        counts = _new_stats_counts()
+    counts[name] = counts.get(name, 0) + 1
+    return entry[1](query, key, value, attn_mask)
+
+
+# The default objects themselves: the fast path compares options to them with ``is``.
+_DEFAULTS: dict[str, Any] = attention.__kwdefaults__ or {}
+_NO_DROPOUT = _DEFAULTS["dropout_p"]
+_TOP_LEFT = _DEFAULTS["alignment"]
+
+
+def _options_key(
+    causal: Any,
+    alignment: Any,
+    window: Any,
+    softcap: Any,
+    scale: Any,
+    dropout_p: Any,
+    block_sparse: Any,
+    return_lse: Any,
+) -> tuple[Any, ...]:
+    """The options' part of the call key, where they are not all the defaults.
+
+    Values alone would not do: ``True == 1 == 1.0`` and ``False == 0 == 0.0`` (with
+    equal hashes), so ``causal=1`` or ``dropout_p=False``, which validation rejects,
+    would find the entry of ``causal=True`` or ``dropout_p=0.0``. The types of the
+    values that validation checks the type of go into the key with them. (A
+    non-iterable ``window`` raises TypeError here: the slow path reports it.)
+    """
+    return (
+        causal, alignment, window, softcap, scale, dropout_p, block_sparse, return_lse,
+        type(causal), type(softcap), type(scale), type(dropout_p), type(block_sparse),
+        type(return_lse),
+        None if window is None else (type(window), tuple(map(type, window))),
+    )  # fmt: skip
+
+
+def _slow_path(
+    call_key: _CallKey,
+    context: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any,
+    options: tuple[Any, ...],
+    backend: Any,
+) -> _Entry:
+    """Validate, decide and prepare a call; remember the result under its key."""
+    global _last
+    decision, params = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
+    chosen = dispatch.choose(decision)
+    runner = chosen.prepare(decision.request, params)
+    # An empty tensor's key does not pin its layout (is_contiguous() is True whatever
+    # the strides), and empty calls are rare: they are decided every time.
+    if not (call_key and query.numel() and key.numel() and value.numel()):
+        return (chosen.name, runner, _NO_GUARDS, _NO_CONTEXT, None)
+    tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
+    guards = _Guards.make(tensors)
+    request = decision.request
+    entry: _Entry = (
+        chosen.name,
+        runner,
+        _NO_GUARDS if guards is None else guards,
+        _NO_CONTEXT if guards is None else context,
+        _deterministic() if request.needs_grad else None,
+    )
+    with _call_cache_lock:
+        if len(_call_cache) >= _CALL_CACHE_LIMIT:
+            _call_cache.clear()
+        _call_cache[call_key] = entry
+        _last = entry
+    return entry
+
+
+class _Guards:
+    """Checks, in one C call, that tensors have the metadata of those a call was decided for.
+
+    Reading shape, stride, dtype, device and requires_grad of three tensors from
+    Python, hashing and comparing them costs about 15,000 instructions per call; the
+    same comparison in PyTorch's C++ ``TensorGuards`` (the tensor check Dynamo used
+    for its compiled-frame guards, ``torch._C._dynamo.guards``) about 5,000. It
+    compares each tensor's Python type, dispatch keys (device type, autograd, ...),
+    dtype, device index, requires_grad, sizes and strides, exactly: a match means
+    everything the call key holds about the tensors is the same (strides exactly,
+    where the key holds only whether the last dimension is contiguous).
+
+    It is a private PyTorch class: :meth:`make` returns None (no memo; every call
+    goes through the dict) where it is missing, fails, or does not pass a check of
+    the behaviour relied on here, made once per process; also for tensor subclasses,
+    and for one tensor passed as two arguments, which its check always rejects.
+    """
+
+    _usable: bool | None = None  # None: not checked yet
+
+    @classmethod
+    def make(cls, tensors: tuple[Any, ...]) -> Any:
+        if cls._usable is None:
+            cls._usable = cls._self_check()
+        if not cls._usable or not all(type(t) is torch.Tensor for t in tensors):
+            return None
+        if len({id(t) for t in tensors}) < len(tensors):
+            return None  # a tensor passed twice (attention(x, x, x)) never passes a check
+        try:
+            return cls._build(tensors)
+        except Exception:
+            return None
+
+    @staticmethod
+    def _build(tensors: tuple[torch.Tensor, ...]) -> Any:
+        from torch._C._dynamo import guards
+
+        tensor_guards: Any = guards.TensorGuards  # its .pyi misstates the arguments
+        return tensor_guards(
+            *tensors,
+            dynamic_dims_sizes=[list(t.shape) for t in tensors],
+            dynamic_dims_strides=[list(t.stride()) for t in tensors],
+        )
+
+    @classmethod
+    def _self_check(cls) -> bool:
+        """The class exists and tells apart everything the call key does."""
+        try:
+            base = torch.zeros(2, 3)
+            guards = cls._build((base,))
+            different = (
+                torch.zeros(2, 4),  # size
+                torch.zeros(3, 2),
+                torch.zeros(2, 3, 1),  # rank
+                torch.zeros(2, 6)[:, ::2],  # stride
+                torch.zeros(2, 3, dtype=torch.float64),  # dtype
+                torch.zeros(2, 3, device="meta"),  # device
+                torch.zeros(2, 3, requires_grad=True),  # requires_grad
+                torch.nn.Parameter(torch.zeros(2, 3)),  # type
+            )
+            return bool(guards.check(torch.zeros(2, 3))) and not any(
+                guards.check(t) for t in different
+            )
+        except Exception:
+            return False
 
 
 def _options_dict(options: tuple[Any, ...]) -> dict[str, Any]:

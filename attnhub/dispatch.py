@@ -62,19 +62,18 @@ def _parse_names(value: str) -> tuple[str, ...]:
 
 # os.environ.get encodes the key and decodes the value on every call (about 0.7 us);
 # CPython's posix os.environ keeps its raw bytes in ``_data``, which stays in sync
-# with os.environ and monkeypatch.setenv. Read that where it exists.
+# with os.environ and monkeypatch.setenv. Read that where it exists: the per-call
+# path looks ``ENVIRONMENT_KEYS`` up with ``environment_get`` (a bound dict.get).
 _ENV_DATA: Any = getattr(os.environ, "_data", None)
-_ENV_KEYS: tuple[Any, ...] = ("ATTNHUB_BACKEND", "ATTNHUB_STRICT")
+ENVIRONMENT_KEYS: tuple[Any, Any] = ("ATTNHUB_BACKEND", "ATTNHUB_STRICT")
 if isinstance(_ENV_DATA, dict):
-    _ENV_KEYS = tuple(os.environ.encodekey(k) for k in _ENV_KEYS)
+    ENVIRONMENT_KEYS = (
+        os.environ.encodekey(ENVIRONMENT_KEYS[0]),
+        os.environ.encodekey(ENVIRONMENT_KEYS[1]),
+    )
+    environment_get = _ENV_DATA.get
 else:  # pragma: no cover - non-CPython or a platform without _data
-    _ENV_DATA = None
-
-
-def environment_key() -> tuple[object, object]:
-    """The raw values of ``ATTNHUB_BACKEND`` and ``ATTNHUB_STRICT`` (cheap; for cache keys)."""
-    source: Any = _ENV_DATA if _ENV_DATA is not None else os.environ
-    return source.get(_ENV_KEYS[0]), source.get(_ENV_KEYS[1])
+    environment_get = os.environ.get
 
 
 def environment_selection() -> Selection | None:

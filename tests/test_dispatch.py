@@ -187,6 +187,103 @@ def test_decisions_and_validation_are_cached_per_signature(fake_registry, monkey
     assert (len(checked), backend.extra_calls) == (3, 3)
 
 
+@pytest.mark.parametrize(
+    ("valid", "invalid"),
+    [
+        ({"causal": True}, {"causal": 1}),
+        ({}, {"causal": 0}),
+        ({}, {"dropout_p": False}),
+        ({"return_lse": True}, {"return_lse": 1}),
+        ({"scale": 1.0}, {"scale": True}),
+        ({"softcap": 1.0}, {"softcap": True}),
+        ({"window": (1, 1)}, {"window": (True, 1)}),
+        ({"window": (1, 1)}, {"window": (1.0, 1)}),
+    ],
+    ids=repr,
+)
+def test_a_rejected_option_never_rides_on_an_equal_cached_one(fake_registry, valid, invalid):
+    # True == 1 == 1.0 and False == 0 == 0.0, with equal hashes: the call cache must
+    # tell them apart where validation does.
+    fake_registry.add(fake("general", window=True, softcap=True, lse=True, dropout=True))
+    q = torch.randn(1, 2, 4, 8)
+    for _ in range(2):  # decided, then served from the cache
+        attnhub.attention(q, q, q, **valid)
+    with pytest.raises(TypeError):
+        attnhub.attention(q, q, q, **invalid)
+
+
+def test_a_cached_call_does_not_let_a_different_bad_call_through(fake_registry):
+    fake_registry.add(fake("general"))
+    q = torch.randn(1, 2, 4, 8)
+    for _ in range(2):
+        attnhub.attention(q, q, q)
+    with pytest.raises(ValueError, match="same head dim"):
+        attnhub.attention(q, torch.randn(1, 2, 4, 16), q)
+    with pytest.raises(ValueError, match="same sequence length"):
+        attnhub.attention(q, q, torch.randn(1, 2, 5, 8))
+    with pytest.raises(TypeError, match=r"value has dtype torch\.float64"):
+        attnhub.attention(q, q, q.double())
+    with pytest.raises(ValueError, match="key is on meta"):
+        attnhub.attention(q, q.to("meta"), q)
+    with pytest.raises(TypeError, match=r"value must be a torch\.Tensor"):
+        attnhub.attention(q, q, q.numpy())
+    with pytest.raises(ValueError, match="does not broadcast"):
+        attnhub.attention(q, q, q, torch.ones(3, 4, dtype=torch.bool))
+
+
+def test_a_cached_decision_is_only_reused_for_the_same_request(fake_registry):
+    """Layout, grad, mask kind and selection changes after a cached call decide again."""
+    contiguous = fake("contiguous_only", priority=10, mask_kinds=frozenset({"none", "bool"}))
+    contiguous.extra_reasons = lambda request: (  # type: ignore[method-assign]
+        [] if request.last_dim_contiguous else ["strided last dim"]
+    )
+    no_grad = fake("forward_only", priority=20, backward=False, devices=frozenset({"cpu"}))
+    general = fake("general", priority=0)
+    for backend in (contiguous, no_grad, general):
+        fake_registry.add(backend)
+
+    def served(*args, **kwargs):  # type: ignore[no-untyped-def]
+        attnhub.reset_stats()
+        attnhub.attention(*args, **kwargs)
+        return next(iter(attnhub.stats()))
+
+    q = torch.randn(1, 2, 4, 8)
+    strided = torch.randn(1, 2, 8, 4).transpose(-1, -2)  # q's shape, last dim strided
+    assert strided.shape == q.shape and strided.stride(-1) != 1
+    for _ in range(2):
+        assert served(q, q, q) == "forward_only"
+    assert served(q, q, q.detach().requires_grad_()) == "contiguous_only"
+    assert served(strided, strided, strided, backend=("contiguous_only", "general")) == "general"
+    assert served(q, q, q, backend=("contiguous_only", "general")) == "contiguous_only"
+    bool_mask, float_mask = torch.ones(4, 4, dtype=torch.bool), torch.zeros(4, 4)
+    assert served(q, q, q, bool_mask, backend=("contiguous_only", "general")) == "contiguous_only"
+    assert served(q, q, q, float_mask, backend=("contiguous_only", "general")) == "general"
+    with attnhub.use_backend("general"):
+        assert served(q, q, q) == "general"
+    with torch.no_grad():
+        assert served(q, q, q.detach().requires_grad_()) == "forward_only"
+    assert served(q, q, q) == "forward_only"
+
+
+def test_the_last_call_memo_checks_metadata_with_pytorch_tensor_guards(fake_registry):
+    # Not a correctness test (without the guards every call goes through the dict,
+    # correctly, more slowly): where PyTorch's private TensorGuards changed or went away
+    # (see api._Guards) this skips with that reason instead of failing CI.
+    if not api._Guards._self_check():
+        pytest.skip("PyTorch's private TensorGuards is missing or changed: no last-call memo")
+    fake_registry.add(fake("general"))
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    attnhub.attention(q, k, v)
+    guards = api._last[2]
+    assert type(guards).__name__ == "TensorGuards"
+    assert guards.check(q, k, v) and guards.check(*(torch.randn(1, 2, 4, 8) for _ in range(3)))
+    assert not guards.check(q, k, v[:, :1])
+    assert not guards.check(q, k, k)  # a tensor passed twice: the dict serves that call
+    kv = torch.randn(1, 2, 5, 8)
+    attnhub.attention(q, kv, kv)  # a new signature, decided with a repeated tensor
+    assert api._last[3] is api._NO_CONTEXT  # gets no guards
+
+
 def test_sequence_lengths_share_a_decision_within_a_bucket(fake_registry):
     fake_registry.add(fake("general"))
     d1 = attnhub.explain(*(torch.randn(1, 1, 33, 8),) * 3)
