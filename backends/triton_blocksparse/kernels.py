@@ -5,9 +5,10 @@ Read ``backends/triton_flash/kernels.py`` first: its glossary (band, offset, seg
 delta, dropout stream, program ids, constexpr knobs) holds here unchanged. This module
 adds only the walk over the layout's compressed block lists and the token masks of
 partial blocks; the score pipeline (``_scores``: scale, softcap, attn_mask, band and
-bounds masks), the tile loads, the band arithmetic (``_key_ranges``/``_query_ranges``)
-and the inner loops for full blocks (``_fwd_inner``, ``_bwd_q_inner``,
-``_bwd_kv_inner``, run over exactly one block) are triton_flash's own.
+bounds masks), the tile loads, the band arithmetic (``_key_ranges``/``_query_ranges``),
+the per-tile steps (``_fwd_step``, ``_bwd_q_step``, ``_bwd_kv_step``; with HAS_TILE
+they also apply a partial block's token mask) and the loops over one block's tiles
+(``_fwd_inner``, ``_bwd_q_inner``, ``_bwd_kv_inner``) are triton_flash's own.
 
 Tiles
 -----
