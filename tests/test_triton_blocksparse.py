@@ -130,6 +130,16 @@ def test_partial_blocks_sliding_window(dtype: torch.dtype) -> None:
     _check(layout, dtype, 1, 2, 1, 200, 200, 32, softcap=3.0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+def test_partial_blocks_with_even_lengths(dtype: torch.dtype) -> None:
+    # N a multiple of the block and no band: the full blocks take the flat loop
+    # (EVEN_BLOCKS) while partial ones (the window's diagonal and left edge) are masked.
+    torch.manual_seed(8)
+    layout = BlockSparseLayout.sliding_window(256, 200, 64)
+    assert (layout.block_mask & ~layout.full_mask).any() and layout.full_mask.any()
+    _check(layout, dtype, 1, 2, 1, 256, 256, 32)
+
+
 def test_mask_mod_per_head_with_window_and_float_mask() -> None:
     torch.manual_seed(6)
 
