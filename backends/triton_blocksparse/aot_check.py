@@ -22,6 +22,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import torch
 
 from attnhub.backends.triton_flash import aot_check as flash_aot
+from attnhub.backends.triton_flash import ops as flash_ops
 from attnhub.block_sparse import BlockSparseLayout
 
 from . import ops
@@ -30,8 +31,12 @@ from . import ops
 def record(cases: list[tuple[torch.dtype, int, int, dict]]) -> list:
     """Forward+backward for each (dtype, head dim, block, options) on CPU, recorded."""
     launches: list = []
-    original = ops._launcher  # every launch of ops.py, the shared preprocess kernel too
-    ops._launcher = lambda kernel, like: flash_aot._Recorder(kernel, launches)  # type: ignore[assignment]
+    # Every launch: ops.py's kernels, and the shared preprocess kernel that
+    # triton_flash's ops module launches (through its own _launcher).
+    modules = (ops, flash_ops)
+    originals = [m._launcher for m in modules]
+    for m in modules:
+        m._launcher = lambda kernel, like: flash_aot._Recorder(kernel, launches)  # type: ignore[assignment]
     try:
         for dtype, d, block, options in cases:
             options = dict(options)
@@ -45,7 +50,8 @@ def record(cases: list[tuple[torch.dtype, int, int, dict]]) -> list:
             out, _ = ops.block_sparse_attention(q, k, k, layout, mask, **options)
             out.sum().backward()
     finally:
-        ops._launcher = original  # type: ignore[assignment]
+        for m, original in zip(modules, originals):
+            m._launcher = original  # type: ignore[assignment]
     return launches
 
 

@@ -23,17 +23,17 @@ from typing import Any
 import torch
 import triton
 
-from attnhub.backends.triton_flash import kernels as flash_kernels
 from attnhub.backends.triton_flash.configs import launch_config
 from attnhub.backends.triton_flash.ops import (
     NO_WINDOW,
     DirectAttention,
-    _band,
     _capability,
-    _common_meta,
     _define,
+    _delta,
+    _forward_outputs,
+    _grad_outputs,
     _launcher,
-    _mask_view,
+    _setup,
     direct,
     interpreting,
 )
@@ -163,31 +163,22 @@ def _fwd_impl(
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward over the kept blocks; shapes and conventions as triton_flash's op."""
+    out, lse, empty = _forward_outputs(q, k, v)
+    if empty:
+        return out, lse
     b, hq, nq, d = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    out = torch.empty((b, hq, nq, dv), device=q.device, dtype=q.dtype)
-    lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-    if b * hq * nq == 0:
-        return out, lse
-    if nk == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
-    mask_t, ms, mask_kind = _mask_view(mask, q)
-    _, offset, left, right = _band(nq, nk, causal, bottom_right, window_left, window_right)
-    meta = _common_meta(
-        q, v, causal, bottom_right, window_left, window_right, softcap, mask_kind, dropout_p
-    )
+    c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
+               scale, dropout_p)  # fmt: skip
     fnum, fidx, pnum, pidx, ptile = index[:5]
     tiles = index[10]
-    block_m, _, launch = _tiles_meta("fwd", bq, bk, meta, q, nk, causal)
+    block_m, _, launch = _tiles_meta("fwd", bq, bk, c.meta, q, nk, causal)
     _launcher(kernels.bs_fwd_kernel, q)[(triton.cdiv(nq, block_m), b * hq)](
-        q, k, v, mask_t, q if seed is None else seed, out, lse,
+        q, k, v, c.mask, q if seed is None else seed, out, lse,
         fnum, fidx, pnum, pidx, ptile, tiles,
-        *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(), *_index_strides(fnum, fidx),
-        hq, hq // hkv, nq, nk, d, dv, offset, left, right,
-        scale * math.log2(math.e), scale, softcap if softcap > 0.0 else 1.0, dropout_p,
-        HAS_PARTIAL=has_partial, **meta, **launch,
+        *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *out.stride(),
+        *_index_strides(fnum, fidx), hq, hq // hkv, nq, nk, d, dv, *c.scalars,
+        HAS_PARTIAL=has_partial, **c.meta, **launch,
     )  # fmt: skip
     return out, lse
 
@@ -215,50 +206,35 @@ def _bwd_impl(
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward over the kept blocks: (dq, dk, dv); deterministic, no atomics."""
+    dq, dk, dv, empty = _grad_outputs(q, k, v)
+    if empty:
+        return dq, dk, dv
     b, hq, nq, d = q.shape
     hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
-    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    if b * hq * nq == 0 or nk == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    mask_t, ms, mask_kind = _mask_view(mask, q)
-    _, offset, left, right = _band(nq, nk, causal, bottom_right, window_left, window_right)
-    meta = _common_meta(
-        q, v, causal, bottom_right, window_left, window_right, softcap, mask_kind, dropout_p
-    )
-    interp = interpreting()
-    delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-    pre_m = 32 if interp else 64
-    _launcher(flash_kernels.attn_bwd_preprocess_kernel, q)[(triton.cdiv(nq, pre_m), b * hq)](
-        out, dout, delta, *out.stride(), *dout.stride(), hq, nq, dv_dim,
-        BLOCK_M=pre_m, BLOCK_DV=meta["BLOCK_DV"],
-    )  # fmt: skip
-    if dlse is not None:
-        delta = delta - dlse.float()
-    scalars = (offset, left, right, scale * math.log2(math.e), scale,
-               softcap if softcap > 0.0 else 1.0, dropout_p)  # fmt: skip
+    c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
+               scale, dropout_p)  # fmt: skip
+    delta = _delta(out, dout, dlse, c.meta["BLOCK_DV"])
     seed_t = q if seed is None else seed
     tiles = index[10]
-    meta["HAS_PARTIAL"] = has_partial
+    meta = {**c.meta, "HAS_PARTIAL": has_partial}
 
     fnum, fidx, pnum, pidx, ptile = index[5:10]
     _, block_n, launch = _tiles_meta("bwd_kv", bq, bk, meta, q, nk, causal)
     _launcher(kernels.bs_bwd_dkdv_kernel, q)[(triton.cdiv(nk, block_n), b * hkv)](
-        q, k, v, mask_t, seed_t, dout, lse, delta, dk, dv,
+        q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
         fnum, fidx, pnum, pidx, ptile, tiles,
-        *q.stride(), *k.stride(), *v.stride(), *ms, *dout.stride(), *dk.stride(), *dv.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dk.stride(), *dv.stride(),
         *_index_strides(fnum, fidx),
-        hq, hkv, hq // hkv, nq, nk, d, dv_dim, *scalars, **meta, **launch,
+        hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **meta, **launch,
     )  # fmt: skip
     fnum, fidx, pnum, pidx, ptile = index[:5]
     block_m, _, launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal)
     _launcher(kernels.bs_bwd_dq_kernel, q)[(triton.cdiv(nq, block_m), b * hq)](
-        q, k, v, mask_t, seed_t, dout, lse, delta, dq,
+        q, k, v, c.mask, seed_t, dout, lse, delta, dq,
         fnum, fidx, pnum, pidx, ptile, tiles,
-        *q.stride(), *k.stride(), *v.stride(), *ms, *dout.stride(), *dq.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
         *_index_strides(fnum, fidx),
-        hq, hq // hkv, nq, nk, d, dv_dim, *scalars, **meta, **launch,
+        hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **meta, **launch,
     )  # fmt: skip
     return dq, dk, dv
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 import os
 import threading
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -146,6 +148,79 @@ def _common_meta(
     }
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """What every kernel of one call (forward or backward, dense or block-sparse) takes
+    beside its tensors, derived once per launch group."""
+
+    mask: torch.Tensor  # the Mask argument (q where there is none)
+    mask_strides: tuple  # its four strides, 0 for broadcast dims
+    meta: dict[str, Any]  # the shared constexprs (_common_meta)
+    # offset, win_left, win_right, qk_scale, sm_scale, softcap, dropout_p: the kernels'
+    # trailing scalar arguments, in their order.
+    scalars: tuple
+
+
+def _setup(
+    q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap, scale, dropout_p
+) -> _Setup:  # type: ignore[no-untyped-def]
+    mask_t, strides, mask_kind = _mask_view(mask, q)
+    _, offset, left, right = _band(q.shape[2], nk, causal, bottom_right, window_left, window_right)
+    meta = _common_meta(
+        q, v, causal, bottom_right, window_left, window_right, softcap, mask_kind, dropout_p
+    )
+    scalars = (offset, left, right, scale * math.log2(math.e), scale,
+               softcap if softcap > 0.0 else 1.0, dropout_p)  # fmt: skip
+    return _Setup(mask_t, strides, meta, scalars)
+
+
+def _forward_outputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(out, lse, empty): the forward's outputs, already final (``empty``) where there is
+    nothing to launch: no rows, or no keys (zeros and an lse of -inf)."""
+    b, hq, nq, _ = q.shape
+    out = torch.empty((b, hq, nq, v.shape[-1]), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    if b * hq * nq == 0:
+        return out, lse, True
+    if k.shape[2] == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse, True
+    return out, lse, False
+
+
+def _grad_outputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(dq, dk, dv, empty): the gradients, already final (zeros) for empty calls."""
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    b, hq, nq, _ = q.shape
+    if b * hq * nq == 0 or k.shape[2] == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), True
+    return dq, dk, dv, False
+
+
+def _delta(
+    out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None, block_dv: int
+) -> torch.Tensor:
+    """rowsum(dO * O) (B, Hq, Nq) float32 from the preprocess kernel, minus ``dlse``:
+    d lse / d s = P, so a gradient on lse enters as dS = P * (dP - (delta - dlse))."""
+    b, hq, nq, dv = out.shape
+    delta = torch.empty((b, hq, nq), device=out.device, dtype=torch.float32)
+    pre_m = 32 if interpreting() else 64
+    _launcher(kernels.attn_bwd_preprocess_kernel, out)[(triton.cdiv(nq, pre_m), b * hq)](
+        out, dout, delta, *out.stride(), *dout.stride(), hq, nq, dv,
+        BLOCK_M=pre_m, BLOCK_DV=block_dv,
+    )  # fmt: skip
+    if dlse is not None:
+        delta = delta - dlse.float()
+    return delta
+
+
 def _fwd_impl(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -164,32 +239,22 @@ def _fwd_impl(
     broadcastable to (B, Hq, Nq, Nk), seed None or int64 (1,) on q's device.
     Window sides: -1 = unbounded; softcap 0 = none. Returns out (B, Hq, Nq, Dv) in q's
     dtype and lse (B, Hq, Nq) float32 (natural log, -inf for rows with no key)."""
+    out, lse, empty = _forward_outputs(q, k, v)
+    if empty:
+        return out, lse
     b, hq, nq, d = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    out = torch.empty((b, hq, nq, dv), device=q.device, dtype=q.dtype)
-    lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-    if b * hq * nq == 0:
-        return out, lse
-    if nk == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
-    mask_t, ms, mask_kind = _mask_view(mask, q)
-    _, offset, left, right = _band(nq, nk, causal, bottom_right, window_left, window_right)
-    meta = _common_meta(
-        q, v, causal, bottom_right, window_left, window_right, softcap, mask_kind, dropout_p
-    )
+    c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
+               scale, dropout_p)  # fmt: skip
     cfg = launch_config(
-        "fwd", max(meta["BLOCK_D"], meta["BLOCK_DV"]), q.element_size(), causal,
+        "fwd", max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"]), q.element_size(), causal,
         _capability(q.device), interpreting(),
     )  # fmt: skip
     grid = (triton.cdiv(nq, cfg.block_m), b * hq)
     _launcher(kernels.attn_fwd_kernel, q)[grid](
-        q, k, v, mask_t, q if seed is None else seed, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
-        hq, hq // hkv, nq, nk, d, dv, offset, left, right,
-        scale * math.log2(math.e), scale, softcap if softcap > 0.0 else 1.0, dropout_p,
-        **meta, **cfg.meta(),
+        q, k, v, c.mask, q if seed is None else seed, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *out.stride(),
+        hq, hq // hkv, nq, nk, d, dv, *c.scalars, **c.meta, **cfg.meta(),
     )  # fmt: skip
     return out, lse
 
@@ -214,47 +279,30 @@ def _bwd_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: (dq, dk, dv) shaped like (q, k, v). ``dlse`` (B, Hq, Nq) is the
     gradient reaching the returned lse, or None. Deterministic: no atomics."""
+    dq, dk, dv, empty = _grad_outputs(q, k, v)
+    if empty:
+        return dq, dk, dv
     b, hq, nq, d = q.shape
     hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
-    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    if b * hq * nq == 0 or nk == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    mask_t, ms, mask_kind = _mask_view(mask, q)
-    _, offset, left, right = _band(nq, nk, causal, bottom_right, window_left, window_right)
-    meta = _common_meta(
-        q, v, causal, bottom_right, window_left, window_right, softcap, mask_kind, dropout_p
-    )
-    block_d = max(meta["BLOCK_D"], meta["BLOCK_DV"])
+    c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
+               scale, dropout_p)  # fmt: skip
+    delta = _delta(out, dout, dlse, c.meta["BLOCK_DV"])
+    block_d = max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"])
     interp, cap, esize = interpreting(), _capability(q.device), q.element_size()
-
-    delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-    pre_m = 32 if interp else 64
-    _launcher(kernels.attn_bwd_preprocess_kernel, q)[(triton.cdiv(nq, pre_m), b * hq)](
-        out, dout, delta, *out.stride(), *dout.stride(), hq, nq, dv_dim,
-        BLOCK_M=pre_m, BLOCK_DV=meta["BLOCK_DV"],
-    )  # fmt: skip
-    if dlse is not None:
-        # d lse / d s = P, so a gradient on lse enters as dS = P * (dP - (delta - dlse)).
-        delta = delta - dlse.float()
-    scalars = (offset, left, right, scale * math.log2(math.e), scale,
-               softcap if softcap > 0.0 else 1.0, dropout_p)  # fmt: skip
     seed_t = q if seed is None else seed
 
     cfg = launch_config("bwd_kv", block_d, esize, causal, cap, interp)
     _launcher(kernels.attn_bwd_dkdv_kernel, q)[(triton.cdiv(nk, cfg.block_n), b * hkv)](
-        q, k, v, mask_t, seed_t, dout, lse, delta, dk, dv,
-        *q.stride(), *k.stride(), *v.stride(), *ms, *dout.stride(), *dk.stride(), *dv.stride(),
-        hq, hkv, hq // hkv, nq, nk, d, dv_dim, *scalars,
-        **meta, **cfg.meta(),
+        q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
+        *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dk.stride(),
+        *dv.stride(), hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
+        **c.meta, **cfg.meta(),
     )  # fmt: skip
     cfg = launch_config("bwd_q", block_d, esize, causal, cap, interp)
     _launcher(kernels.attn_bwd_dq_kernel, q)[(triton.cdiv(nq, cfg.block_m), b * hq)](
-        q, k, v, mask_t, seed_t, dout, lse, delta, dq,
-        *q.stride(), *k.stride(), *v.stride(), *ms, *dout.stride(), *dq.stride(),
-        hq, hq // hkv, nq, nk, d, dv_dim, *scalars,
-        **meta, **cfg.meta(),
+        q, k, v, c.mask, seed_t, dout, lse, delta, dq,
+        *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
+        hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **c.meta, **cfg.meta(),
     )  # fmt: skip
     return dq, dk, dv
 
