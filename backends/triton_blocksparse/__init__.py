@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from attnhub.request import AttentionRequest
 
-from ..triton_flash import TritonFlash
+from ..triton_flash import TritonFlash, kernel_options
 
 # Block sizes (bq and bk each) the kernels take as tiles: powers of two that tl.dot
 # accepts; 64 and 128 are the sizes the issue asks for.
@@ -47,16 +47,6 @@ class TritonBlockSparse(TritonFlash):
         from .ops import block_sparse_attention
 
         out, lse = block_sparse_attention(
-            query,
-            key,
-            value,
-            params.block_sparse,
-            attn_mask,
-            causal=params.causal,
-            bottom_right=params.bottom_right,
-            window=params.window,
-            softcap=params.softcap,
-            scale=params.scale,
-            dropout_p=params.dropout_p,
+            query, key, value, params.block_sparse, attn_mask, **kernel_options(params)
         )
         return (out, lse) if params.return_lse else out

@@ -16,15 +16,29 @@ GPU.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
 from attnhub.backend import Backend
-from attnhub.request import AttentionRequest
+from attnhub.request import AttentionParams, AttentionRequest
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kernel_options(params: AttentionParams) -> dict[str, Any]:
+    """The call's options as the ops' keyword arguments (``flash_attention`` and the
+    block-sparse ``block_sparse_attention`` take the same ones)."""
+    return {
+        "causal": params.causal,
+        "bottom_right": params.bottom_right,
+        "window": params.window,
+        "softcap": params.softcap,
+        "scale": params.scale,
+        "dropout_p": params.dropout_p,
+    }
 
 
 class TritonFlash(Backend):
@@ -80,16 +94,5 @@ class TritonFlash(Backend):
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         from .ops import flash_attention
 
-        out, lse = flash_attention(
-            query,
-            key,
-            value,
-            attn_mask,
-            causal=params.causal,
-            bottom_right=params.bottom_right,
-            window=params.window,
-            softcap=params.softcap,
-            scale=params.scale,
-            dropout_p=params.dropout_p,
-        )
+        out, lse = flash_attention(query, key, value, attn_mask, **kernel_options(params))
         return (out, lse) if params.return_lse else out
