@@ -497,27 +497,6 @@ def _layout_for(point: Point, device: torch.device, seed: int) -> Any:
     return _layouts[key]
 
 
-def _layout_state_mod(layout: Any) -> Callable[..., torch.Tensor]:
-    """``layout.to_dense_mask`` as a mask_mod, exact at every token pair: a block's
-    state (0 dropped, 1 partial, 2 full), the layout's own mask_mod on partial ones."""
-    kept = layout.block_mask
-    full = layout.full_mask if layout.mask_mod is not None else kept
-    state = kept.to(torch.int8) + full.to(torch.int8)
-    bq, bk = layout.block_size
-    lb, lh = state.shape[:2]
-    inner = layout.mask_mod
-
-    def mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        b = b if lb > 1 else b * 0
-        h = h if lh > 1 else h * 0
-        s = state[b, h, q // bq, kv // bk]
-        if inner is None:
-            return s > 0
-        return (s == 2) | ((s == 1) & inner(b, h, q, kv))
-
-    return mod
-
-
 def flex_layout_block_mask(layout: Any, seqlen: int, *, exact: bool) -> Any:
     """FlexAttention's ``BlockMask`` with the layout's blocks: its compressed per-query-
     block lists as they are (full blocks as ``full_kv_*``, partial ones as ``kv_*``),
@@ -538,7 +517,7 @@ def flex_layout_block_mask(layout: Any, seqlen: int, *, exact: bool) -> Any:
         full = layout.index("full_kv")
         partial = layout.index("partial_kv")
         partial_num, partial_idx = partial.num, partial.indices
-    mask_mod = _layout_state_mod(layout) if exact else layout.mask_mod
+    mask_mod = layout.token_mask_mod() if exact else layout.mask_mod
     return BlockMask.from_kv_blocks(
         partial_num,
         partial_idx,

@@ -254,6 +254,29 @@ class BlockSparseLayout:
         kv = torch.arange(seq_len_k, device=device).view(1, 1, 1, -1)
         return kept & (full | self.mask_mod(b, h, q, kv))
 
+    def token_mask_mod(self) -> MaskMod:
+        """:meth:`to_dense_mask` as a mask_mod: ``mod(b, h, q, kv)`` is True where the
+        layout keeps the token pair, for broadcastable index tensors (as FlexAttention
+        calls a mask_mod). Looks up each pair's block (dropped, partial or full) and
+        asks the layout's own mask_mod only on partial blocks. Holds the block table
+        and the layout's mask_mod, not the layout."""
+        full = self.full_mask if self.mask_mod is not None else self.block_mask
+        state = self.block_mask.to(torch.int8) + full.to(torch.int8)  # 0, 1 partial, 2 full
+        bq, bk = self.block_size
+        lb, lh = state.shape[:2]
+        inner = self.mask_mod
+
+        def mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
+            # A layout of batch or heads 1 applies to every batch or head, read at 0.
+            b = b if lb > 1 else b * 0
+            h = h if lh > 1 else h * 0
+            s = state[b, h, q // bq, kv // bk]
+            if inner is None:
+                return s > 0
+            return (s == 2) | ((s == 1) & inner(b, h, q, kv))
+
+        return mod
+
     def index(self, direction: str = "kv") -> BlockIndex:
         """Compressed block lists, built once: ``"kv"`` (per query block, the kept key
         blocks), ``"full_kv"`` (only the full ones), ``"partial_kv"`` (only the partial

@@ -80,6 +80,25 @@ def test_from_mask_mod_keeps_token_masking_inside_partial_blocks():
     assert torch.equal(layout.to_dense_mask(40, 24), ((q + kv + h) % 3 == 0).expand(1, 2, 40, 24))
 
 
+def test_token_mask_mod_means_the_dense_mask():
+    torch.manual_seed(3)
+    layouts = [
+        BlockSparseLayout.from_block_mask(torch.rand(2, 3, 4, 3) < 0.5, (32, 48)),
+        BlockSparseLayout.causal(100, 32),
+        BlockSparseLayout.sliding_window(130, 40, 32, causal=False),
+    ]
+    for layout in layouts:
+        nq = layout.seq_lens[0] if layout.seq_lens else layout.shape[2] * layout.block_size[0]
+        nk = layout.seq_lens[1] if layout.seq_lens else layout.shape[3] * layout.block_size[1]
+        b = torch.arange(2).view(-1, 1, 1, 1)
+        h = torch.arange(3).view(1, -1, 1, 1)
+        q = torch.arange(nq).view(1, 1, -1, 1)
+        kv = torch.arange(nk).view(1, 1, 1, -1)
+        got = layout.token_mask_mod()(b, h, q, kv)
+        want = layout.to_dense_mask(nq, nk).expand(2, 3, nq, nk)
+        assert torch.equal(got.expand(2, 3, nq, nk), want)
+
+
 def test_index_lists_name_the_kept_blocks_in_order():
     mask = torch.tensor([[1, 0, 1], [0, 0, 0], [1, 1, 1]], dtype=torch.bool).view(1, 1, 3, 3)
     layout = BlockSparseLayout.from_block_mask(mask, 16)

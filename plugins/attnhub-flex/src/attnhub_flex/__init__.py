@@ -164,32 +164,6 @@ def _compress(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num.contiguous(), indices.contiguous()
 
 
-def _layout_state(layout: Any) -> torch.Tensor:
-    """int8 (B or 1, H or 1, Nq blocks, Nk blocks): 0 dropped, 1 partial, 2 full."""
-    kept = layout.block_mask
-    full = layout.full_mask if layout.mask_mod is not None else kept
-    return kept.to(torch.int8) + full.to(torch.int8)
-
-
-def _layout_mod(layout: Any, state: torch.Tensor) -> Any:
-    """The layout's token-level mask (``to_dense_mask``) as a mask_mod; captures the
-    state tensor and the layout's mask_mod, not the layout."""
-    bq, bk = layout.block_size
-    lb, lh = state.shape[:2]
-    inner = layout.mask_mod
-
-    def mod(b: Any, h: Any, q: Any, k: Any) -> Any:
-        # A layout of batch or heads 1 applies to every batch or head, read at 0.
-        b = b if lb > 1 else b * 0
-        h = h if lh > 1 else h * 0
-        s = state[b, h, q // bq, k // bk]
-        if inner is None:
-            return s > 0
-        return (s == 2) | ((s == 1) & inner(b, h, q, k))
-
-    return mod
-
-
 def _reduce_to_blocks(
     mod: Any, bh: tuple[int, int], nq: int, nk: int, block: tuple[int, int], device: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,8 +230,7 @@ def _build_layout_block_mask(
     """A BlockMask meaning ``layout.to_dense_mask(nq, nk) & other_mod``."""
     global block_mask_builds
     flex = _flex_module()
-    state = _layout_state(layout)
-    layout_mod = _layout_mod(layout, state)
+    layout_mod = layout.token_mask_mod()
     if other_mod is None:
         mask_mod = layout_mod
     else:
@@ -278,8 +251,8 @@ def _build_layout_block_mask(
             partial = (p.num, p.indices)
         full_lists = (full.num, full.indices)
     else:
-        kept = state > 0
-        full = state == 2
+        kept = layout.block_mask
+        full = layout.full_mask if layout.mask_mod is not None else kept
         if other_mod is not None:
             o_kept, o_full = _reduce_to_blocks(other_mod, other_bh, nq, nk, block, device)
             kept, full = kept & o_kept, full & o_full
@@ -318,7 +291,7 @@ def _layout_block_mask(
         # A side neither a multiple nor a divisor of 128: reduce the exact token-level
         # mask to 128 x 128 blocks (quadratic in N to build, like create_block_mask).
         sparse_block = (_KERNEL_BLOCK, _KERNEL_BLOCK)
-        lmod = _layout_mod(layout, _layout_state(layout))
+        lmod = layout.token_mask_mod()
         mod = (
             lmod
             if other_mod is None
