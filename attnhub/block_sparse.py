@@ -237,6 +237,12 @@ class BlockSparseLayout:
         """The fraction of blocks kept (full or partial)."""
         return float(self.block_mask.float().mean())
 
+    @property
+    def full_blocks(self) -> torch.Tensor:
+        """The kept blocks whose every token is kept: ``full_mask``, or every kept block
+        where there is no ``mask_mod`` (:meth:`to_dense_mask` keeps whole blocks then)."""
+        return self.full_mask if self.mask_mod is not None else self.block_mask
+
     def to_dense_mask(self, seq_len_q: int, seq_len_k: int) -> torch.Tensor:
         """The token-level bool mask (B or 1, H or 1, Nq, Nk) that this layout means."""
         self._check_lengths(seq_len_q, seq_len_k)
@@ -260,8 +266,8 @@ class BlockSparseLayout:
         calls a mask_mod). Looks up each pair's block (dropped, partial or full) and
         asks the layout's own mask_mod only on partial blocks. Holds the block table
         and the layout's mask_mod, not the layout."""
-        full = self.full_mask if self.mask_mod is not None else self.block_mask
-        state = self.block_mask.to(torch.int8) + full.to(torch.int8)  # 0, 1 partial, 2 full
+        # 0 dropped, 1 partial, 2 full
+        state = self.block_mask.to(torch.int8) + self.full_blocks.to(torch.int8)
         bq, bk = self.block_size
         lb, lh = state.shape[:2]
         inner = self.mask_mod

@@ -93,10 +93,7 @@ def layout_tensors(layout: BlockSparseLayout, device: torch.device) -> list[torc
     if key in per_layout:
         return per_layout[key]
     block = layout.block_mask.to(device)
-    if layout.mask_mod is None:  # to_dense_mask keeps every token of a kept block
-        full = block
-    else:
-        full = layout.full_mask.to(device)
+    full = layout.full_blocks.to(device)
     partial = block & ~full
     _has_partial[layout] = bool(partial.any())
     tile_id = torch.full(block.shape, -1, dtype=torch.int32, device=device)

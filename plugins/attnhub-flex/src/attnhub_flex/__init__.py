@@ -252,7 +252,7 @@ def _build_layout_block_mask(
         full_lists = (full.num, full.indices)
     else:
         kept = layout.block_mask
-        full = layout.full_mask if layout.mask_mod is not None else kept
+        full = layout.full_blocks
         if other_mod is not None:
             o_kept, o_full = _reduce_to_blocks(other_mod, other_bh, nq, nk, block, device)
             kept, full = kept & o_kept, full & o_full
