@@ -187,23 +187,45 @@ def bs_fwd_kernel(
         # This program's rows of a (BQ, BK) token mask; key tiles step along it.
         tile_local = (offs_m - qb * BQ)[:, None] * BK + offs_n0[None, :]
         n_part = tl.load(PartNum + num_off)
-        for i in range(0, n_part):
-            block_n = tl.load(PartIdx + idx_off + i) * BK
-            tile = tl.load(PartTile + idx_off + i).to(tl.int64)
-            for sub in range(0, BK, BLOCK_N):
-                start_n = block_n + sub
-                if (start_n < hi) & (start_n + BLOCK_N > lo):
-                    acc, l_i, m_i = _fwd_step(
-                        acc, l_i, m_i, q,
-                        k_base + start_n.to(tl.int64) * stride_kn,
-                        v_base + start_n.to(tl.int64) * stride_vn,
-                        Tiles + tile * (BQ * BK) + sub + tile_local,
-                        mask_rows, drop_rows, seed, start_n, offs_m, offs_n0, offs_d, offs_dv,
-                        stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                        qk_scale, sm_scale, softcap, dropout_p,
-                        True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
-                        INPUT_PRECISION, True,
-                    )  # fmt: skip
+        if EVEN_BLOCKS:
+            # As the full blocks: one flat loop with stepped K/V pointers; the token
+            # mask's address from the block's tile number.
+            start_n = tl.load(PartIdx + idx_off) * BK
+            k_ptrs = k_base + start_n.to(tl.int64) * stride_kn
+            v_ptrs = v_base + start_n.to(tl.int64) * stride_vn
+            for j in range(0, n_part * (BK // BLOCK_N)):
+                tile = tl.load(PartTile + idx_off + j // (BK // BLOCK_N)).to(tl.int64)
+                sub = (j % (BK // BLOCK_N)) * BLOCK_N
+                acc, l_i, m_i = _fwd_step(
+                    acc, l_i, m_i, q, k_ptrs, v_ptrs, Tiles + tile * (BQ * BK) + sub + tile_local,
+                    mask_rows, drop_rows, seed, start_n, offs_m, offs_n0, offs_d, offs_dv,
+                    stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                    qk_scale, sm_scale, softcap, dropout_p,
+                    False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
+                    INPUT_PRECISION, True,
+                )  # fmt: skip
+                step = _next_tile(PartIdx + idx_off, j, start_n, n_part, BK, BLOCK_N)
+                k_ptrs += step.to(tl.int64) * stride_kn
+                v_ptrs += step.to(tl.int64) * stride_vn
+                start_n += step
+        else:
+            for i in range(0, n_part):
+                block_n = tl.load(PartIdx + idx_off + i) * BK
+                tile = tl.load(PartTile + idx_off + i).to(tl.int64)
+                for sub in range(0, BK, BLOCK_N):
+                    start_n = block_n + sub
+                    if (start_n < hi) & (start_n + BLOCK_N > lo):
+                        acc, l_i, m_i = _fwd_step(
+                            acc, l_i, m_i, q,
+                            k_base + start_n.to(tl.int64) * stride_kn,
+                            v_base + start_n.to(tl.int64) * stride_vn,
+                            Tiles + tile * (BQ * BK) + sub + tile_local,
+                            mask_rows, drop_rows, seed, start_n, offs_m, offs_n0, offs_d, offs_dv,
+                            stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                            qk_scale, sm_scale, softcap, dropout_p,
+                            True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
+                            INPUT_PRECISION, True,
+                        )  # fmt: skip
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
