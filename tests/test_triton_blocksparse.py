@@ -140,6 +140,28 @@ def test_partial_blocks_with_even_lengths(dtype: torch.dtype) -> None:
     _check(layout, dtype, 1, 2, 1, 256, 256, 32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+def test_partial_blocks_with_even_lengths_per_head(dtype: torch.dtype) -> None:
+    # The flat loops of even calls (EVEN_BLOCKS) over a per-batch, per-head layout read
+    # through GQA: rows and columns with two, one and no partial block (odd heads have
+    # only full blocks), and a query row (and key columns) with no block at all.
+    torch.manual_seed(9)
+
+    def mod(b, h, q, kv):  # type: ignore[no-untyped-def]
+        qb, kb = q // 64, kv // 64
+        full = kb == (qb + h + b) % 3
+        part = ((q + 2 * kv + h) % 5 != 0) & (
+            ((h == 0) & (kb != (qb + b) % 3)) | ((h == 2) & (kb == (qb + b) % 3))
+        )
+        return (full | part) & ~((qb == 1) & (h == 3))
+
+    layout = BlockSparseLayout.from_mask_mod(mod, 192, 192, 64, batch=2, heads=4)
+    n_part = (layout.block_mask & ~layout.full_mask).sum(-1)
+    assert n_part.amax() == 2 and (n_part[:, 1::2] == 0).all() and layout.full_mask.any()
+    assert not layout.block_mask[:, 3, 1].any()
+    _check(layout, dtype, 2, 4, 2, 192, 192, 16)
+
+
 def test_mask_mod_per_head_with_window_and_float_mask() -> None:
     torch.manual_seed(6)
 

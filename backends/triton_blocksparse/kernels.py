@@ -25,16 +25,18 @@ Block lists (int32, from ``layout.index``; read through (batch, head) strides th
 FullNum, FullIdx      per row block the full column blocks: no token mask. Inside the
                       call's band and inside NQ/NK they run with MASKED=False (no mask
                       arithmetic at all); on a band edge or the ragged tail, MASKED=True.
-PartNum, PartIdx      per row block the partial column blocks, always MASKED=True plus
-                      the block's token mask.
+PartNum, PartIdx      per row block the partial column blocks: the block's token mask,
+                      plus MASKED=True unless EVEN_BLOCKS.
 PartTile              for each entry of PartIdx, the tile number in Tiles.
 Tiles                 uint8 (P, BQ, BK): the token masks of the P partial blocks
                       (1 = keep), local coordinates (query row, key) within the block.
 Blocks wholly outside the call's band (causal/window) are skipped without a load.
 EVEN_BLOCKS           no causal/window band and NQ, NK multiples of BQ, BK: every full
-                      block is unmasked, and the full blocks' tiles run in one flat loop
-                      (what lets Triton pipeline across blocks); otherwise a loop per
-                      block decides masked or not.
+                      block is unmasked and a partial one needs only its token mask, so
+                      the full blocks' tiles, then the partial blocks', run in one flat
+                      loop each (what lets Triton pipeline across blocks; the forward
+                      steps its pointers, the backward reads each tile's block from the
+                      list); otherwise a loop per block decides masked or not.
 """
 
 from __future__ import annotations
@@ -352,23 +354,42 @@ def bs_bwd_dq_kernel(
         # This program's rows of a (BQ, BK) token mask; key tiles step along it.
         tile_local = (offs_m - qb * BQ)[:, None] * BK + offs_n0[None, :]
         n_part = tl.load(PartNum + num_off)
-        for i in range(0, n_part):
-            block_n = tl.load(PartIdx + idx_off + i) * BK
-            tile = tl.load(PartTile + idx_off + i).to(tl.int64)
-            for sub in range(0, BK, BLOCK_N):
-                start_n = block_n + sub
-                if (start_n < hi) & (start_n + BLOCK_N > lo):
-                    dq = _bwd_q_step(
-                        dq, q, do, lse2, delta,
-                        k_base + start_n.to(tl.int64) * stride_kn,
-                        v_base + start_n.to(tl.int64) * stride_vn,
-                        Tiles + tile * (BQ * BK) + sub + tile_local,
-                        mask_rows, drop_rows, seed, start_n, offs_m, offs_n0, offs_d, offs_dv,
-                        stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                        qk_scale, sm_scale, softcap, dropout_p,
-                        True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
-                        INPUT_PRECISION, True,
-                    )  # fmt: skip
+        if EVEN_BLOCKS:
+            # As the full blocks: one flat loop, each tile's address from the block list
+            # (the pointer step was measured 1.6x slower there; here it is unmeasured), the
+            # token mask's address from the block's tile number. No band and no ragged
+            # block: the token mask is the only mask (MASKED=False), as in the forward.
+            for j in range(0, n_part * (BK // BLOCK_N)):
+                i = j // (BK // BLOCK_N)
+                sub = (j % (BK // BLOCK_N)) * BLOCK_N
+                start_n = tl.load(PartIdx + idx_off + i) * BK + sub
+                tile = tl.load(PartTile + idx_off + i).to(tl.int64)
+                dq = _bwd_q_step(
+                    dq, q, do, lse2, delta, k_base + start_n.to(tl.int64) * stride_kn,
+                    v_base + start_n.to(tl.int64) * stride_vn, Tiles + tile * (BQ * BK) + sub + tile_local,
+                    mask_rows, drop_rows, seed, start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn,
+                    NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                    qk_scale, sm_scale, softcap, dropout_p,
+                    False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION, True,
+                )  # fmt: skip
+        else:
+            for i in range(0, n_part):
+                block_n = tl.load(PartIdx + idx_off + i) * BK
+                tile = tl.load(PartTile + idx_off + i).to(tl.int64)
+                for sub in range(0, BK, BLOCK_N):
+                    start_n = block_n + sub
+                    if (start_n < hi) & (start_n + BLOCK_N > lo):
+                        dq = _bwd_q_step(
+                            dq, q, do, lse2, delta,
+                            k_base + start_n.to(tl.int64) * stride_kn,
+                            v_base + start_n.to(tl.int64) * stride_vn,
+                            Tiles + tile * (BQ * BK) + sub + tile_local,
+                            mask_rows, drop_rows, seed, start_n, offs_m, offs_n0, offs_d, offs_dv,
+                            stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                            qk_scale, sm_scale, softcap, dropout_p,
+                            True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
+                            INPUT_PRECISION, True,
+                        )  # fmt: skip
 
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows * stride_dqm + offs_d[None, :] * stride_dqd,
@@ -490,24 +511,43 @@ def bs_bwd_dkdv_kernel(
                     )  # fmt: skip
         if HAS_PARTIAL:
             n_part = tl.load(PartNum + num_off)
-            for i in range(0, n_part):
-                block_m = tl.load(PartIdx + idx_off + i) * BQ
-                tile = tl.load(PartTile + idx_off + i).to(tl.int64)
-                for sub in range(0, BQ, BLOCK_M):
-                    start_m = block_m + sub
-                    if (start_m < hi) & (start_m + BLOCK_M > lo):
-                        s64 = start_m.to(tl.int64)
-                        dk, dv = _bwd_kv_step(
-                            dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
-                            lse_base + s64, delta_base + s64,
-                            Tiles + tile * (BQ * BK) + sub * BK + tile_local,
-                            mask_base, drop_base, seed,
-                            start_m, offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn,
-                            NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                            qk_scale, sm_scale, softcap, dropout_p,
-                            True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
-                            INPUT_PRECISION, True,
-                        )  # fmt: skip
+            if EVEN_BLOCKS:
+                # One flat loop over the partial blocks' query tiles (addresses as in dQ).
+                for j in range(0, n_part * (BQ // BLOCK_M)):
+                    i = j // (BQ // BLOCK_M)
+                    sub = (j % (BQ // BLOCK_M)) * BLOCK_M
+                    start_m = tl.load(PartIdx + idx_off + i) * BQ + sub
+                    tile = tl.load(PartTile + idx_off + i).to(tl.int64)
+                    s64 = start_m.to(tl.int64)
+                    dk, dv = _bwd_kv_step(
+                        dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
+                        lse_base + s64, delta_base + s64, Tiles + tile * (BQ * BK) + sub * BK + tile_local,
+                        mask_base, drop_base, seed,
+                        start_m, offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn,
+                        NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                        qk_scale, sm_scale, softcap, dropout_p,
+                        False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
+                        INPUT_PRECISION, True,
+                    )  # fmt: skip
+            else:
+                for i in range(0, n_part):
+                    block_m = tl.load(PartIdx + idx_off + i) * BQ
+                    tile = tl.load(PartTile + idx_off + i).to(tl.int64)
+                    for sub in range(0, BQ, BLOCK_M):
+                        start_m = block_m + sub
+                        if (start_m < hi) & (start_m + BLOCK_M > lo):
+                            s64 = start_m.to(tl.int64)
+                            dk, dv = _bwd_kv_step(
+                                dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
+                                lse_base + s64, delta_base + s64,
+                                Tiles + tile * (BQ * BK) + sub * BK + tile_local,
+                                mask_base, drop_base, seed,
+                                start_m, offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn,
+                                NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                                qk_scale, sm_scale, softcap, dropout_p,
+                                True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
+                                INPUT_PRECISION, True,
+                            )  # fmt: skip
 
     dk = dk * sm_scale
     inb_n = offs_n[:, None] < NK
