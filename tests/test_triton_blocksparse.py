@@ -272,9 +272,41 @@ def test_layout_tensors_are_compact_and_cached() -> None:
     layout = BlockSparseLayout.causal(64 * 40, 64)
     first = ops.layout_tensors(layout, torch.device("cpu"))
     assert ops.layout_tensors(layout, torch.device("cpu")) is first
-    tiles = first[-1]
+    tiles = first[10]
     assert tiles.shape == (40, 64, 64)  # one token mask per diagonal block: linear in N
     assert torch.equal(tiles[0].bool(), torch.ones(64, 64, dtype=torch.bool).tril())
+
+
+def test_program_order_puts_heavy_blocks_first() -> None:
+    # BigBird's 2 global rows (and columns) keep every block; the rest keep a window
+    # and 1 random block, far below twice the mean.
+    layout = BlockSparseLayout.bigbird(64 * 32, 64, global_blocks=2, random_blocks=1)
+    *_, row_order, col_order = ops.layout_tensors(layout, torch.device("cpu"))
+    facts = ops._facts[layout]
+    assert (facts.heavy_rows, facts.heavy_cols) == (2, 2)
+    assert sorted(row_order[:2].tolist()) == [0, 1] and sorted(col_order[:2].tolist()) == [0, 1]
+    assert sorted(row_order.tolist()) == list(range(32))  # a permutation of the blocks
+    kept = layout.block_mask.sum(dim=(0, 1, 3))[row_order.long()]
+    assert (kept[:-1] >= kept[1:]).all()  # heaviest first
+    # A random layout has nothing far above its mean: heads are not interleaved.
+    random_layout = _random_layout(1, 1, 64 * 16, 64 * 16, 64, 0.5, seed=9)
+    ops.layout_tensors(random_layout, torch.device("cpu"))
+    assert ops._facts[random_layout][1:] == (0, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+def test_heavy_rows_first_with_ragged_tiles_and_gqa(dtype: torch.dtype) -> None:
+    # Per (batch, head) layouts with global rows and columns (so the programs of every
+    # head's heavy blocks run first, heads interleaved), a ragged last block (its tiles
+    # past N return at once), GQA, and query/key lengths that differ.
+    torch.manual_seed(11)
+    keep = torch.rand(1, 4, 8, 9, generator=torch.Generator().manual_seed(12)) < 0.1
+    keep[:, :, 0] = True  # a global query block
+    keep[:, :, :, 8] = True  # a global (ragged) key block
+    layout = BlockSparseLayout.from_block_mask(keep, 64)
+    ops.layout_tensors(layout, torch.device(DEVICE))
+    assert ops._facts[layout].heavy_rows >= 1 and ops._facts[layout].heavy_cols >= 1
+    _check(layout, dtype, 1, 4, 2, 64 * 7 + 8, 64 * 8 + 4, 16)
 
 
 @interpreter_only

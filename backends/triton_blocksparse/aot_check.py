@@ -40,7 +40,9 @@ def record(cases: list[tuple[torch.dtype, int, int, dict]]) -> list:
     try:
         for dtype, d, block, options in cases:
             options = dict(options)
-            n = 2 * block + 40
+            # A ragged length runs the per-block loops; an even one without a band
+            # (option "even") the flat loops of EVEN_BLOCKS.
+            n = 4 * block if options.pop("even", False) else 2 * block + 40
             layout = BlockSparseLayout.sliding_window(n, block + 10, block)
             q = torch.randn(1, 2, n, d, dtype=dtype, requires_grad=True)
             k = torch.randn(1, 1, n, d, dtype=dtype, requires_grad=True)
@@ -59,12 +61,14 @@ def variants(quick: bool) -> list[tuple[torch.dtype, int, int, dict]]:
     full = {"causal": True, "bottom_right": True, "window": (30, None), "softcap": 5.0,
             "mask": "float", "dropout_p": 0.1}  # fmt: skip
     if quick:
-        return [(torch.bfloat16, 128, 128, {"causal": True}), (torch.float32, 40, 64, full)]
+        return [(torch.bfloat16, 128, 128, {"causal": True}), (torch.float32, 40, 64, full),
+                (torch.bfloat16, 128, 128, {"even": True})]  # fmt: skip
     cases: list[tuple[torch.dtype, int, int, dict]] = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for block in (64, 128):
             for d in (64, 128):
-                cases += [(dtype, d, block, {}), (dtype, d, block, {"causal": True})]
+                cases += [(dtype, d, block, {}), (dtype, d, block, {"causal": True}),
+                          (dtype, d, block, {"even": True})]  # fmt: skip
             cases += [(dtype, 40, block, full)]
     return cases
 

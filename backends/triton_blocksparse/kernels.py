@@ -76,10 +76,32 @@ def _next_tile(block_idx, j, start, n_blocks, BLOCK: tl.constexpr, TILE: tl.cons
     return tl.where(at_edge, nxt_block * BLOCK - start, TILE)
 
 
-@triton.jit(do_not_specialize=_DYNAMIC)
+@triton.jit
+def _program_tile(Order, n_heavy, N, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """(first row of this program's tile, batch * head) for the 1-D grid, which walks
+    the layout's row blocks heaviest first (``Order``: block numbers by descending count
+    of kept blocks): the ``n_heavy`` heaviest blocks of every head first, heads
+    interleaved, so that a few long rows (BigBird's global rows) do not start last and
+    set the tail; then each head's remaining blocks together, so concurrent programs
+    share one head's K/V in L2. The grid covers whole blocks; a tile past N (in a
+    ragged last block) gets a row start >= N and its program returns."""
+    pid = tl.program_id(0)
+    tiles = BLOCK // TILE
+    blocks = tl.cdiv(N, BLOCK)
+    heads = tl.num_programs(0) // (blocks * tiles)  # the grid covers batch x heads
+    heavy = n_heavy * tiles * heads  # programs in the interleaved region
+    per_head = (blocks - n_heavy) * tiles  # each head's rest
+    rest = tl.maximum(pid - heavy, 0)
+    rank = tl.where(pid < heavy, pid // heads, n_heavy * tiles + rest % tl.maximum(per_head, 1))
+    bh = tl.where(pid < heavy, pid % heads, rest // tl.maximum(per_head, 1))
+    block = tl.load(Order + rank // tiles)
+    return block * BLOCK + (rank % tiles) * TILE, bh.to(tl.int64)
+
+
+@triton.jit(do_not_specialize=[*_DYNAMIC, "n_heavy"])
 def bs_fwd_kernel(
     Q, K, V, Mask, Seed, Out, Lse,
-    FullNum, FullIdx, PartNum, PartIdx, PartTile, Tiles,
+    FullNum, FullIdx, PartNum, PartIdx, PartTile, Tiles, Order, n_heavy,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -96,9 +118,10 @@ def bs_fwd_kernel(
 ):  # fmt: skip
     """Out and Lse for BLOCK_M rows of one query block, visiting only its kept key blocks."""
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m, pid_bh = _program_tile(Order, n_heavy, NQ, BQ, BLOCK_M)
+    if start_m >= NQ:  # a tile of the ragged last block that lies past NQ
+        return
     qb = start_m // BQ  # the layout's row block
-    pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
@@ -246,10 +269,10 @@ def bs_fwd_kernel(
     tl.store(Lse + pid_bh * NQ + offs_m, lse, mask=offs_m < NQ)
 
 
-@triton.jit(do_not_specialize=_DYNAMIC)
+@triton.jit(do_not_specialize=[*_DYNAMIC, "n_heavy"])
 def bs_bwd_dq_kernel(
     Q, K, V, Mask, Seed, DO, Lse, Delta, DQ,
-    FullNum, FullIdx, PartNum, PartIdx, PartTile, Tiles,
+    FullNum, FullIdx, PartNum, PartIdx, PartTile, Tiles, Order, n_heavy,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -267,9 +290,10 @@ def bs_bwd_dq_kernel(
 ):  # fmt: skip
     """dQ for BLOCK_M rows of one query block over its kept key blocks."""
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m, pid_bh = _program_tile(Order, n_heavy, NQ, BQ, BLOCK_M)
+    if start_m >= NQ:  # a tile of the ragged last block that lies past NQ
+        return
     qb = start_m // BQ  # the layout's row block
-    pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
@@ -396,10 +420,10 @@ def bs_bwd_dq_kernel(
              dq.to(DQ.dtype.element_ty), mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < HEAD_D))  # fmt: skip
 
 
-@triton.jit(do_not_specialize=_DYNAMIC)
+@triton.jit(do_not_specialize=[*_DYNAMIC, "n_heavy"])
 def bs_bwd_dkdv_kernel(
     Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV,
-    FullNum, FullIdx, PartNum, PartIdx, PartTile, Tiles,
+    FullNum, FullIdx, PartNum, PartIdx, PartTile, Tiles, Order, n_heavy,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -419,9 +443,10 @@ def bs_bwd_dkdv_kernel(
     """dK and dV for BLOCK_N keys of one key block, over the kept query blocks of each of the GROUP query
     heads that read it (the block lists here are the per-key-block "q" direction)."""
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
-    start_n = tl.program_id(0) * BLOCK_N
+    start_n, pid_bh = _program_tile(Order, n_heavy, NK, BK, BLOCK_N)
+    if start_n >= NK:  # a tile of the ragged last block that lies past NK
+        return
     kb = start_n // BK  # the layout's column block
-    pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // HKV
     hk = pid_bh % HKV
     offs_n = start_n + tl.arange(0, BLOCK_N)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -43,12 +43,24 @@ from . import SUPPORTED_BLOCKS, kernels
 
 _TILE_CHUNK = 256  # partial blocks evaluated per mask_mod call when building tiles
 
+# A block counts as heavy, and its programs run first with heads interleaved, when its
+# row (column) keeps more than this many times the mean number of blocks.
+_HEAVY_FACTOR = 2.0
+
+
+class LayoutFacts(NamedTuple):
+    """What a call needs to know about a layout on the host, kept beside its tensors so
+    that a call never reads a device tensor (no GPU sync)."""
+
+    has_partial: bool  # any partial block (the HAS_PARTIAL constexpr)
+    heavy_rows: int  # leading entries of the row order that run heads interleaved
+    heavy_cols: int  # the same for the column order (dK/dV)
+
+
 _cache: weakref.WeakKeyDictionary[BlockSparseLayout, dict[str, list[torch.Tensor]]] = (
     weakref.WeakKeyDictionary()
 )
-# Whether a layout has any partial block (decides the HAS_PARTIAL constexpr). Kept on the
-# host beside the tensors so that a call never reads a device tensor (no GPU sync).
-_has_partial: weakref.WeakKeyDictionary[BlockSparseLayout, bool] = weakref.WeakKeyDictionary()
+_facts: weakref.WeakKeyDictionary[BlockSparseLayout, LayoutFacts] = weakref.WeakKeyDictionary()
 
 
 def unsupported_block_size(block_size: tuple[int, int]) -> str | None:
@@ -83,11 +95,24 @@ def _tiles(layout: BlockSparseLayout, partial: torch.Tensor) -> torch.Tensor:
     return tiles
 
 
+def _heaviest_first(kept: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(order, heavy) for the kernels' program order (see ``_program_tile``): the row
+    blocks of a (B_l, H_l, rows, cols) block mask by descending count of kept blocks
+    over all of the layout's batches and heads (int32), and how many of them are heavy
+    (more than ``_HEAVY_FACTOR`` times the mean count)."""
+    work = kept.sum(dim=(0, 1, 3), dtype=torch.int64)
+    order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
+    heavy = int((work.double() > _HEAVY_FACTOR * work.double().mean()).sum())
+    return order, heavy
+
+
 def layout_tensors(layout: BlockSparseLayout, device: torch.device) -> list[torch.Tensor]:
     """[kv full num, kv full idx, kv partial num, kv partial idx, kv partial tile,
-    q full num, q full idx, q partial num, q partial idx, q partial tile, tiles]:
-    int32 block lists (B_l, H_l, rows[, cols]) and the uint8 (P, bq, bk) token masks.
-    Built once per layout and device (cached weakly on the layout)."""
+    q full num, q full idx, q partial num, q partial idx, q partial tile, tiles,
+    row order, column order]: int32 block lists (B_l, H_l, rows[, cols]), the uint8
+    (P, bq, bk) token masks and the int32 program orders (rows, heaviest first; see
+    :func:`_heaviest_first`). Built once per layout and device (cached weakly on the
+    layout), with the layout's :class:`LayoutFacts`."""
     per_layout = _cache.setdefault(layout, {})
     key = str(device)
     if key in per_layout:
@@ -95,7 +120,9 @@ def layout_tensors(layout: BlockSparseLayout, device: torch.device) -> list[torc
     block = layout.block_mask.to(device)
     full = layout.full_blocks.to(device)
     partial = block & ~full
-    _has_partial[layout] = bool(partial.any())
+    row_order, heavy_rows = _heaviest_first(block)
+    col_order, heavy_cols = _heaviest_first(block.mT)
+    _facts[layout] = LayoutFacts(bool(partial.any()), heavy_rows, heavy_cols)
     tile_id = torch.full(block.shape, -1, dtype=torch.int32, device=device)
     tile_id[partial] = torch.arange(int(partial.sum()), dtype=torch.int32, device=device)
     out: list[torch.Tensor] = []
@@ -104,7 +131,7 @@ def layout_tensors(layout: BlockSparseLayout, device: torch.device) -> list[torc
         ptile = t.gather(-1, pi.indices.long()).to(torch.int32)
         out += [fi.num, fi.indices, pi.num, pi.indices, ptile]
     out = [x.contiguous() for x in out]
-    out.append(_tiles(layout, partial))
+    out += [_tiles(layout, partial), row_order, col_order]
     per_layout[key] = out
     return out
 
@@ -141,6 +168,13 @@ def _tiles_meta(
     return block_m, block_n, launch
 
 
+def _grid(n: int, block: int, tile: int, heads: int) -> int:
+    """Programs of a 1-D block-sparse grid: every tile of every layout block (the last
+    one whole, even if ragged) for each of ``heads`` (batch x heads); see
+    ``kernels._program_tile``, which maps a program to its tile, heaviest rows first."""
+    return triton.cdiv(n, block) * (block // tile) * heads
+
+
 def _fwd_impl(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -151,6 +185,8 @@ def _fwd_impl(
     bq: int,
     bk: int,
     has_partial: bool,
+    heavy_rows: int,
+    heavy_cols: int,
     causal: bool,
     bottom_right: bool,
     window_left: int,
@@ -168,11 +204,11 @@ def _fwd_impl(
     c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
                scale, dropout_p)  # fmt: skip
     fnum, fidx, pnum, pidx, ptile = index[:5]
-    tiles = index[10]
+    tiles, row_order = index[10:12]
     block_m, _, launch = _tiles_meta("fwd", bq, bk, c.meta, q, nk, causal)
-    _launcher(kernels.bs_fwd_kernel, q)[(triton.cdiv(nq, block_m), b * hq)](
+    _launcher(kernels.bs_fwd_kernel, q)[(_grid(nq, bq, block_m, b * hq),)](
         q, k, v, c.mask, q if seed is None else seed, out, lse,
-        fnum, fidx, pnum, pidx, ptile, tiles,
+        fnum, fidx, pnum, pidx, ptile, tiles, row_order, heavy_rows,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *out.stride(),
         *_index_strides(fnum, fidx), hq, hq // hkv, nq, nk, d, dv, *c.scalars,
         HAS_PARTIAL=has_partial, **c.meta, **launch,
@@ -194,6 +230,8 @@ def _bwd_impl(
     bq: int,
     bk: int,
     has_partial: bool,
+    heavy_rows: int,
+    heavy_cols: int,
     causal: bool,
     bottom_right: bool,
     window_left: int,
@@ -212,23 +250,23 @@ def _bwd_impl(
                scale, dropout_p)  # fmt: skip
     delta = _delta(out, dout, dlse, c.meta["BLOCK_DV"])
     seed_t = q if seed is None else seed
-    tiles = index[10]
+    tiles, row_order, col_order = index[10:13]
     meta = {**c.meta, "HAS_PARTIAL": has_partial}
 
     fnum, fidx, pnum, pidx, ptile = index[5:10]
     _, block_n, launch = _tiles_meta("bwd_kv", bq, bk, meta, q, nk, causal)
-    _launcher(kernels.bs_bwd_dkdv_kernel, q)[(triton.cdiv(nk, block_n), b * hkv)](
+    _launcher(kernels.bs_bwd_dkdv_kernel, q)[(_grid(nk, bk, block_n, b * hkv),)](
         q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
-        fnum, fidx, pnum, pidx, ptile, tiles,
+        fnum, fidx, pnum, pidx, ptile, tiles, col_order, heavy_cols,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dk.stride(), *dv.stride(),
         *_index_strides(fnum, fidx),
         hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **meta, **launch,
     )  # fmt: skip
     fnum, fidx, pnum, pidx, ptile = index[:5]
     block_m, _, launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal)
-    _launcher(kernels.bs_bwd_dq_kernel, q)[(triton.cdiv(nq, block_m), b * hq)](
+    _launcher(kernels.bs_bwd_dq_kernel, q)[(_grid(nq, bq, block_m, b * hq),)](
         q, k, v, c.mask, seed_t, dout, lse, delta, dq,
-        fnum, fidx, pnum, pidx, ptile, tiles,
+        fnum, fidx, pnum, pidx, ptile, tiles, row_order, heavy_rows,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
         *_index_strides(fnum, fidx),
         hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **meta, **launch,
@@ -238,8 +276,9 @@ def _bwd_impl(
 
 triton_blocksparse_fwd = _define("attnhub::triton_blocksparse_fwd", _fwd_impl)
 triton_blocksparse_bwd = _define("attnhub::triton_blocksparse_bwd", _bwd_impl)
-# bq, bk, has_partial, causal, bottom_right, window_left, window_right, softcap, scale, p
-_N_SCALARS = 10
+# bq, bk, has_partial, heavy_rows, heavy_cols, causal, bottom_right, window_left,
+# window_right, softcap, scale, p
+_N_SCALARS = 12
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
@@ -289,7 +328,7 @@ def block_sparse_attention(
     bq, bk = layout.block_size
     extra: Any = layout_tensors(layout, q.device)
     scalars = (
-        bq, bk, _has_partial[layout], causal, bottom_right,
+        bq, bk, *_facts[layout], causal, bottom_right,
         NO_WINDOW if left is None else int(left), NO_WINDOW if right is None else int(right),
         float(softcap or 0.0), float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])),
         float(dropout_p),
