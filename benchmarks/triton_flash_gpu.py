@@ -324,9 +324,11 @@ def timing(quick: bool) -> list[dict]:
 
 
 SWEEP_FWD = {
-    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 4, 3), (64, 64, 4, 3)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
-}
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 4, 3), (64, 64, 4, 3),
+         (128, 64, 4, 5)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+          (128, 64, 8, 4)],
+}  # fmt: skip
 SWEEP_BWD = {  # (dK/dV config, dQ config)
     64: [((32, 128, 4, 3), (128, 32, 4, 3)), ((64, 128, 8, 3), (128, 64, 8, 3)),
          ((32, 64, 4, 3), (64, 32, 4, 3))],
@@ -335,15 +337,15 @@ SWEEP_BWD = {  # (dK/dV config, dQ config)
 }  # fmt: skip
 
 
-def sweep() -> list[dict]:
-    """A few launch configurations per direction at N=4096 (bf16), each checked against
-    SDPA flash before it is timed: data for the configuration table (issue 4)."""
+def sweep(seqlens: tuple[int, ...] = (4096,)) -> list[dict]:
+    """A few launch configurations per direction at each N (bf16; B = 16384 / N tokens,
+    H = 2048 / D as the benchmark grid), each checked against SDPA flash before it is
+    timed: data for the configuration table (issue 4)."""
     from attnhub.backends.triton_flash import configs
 
     rows = []
-    n = 4096
-    for d in (64, 128):
-        b, h = 4, 2048 // d
+    for n, d in ((n, d) for n in seqlens for d in (64, 128)):
+        b, h = max(1, 16384 // n), 2048 // d
         torch.manual_seed(5)
         q, k, v = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))  # fmt: skip
@@ -408,6 +410,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip N >= 16K cases")
     parser.add_argument("--no-sanitizer", action="store_true")
     parser.add_argument("--only", default="", help="comma list of sections to run")
+    parser.add_argument("--sweep-seqlens", default="4096", help="comma list of N for the sweep")
     args = parser.parse_args()
     torch.set_float32_matmul_precision("highest")
     sections = set(args.only.split(",")) if args.only else {
@@ -428,7 +431,7 @@ def main() -> None:
         ("memory", memory),
         ("long", long_run),
         ("timing", lambda: timing(args.quick)),
-        ("sweep", sweep),
+        ("sweep", lambda: sweep(tuple(int(n) for n in args.sweep_seqlens.split(",")))),
     )
     for name, step in steps:
         if name not in sections:
