@@ -463,3 +463,27 @@ def test_gpu_compile_fullgraph_and_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(graph_out, eager.detach())
+
+
+def test_launch_config_short_sequence_entries() -> None:
+    from attnhub.backends.triton_flash import configs
+
+    sm90 = (9, 0)
+    table = configs.launch_config("fwd", 64, 2, True, sm90, False)
+    # Up to SHORT_N keys, the measured short entry; above it, and without a length,
+    # the table's row; 4-byte dtypes and unlisted keys never take a short entry.
+    assert configs.launch_config("fwd", 64, 2, True, sm90, False, 1024) == configs.LaunchConfig(
+        64, 64, 4, 3
+    )
+    assert configs.launch_config("fwd", 64, 2, True, sm90, False, 1025) == table
+    assert configs.launch_config("fwd", 64, 4, True, sm90, False, 512) == configs.launch_config(
+        "fwd", 64, 4, True, sm90, False
+    )
+    assert configs.launch_config("fwd", 128, 2, True, sm90, False, 512) == configs.launch_config(
+        "fwd", 128, 2, True, sm90, False
+    )
+    short_bwd = [
+        configs.launch_config(d, 128, 2, False, sm90, False, 1024) for d in ("bwd_kv", "bwd_q")
+    ]
+    assert short_bwd == [configs.LaunchConfig(32, 64, 4, 3), configs.LaunchConfig(64, 32, 4, 3)]
+    assert configs.launch_config("fwd", 64, 2, True, sm90, True, 512) == configs.INTERPRETER_FWD

@@ -159,7 +159,7 @@ def _tiles_meta(
     band, no ragged block: full blocks need no mask, see kernels.py)."""
     cfg = launch_config(
         direction, max(meta["BLOCK_D"], meta["BLOCK_DV"]), q.element_size(), causal,
-        _capability(q.device), interpreting(),
+        _capability(q.device), interpreting(), max(q.shape[2], nk),
     )  # fmt: skip
     block_m, block_n = min(cfg.block_m, bq), min(cfg.block_n, bk)
     even = not meta["HAS_BAND"] and q.shape[2] % bq == 0 and nk % bk == 0

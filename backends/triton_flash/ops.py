@@ -248,7 +248,7 @@ def _fwd_impl(
                scale, dropout_p)  # fmt: skip
     cfg = launch_config(
         "fwd", max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"]), q.element_size(), causal,
-        _capability(q.device), interpreting(),
+        _capability(q.device), interpreting(), max(nq, nk),
     )  # fmt: skip
     grid = (triton.cdiv(nq, cfg.block_m), b * hq)
     _launcher(kernels.attn_fwd_kernel, q)[grid](
@@ -291,14 +291,14 @@ def _bwd_impl(
     interp, cap, esize = interpreting(), _capability(q.device), q.element_size()
     seed_t = q if seed is None else seed
 
-    cfg = launch_config("bwd_kv", block_d, esize, causal, cap, interp)
+    cfg = launch_config("bwd_kv", block_d, esize, causal, cap, interp, max(nq, nk))
     _launcher(kernels.attn_bwd_dkdv_kernel, q)[(triton.cdiv(nk, cfg.block_n), b * hkv)](
         q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dk.stride(),
         *dv.stride(), hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
         **c.meta, **cfg.meta(),
     )  # fmt: skip
-    cfg = launch_config("bwd_q", block_d, esize, causal, cap, interp)
+    cfg = launch_config("bwd_q", block_d, esize, causal, cap, interp, max(nq, nk))
     _launcher(kernels.attn_bwd_dq_kernel, q)[(triton.cdiv(nq, cfg.block_m), b * hq)](
         q, k, v, c.mask, seed_t, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
