@@ -277,6 +277,22 @@ def test_layout_tensors_are_compact_and_cached() -> None:
     assert torch.equal(tiles[0].bool(), torch.ones(64, 64, dtype=torch.bool).tril())
 
 
+def test_partial_tiles_of_a_row_are_numbered_consecutively() -> None:
+    # The forward's flat partial-block loop steps its token-mask pointer from one tile to
+    # the next (no index load), which holds only if each row's partial blocks have
+    # consecutive tile numbers, in the order PartIdx lists them.
+    per_head = BlockSparseLayout.from_mask_mod(
+        lambda b, h, q, kv: ((q + 7 * h + b) // 50 + kv // 40) % 3 == 0, 380, 380, 64,
+        batch=2, heads=3,
+    )  # fmt: skip
+    for layout in (BlockSparseLayout.sliding_window(64 * 9, 150, 64), per_head):
+        _, _, pnum, _, ptile = ops.layout_tensors(layout, torch.device("cpu"))[:5]
+        steps = torch.arange(ptile.shape[-1], dtype=torch.int32)
+        kept = steps < pnum[..., None]
+        assert pnum.sum() > 0
+        assert torch.equal((ptile - ptile[..., :1])[kept], steps.expand_as(ptile)[kept])
+
+
 def test_program_order_puts_heavy_blocks_first() -> None:
     # BigBird's 2 global rows (and columns) keep every block; the rest keep a window
     # and 1 random block, far below twice the mean.

@@ -213,16 +213,18 @@ def bs_fwd_kernel(
         tile_local = (offs_m - qb * BQ)[:, None] * BK + offs_n0[None, :]
         n_part = tl.load(PartNum + num_off)
         if EVEN_BLOCKS:
-            # As the full blocks: one flat loop with stepped K/V pointers; the token
-            # mask's address from the block's tile number.
+            # As the full blocks: one flat loop with stepped K/V pointers. The token mask
+            # pointer steps too, with no load in its address: a row's partial blocks
+            # have consecutive tile numbers (ops.layout_tensors numbers tiles in
+            # row-major block order and PartIdx lists a row's blocks in ascending
+            # order), so it moves BLOCK_N keys along a tile, then on to the next tile.
             start_n = tl.load(PartIdx + idx_off) * BK
             k_ptrs = k_base + start_n.to(tl.int64) * stride_kn
             v_ptrs = v_base + start_n.to(tl.int64) * stride_vn
+            t_ptrs = Tiles + tl.load(PartTile + idx_off).to(tl.int64) * (BQ * BK) + tile_local
             for j in range(0, n_part * (BK // BLOCK_N)):
-                tile = tl.load(PartTile + idx_off + j // (BK // BLOCK_N)).to(tl.int64)
-                sub = (j % (BK // BLOCK_N)) * BLOCK_N
                 acc, l_i, m_i = _fwd_step(
-                    acc, l_i, m_i, q, k_ptrs, v_ptrs, Tiles + tile * (BQ * BK) + sub + tile_local,
+                    acc, l_i, m_i, q, k_ptrs, v_ptrs, t_ptrs,
                     mask_rows, drop_rows, seed, start_n, offs_m, offs_n0, offs_d, offs_dv,
                     stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
                     qk_scale, sm_scale, softcap, dropout_p,
@@ -233,6 +235,8 @@ def bs_fwd_kernel(
                 k_ptrs += step.to(tl.int64) * stride_kn
                 v_ptrs += step.to(tl.int64) * stride_vn
                 start_n += step
+                at_edge = (j + 1) % (BK // BLOCK_N) == 0
+                t_ptrs += tl.where(at_edge, BQ * BK - (BK - BLOCK_N), BLOCK_N)
         else:
             for i in range(0, n_part):
                 block_n = tl.load(PartIdx + idx_off + i) * BK
