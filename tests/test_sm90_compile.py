@@ -1,4 +1,5 @@
-"""The triton_flash kernels compile for sm_90 (Hopper), checked on a machine without a GPU.
+"""The Triton kernels (triton_flash, triton_blocksparse) compile for sm_90 (Hopper),
+checked on a machine without a GPU.
 
 The interpreter runs the kernels' arithmetic but not Triton's compiler, which rejects
 code the interpreter accepts. This compiles representative launches ahead of time with
@@ -16,10 +17,11 @@ import pytest
 pytest.importorskip("triton")
 
 
-def test_kernels_compile_for_sm90() -> None:
+@pytest.mark.parametrize("backend", ["triton_flash", "triton_blocksparse"])
+def test_kernels_compile_for_sm90(backend: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-m", "attnhub.backends.triton_flash.aot_check", "--quick"],
+        [sys.executable, "-m", f"attnhub.backends.{backend}.aot_check", "--quick"],
         capture_output=True,
         text=True,
         env=env,
