@@ -30,6 +30,11 @@ PartNum, PartIdx      per row block the partial column blocks: the block's token
 PartTile              for each entry of PartIdx, the tile number in Tiles.
 Tiles                 uint8 (P, BQ, BK): the token masks of the P partial blocks
                       (1 = keep), local coordinates (query row, key) within the block.
+Order, n_heavy         the program order (``_program_tile``): a 1-D grid over every tile
+                      of every row block (column block for dK/dV) and batch x head,
+                      heaviest blocks first; the n_heavy heaviest of every head run
+                      first with heads interleaved, so that a few long rows cannot start
+                      last and set the kernel's tail.
 Blocks wholly outside the call's band (causal/window) are skipped without a load.
 EVEN_BLOCKS           no causal/window band and NQ, NK multiples of BQ, BK: every full
                       block is unmasked and a partial one needs only its token mask, so
