@@ -16,7 +16,6 @@ Memory of the layout tensors (beyond the layout's own block masks):
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any, NamedTuple
 
@@ -25,7 +24,6 @@ import triton
 
 from attnhub.backends.triton_flash.configs import launch_config
 from attnhub.backends.triton_flash.ops import (
-    NO_WINDOW,
     DirectAttention,
     _capability,
     _define,
@@ -34,6 +32,7 @@ from attnhub.backends.triton_flash.ops import (
     _grad_outputs,
     _launcher,
     _setup,
+    call_scalars,
     direct,
     interpreting,
 )
@@ -321,18 +320,9 @@ def block_sparse_attention(
     if why is not None:
         raise ValueError(why)
     layout.check_compatible(q, k)
-    left, right = window if window is not None else (None, None)
-    seed = None
-    if dropout_p > 0.0:
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
-    bq, bk = layout.block_size
+    seed, call = call_scalars(q, causal, bottom_right, window, softcap, scale, dropout_p)
     extra: Any = layout_tensors(layout, q.device)
-    scalars = (
-        bq, bk, *_facts[layout], causal, bottom_right,
-        NO_WINDOW if left is None else int(left), NO_WINDOW if right is None else int(right),
-        float(softcap or 0.0), float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])),
-        float(dropout_p),
-    )  # fmt: skip
+    scalars = (*layout.block_size, *_facts[layout], *call)
     if direct(q, k, v, mask):  # plain eager: skip the op's dispatch (see triton_flash.ops)
         return DirectAttention.apply(_fwd_impl, _bwd_impl, (extra,), q, k, v, mask, seed, *scalars)
     return triton_blocksparse_fwd(q, k, v, mask, seed, extra, *scalars)

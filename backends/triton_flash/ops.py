@@ -398,6 +398,33 @@ class DirectAttention(torch.autograd.Function):
         return (None, None, None, dq, dk, dv, None, None) + (None,) * len(scalars)
 
 
+def call_scalars(
+    q: torch.Tensor,
+    causal: bool,
+    bottom_right: bool,
+    window: tuple[int | None, int | None] | None,
+    softcap: float | None,
+    scale: float | None,
+    dropout_p: float,
+) -> tuple[torch.Tensor | None, tuple]:
+    """(seed, scalars) of one call, as the ops take them (both triton backends): the
+    dropout seed (int64 (1,) on q's device, drawn from PyTorch's generator, or None
+    without dropout) and (causal, bottom_right, window_left, window_right, softcap,
+    scale, dropout_p) with the ops' encodings (NO_WINDOW, softcap 0 = none, the
+    default scale 1/sqrt(D) resolved)."""
+    left, right = window if window is not None else (None, None)
+    seed = None
+    if dropout_p > 0.0:
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
+    scalars = (
+        causal, bottom_right,
+        NO_WINDOW if left is None else int(left), NO_WINDOW if right is None else int(right),
+        float(softcap or 0.0), float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])),
+        float(dropout_p),
+    )  # fmt: skip
+    return seed, scalars
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -416,16 +443,7 @@ def flash_attention(
     Shapes as :func:`triton_flash_fwd`. Dropout draws its Philox seed from PyTorch's
     generator for q's device, so ``torch.manual_seed`` reproduces it.
     """
-    left, right = window if window is not None else (None, None)
-    seed = None
-    if dropout_p > 0.0:
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q.device)
-    scalars = (
-        causal, bottom_right,
-        NO_WINDOW if left is None else int(left), NO_WINDOW if right is None else int(right),
-        float(softcap or 0.0), float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])),
-        float(dropout_p),
-    )  # fmt: skip
+    seed, scalars = call_scalars(q, causal, bottom_right, window, softcap, scale, dropout_p)
     if direct(q, k, v, mask):
         return DirectAttention.apply(_fwd_impl, _bwd_impl, (), q, k, v, mask, seed, *scalars)
     return triton_flash_fwd(q, k, v, mask, seed, *scalars)
