@@ -24,13 +24,22 @@ from attnhub.bench import build_layout
 CALLS = 50
 
 
-def case(name: str, b: int, h: int, n: int, d: int, backend: str, layout: Any = None) -> None:
+def case(
+    name: str,
+    b: int,
+    h: int,
+    n: int,
+    d: int,
+    backend: str,
+    layout: Any = None,
+    causal: bool = False,
+) -> None:
     q, k, v = (
         torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for _ in range(3)
     )
     dout = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
-    kw: dict[str, Any] = {"backend": backend}
+    kw: dict[str, Any] = {"backend": backend, "causal": causal}
     if layout is not None:
         kw["block_sparse"] = layout
 
@@ -61,10 +70,12 @@ def case(name: str, b: int, h: int, n: int, d: int, backend: str, layout: Any = 
     profile.disable()
     torch.cuda.synchronize()
     pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+    pstats.Stats(profile).sort_stats("cumulative").print_stats(25)
 
 
 def main() -> None:
     case("dense D64 N1K", 16, 32, 1024, 64, "triton_flash")
+    case("dense D128 N1K causal", 16, 16, 1024, 128, "triton_flash", causal=True)
     layout = build_layout(("random", 0.05), 8192, 128, device="cuda")
     case("bs random 0.05", 2, 16, 8192, 128, "triton_blocksparse", layout)
     case("sdpa flash D64 N1K", 16, 32, 1024, 64, "torch_sdpa_flash")

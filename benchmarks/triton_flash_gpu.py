@@ -16,6 +16,8 @@ Usage (on the H200 machine, after ``pip install --no-build-isolation --no-deps -
    rep=100, median)) beside SDPA flash, in the same process on the same inputs.
 6. A sweep of a few launch configurations at N=4096, each checked against SDPA flash,
    then timed (data for the configuration table).
+7. ``--only fold``: the forward with and without the scale folded into the exponent
+   (kernels' FOLD_SCALE) on the grid, at the table's and the probe's configurations.
 
 Writes JSON to OUT.json and prints the timing table last.
 """
@@ -325,15 +327,14 @@ def timing(quick: bool) -> list[dict]:
 
 SWEEP_FWD = {
     64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 4, 3), (64, 64, 4, 3),
-         (128, 64, 4, 5)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-          (128, 64, 8, 4)],
+         (128, 128, 4, 4)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)],
 }  # fmt: skip
 SWEEP_BWD = {  # (dK/dV config, dQ config)
     64: [((32, 128, 4, 3), (128, 32, 4, 3)), ((64, 128, 8, 3), (128, 64, 8, 3)),
          ((32, 64, 4, 3), (64, 32, 4, 3))],
-    128: [((32, 128, 8, 2), (128, 32, 8, 2)), ((64, 128, 8, 2), (128, 64, 8, 2)),
-          ((32, 64, 4, 3), (64, 32, 4, 3))],
+    128: [((64, 128, 8, 3), (128, 64, 8, 3)), ((64, 128, 8, 2), (128, 64, 8, 2)),
+          ((32, 64, 4, 3), (64, 32, 4, 3)), ((32, 128, 8, 3), (64, 64, 4, 3))],
 }  # fmt: skip
 
 
@@ -386,6 +387,62 @@ def sweep(seqlens: tuple[int, ...] = (4096,)) -> list[dict]:
     return rows
 
 
+FOLD_CONFIGS = {  # the table's row first, then the plain-Triton probe's best (anchors-h200)
+    64: [(128, 64, 4, 4), (128, 128, 4, 3), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3)],
+}
+
+
+def _fwd_ms(q, k, v, causal: bool) -> float:  # type: ignore[no-untyped-def]
+    def fwd() -> None:
+        with torch.no_grad():
+            _ours(q, k, v, causal)
+
+    return triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+
+
+def fold(seqlens: tuple[int, ...] = (1024, 4096, 16384)) -> list[dict]:
+    """Forward with the scale folded into the exponent (kernels' FOLD_SCALE) against the
+    unfolded form, on the benchmark grid (bf16, B = 16384 / N, H = 2048 / D), at the
+    table's configuration and the probe's; each checked against SDPA flash."""
+    import dataclasses
+
+    from attnhub.backends.triton_flash import configs, ops
+
+    setup = ops._setup
+    rows = []
+    for n, d in ((n, d) for n in seqlens for d in (64, 128)):
+        b, h = max(1, 16384 // n), 2048 // d
+        torch.manual_seed(5)
+        q, k, v = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+        for causal in (False, True):
+            flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+            ref = _sdpa_flash(q, k, v, causal)
+            trials = [(c, True) for c in FOLD_CONFIGS[d]] + [(FOLD_CONFIGS[d][0], False)]
+            for cfg, folded in trials:
+                configs.OVERRIDE["fwd"] = configs.LaunchConfig(*cfg)
+                if not folded:
+                    ops._setup = lambda *a, **kw: dataclasses.replace(
+                        setup(*a, **kw), fold_scale=False
+                    )
+                row = {"D": d, "N": n, "B": b, "H": h, "causal": causal, "config": cfg,
+                       "fold": folded}  # fmt: skip
+                try:
+                    err = (_ours(q, k, v, causal).float() - ref.float()).abs().max().item()
+                    ms = _fwd_ms(q, k, v, causal)
+                    row.update(max_abs_diff_vs_sdpa_flash=err, ms=round(ms, 4),
+                               tflops=round(flops / ms / 1e9, 1))  # fmt: skip
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                finally:
+                    ops._setup = setup
+                    configs.OVERRIDE.clear()
+                print(f"fold {row}", flush=True)
+                rows.append(row)
+        del q, k, v
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     by = {(r["backend"], r["D"], r["Nq"], r["causal"], r["mode"]): r["tflops"] for r in rows}
     print("\nbf16 TFLOP/s, triton_flash vs torch_sdpa_flash (fwd | bwd), ratio")
@@ -432,6 +489,7 @@ def main() -> None:
         ("long", long_run),
         ("timing", lambda: timing(args.quick)),
         ("sweep", lambda: sweep(tuple(int(n) for n in args.sweep_seqlens.split(",")))),
+        ("fold", fold),
     )
     for name, step in steps:
         if name not in sections:

@@ -49,6 +49,7 @@ class Case:
     softcap: float | None = None
     mask: str | None = None  # "bool_rows" (some rows fully masked), "float_bcast", "float_inf"
     layout: str = "bhnd"  # or "bnhd": (B, N, H, D) storage seen through a transpose
+    scale: float | None = None  # None: 1 / sqrt(D)
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
@@ -58,13 +59,17 @@ class Case:
         dv = f"v{self.dv}" if self.dv and self.dv != self.d else ""
         return f"{self.label}-B{self.b}{h}{n}D{self.d}{dv}"
 
+    @property
+    def softmax_scale(self) -> float:
+        return self.d**-0.5 if self.scale is None else self.scale
+
     def params(self) -> AttentionParams:
         return AttentionParams(
             causal=self.causal,
             alignment="bottom_right" if self.bottom_right else "top_left",
             window=self.window,
             softcap=self.softcap,
-            scale=self.d**-0.5,
+            scale=self.softmax_scale,
         )
 
 
@@ -73,6 +78,12 @@ CASES = [
     Case("plain", 1, 2, 2, 33, 70, 16),
     Case("plain", 1, 2, 2, 70, 33, 64),
     Case("plain", 1, 2, 2, 1, 1, 16),
+    # Lengths that are multiples of every interpreter tile (32 and 16): the kernels are
+    # compiled without the masked segments that cannot be non-empty (ops._edge_segments).
+    Case("even", 1, 2, 2, 64, 96, 32),
+    Case("even_causal", 1, 2, 2, 96, 64, 32, causal=True, bottom_right=True),
+    Case("even_window", 1, 4, 2, 64, 64, 16, window=(20, None)),
+    Case("even_window_right", 1, 2, 2, 64, 96, 16, window=(None, 7)),
     Case("causal_tl", 2, 2, 2, 77, 77, 40, causal=True),
     Case("causal_tl", 1, 2, 2, 40, 90, 64, causal=True),
     Case("causal_tl", 1, 2, 2, 90, 40, 32, causal=True),
@@ -92,6 +103,12 @@ CASES = [
     Case("mqa", 1, 4, 1, 45, 61, 40, causal=True, bottom_right=True),
     Case("dv", 1, 2, 2, 40, 40, 32, dv=16),
     Case("strided", 2, 3, 3, 41, 41, 40, layout="bnhd"),
+    # Scales where the forward may not fold the scale into the exponent (ops._setup):
+    # negative (max and scale do not commute), zero and below float32's normal range
+    # (-inf * 0 would be NaN in masked tiles); masked tiles and empty rows included.
+    Case("scale_neg", 1, 2, 2, 70, 33, 32, causal=True, bottom_right=True, scale=-0.4),
+    Case("scale_zero", 2, 2, 2, 40, 52, 32, mask="bool_rows", scale=0.0),
+    Case("scale_tiny", 1, 2, 2, 45, 45, 16, causal=True, scale=1e-39),
     Case(
         "all",
         2,
@@ -143,7 +160,7 @@ def _run_flash(case: Case, q, k, v, mask, dout, dropout_p=0.0):  # type: ignore[
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out, lse = ops.flash_attention(
         q, k, v, mask, causal=case.causal, bottom_right=case.bottom_right, window=case.window,
-        softcap=case.softcap, scale=case.d**-0.5, dropout_p=dropout_p,
+        softcap=case.softcap, scale=case.softmax_scale, dropout_p=dropout_p,
     )  # fmt: skip
     out.backward(dout)
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
@@ -356,20 +373,47 @@ def test_eager_calls_skip_the_op_and_traced_calls_see_it() -> None:
         assert torch.equal(direct, through_op)
 
 
-def test_lse_gradient() -> None:
-    """A loss on the returned lse differentiates through it (d lse / d s = P)."""
+@pytest.mark.parametrize("with_out", [True, False], ids=["out_and_lse", "lse_only"])
+def test_lse_gradient(with_out: bool) -> None:
+    """A loss on the returned lse differentiates through it (d lse / d s = P), with or
+    without one on the output (then no output gradient reaches the backward at all)."""
     case = Case("lse_grad", 1, 2, 2, 30, 40, 16, causal=True, bottom_right=True)
     torch.manual_seed(6)
     q, k, v, _ = _inputs(case, torch.float32)
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
     out, lse = ops.flash_attention(qs, ks, vs, causal=True, bottom_right=True, scale=0.25)
-    (out.sum() + lse.sum()).backward()
+    (lse.sum() + (out.sum() if with_out else 0.0)).backward()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     params = AttentionParams(causal=True, alignment="bottom_right", scale=0.25)
     r, rl = reference_attention(q64, k64, v64, None, params)
-    (r.sum() + rl.double().sum()).backward()
+    (rl.double().sum() + (r.sum() if with_out else 0.0)).backward()
     for x, ref in ((qs.grad, q64.grad), (ks.grad, k64.grad), (vs.grad, v64.grad)):
+        if ref is None:  # lse does not depend on v: the reference leaves no gradient
+            ref = torch.zeros_like(x, dtype=torch.float64)
         assert (x.double() - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("scale", "softcap", "mask", "fold"),
+    [
+        (0.125, 0.0, None, True),
+        (0.125, 0.0, "bool", True),  # boolean masks write -inf before the scale: fine
+        (0.125, 0.0, "float", False),  # added after the scale
+        (0.125, 2.0, None, False),  # tanh between product and scale
+        (-0.125, 0.0, None, False),
+        (0.0, 0.0, None, False),
+        (1e-39, 0.0, None, False),  # qk_scale below float32's normal range
+    ],
+)
+def test_forward_folds_the_scale_only_where_exact(scale, softcap, mask, fold) -> None:  # type: ignore[no-untyped-def]
+    """The forward's FOLD_SCALE flag (the scale moved into the exponent's FMA): on for
+    plain scaled products with a positive float32 scale, off where the max over raw
+    products would not be the max over scores (the cases above run in CASES too)."""
+    q = torch.randn(1, 1, 8, 16)
+    masks = {None: None, "bool": torch.ones(8, 8, dtype=torch.bool), "float": torch.zeros(8, 8)}
+    setup = ops._setup(q, q, masks[mask], 8, False, False, ops.NO_WINDOW, ops.NO_WINDOW,
+                       softcap, scale, 0.0)  # fmt: skip
+    assert setup.fold_scale is fold
 
 
 def test_declarations_and_dispatch() -> None:
@@ -483,7 +527,11 @@ def test_launch_config_short_sequence_entries() -> None:
         "fwd", 128, 2, True, sm90, False
     )
     short_bwd = [
-        configs.launch_config(d, 128, 2, False, sm90, False, 1024) for d in ("bwd_kv", "bwd_q")
+        configs.launch_config(d, 128, 2, True, sm90, False, 1024) for d in ("bwd_kv", "bwd_q")
     ]
     assert short_bwd == [configs.LaunchConfig(32, 64, 4, 3), configs.LaunchConfig(64, 32, 4, 3)]
+    for direction in ("bwd_kv", "bwd_q"):  # non-causal D=128 has no short entry
+        assert configs.launch_config(direction, 128, 2, False, sm90, False, 1024) == (
+            configs.launch_config(direction, 128, 2, False, sm90, False)
+        )
     assert configs.launch_config("fwd", 64, 2, True, sm90, True, 512) == configs.INTERPRETER_FWD

@@ -119,7 +119,7 @@ def bs_fwd_kernel(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, HAS_PARTIAL: tl.constexpr,
-    BQ: tl.constexpr, BK: tl.constexpr, EVEN_BLOCKS: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, EVEN_BLOCKS: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Out and Lse for BLOCK_M rows of one query block, visiting only its kept key blocks."""
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
@@ -187,6 +187,7 @@ def bs_fwd_kernel(
                 NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
                 qk_scale, sm_scale, softcap, dropout_p,
                 False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION, False,
+                FOLD_SCALE,
             )  # fmt: skip
             step = _next_tile(FullIdx + idx_off, j, start_n, n_full, BK, BLOCK_N)
             k_ptrs += step.to(tl.int64) * stride_kn
@@ -204,6 +205,7 @@ def bs_fwd_kernel(
                     stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
                     qk_scale, sm_scale, softcap, dropout_p,
                     BLOCK_N, False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
+                    FOLD_SCALE,
                 )  # fmt: skip
             elif (start_n < hi) & (start_n + BK > lo):
                 acc, l_i, m_i = _fwd_inner(
@@ -212,6 +214,7 @@ def bs_fwd_kernel(
                     stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
                     qk_scale, sm_scale, softcap, dropout_p,
                     BLOCK_N, True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
+                    FOLD_SCALE,
                 )  # fmt: skip
     if HAS_PARTIAL:
         # This program's rows of a (BQ, BK) token mask; key tiles step along it.
@@ -234,7 +237,7 @@ def bs_fwd_kernel(
                     stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
                     qk_scale, sm_scale, softcap, dropout_p,
                     False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
-                    INPUT_PRECISION, True,
+                    INPUT_PRECISION, True, FOLD_SCALE,
                 )  # fmt: skip
                 step = _next_tile(PartIdx + idx_off, j, start_n, n_part, BK, BLOCK_N)
                 k_ptrs += step.to(tl.int64) * stride_kn
@@ -258,7 +261,7 @@ def bs_fwd_kernel(
                             stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
                             qk_scale, sm_scale, softcap, dropout_p,
                             True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
-                            INPUT_PRECISION, True,
+                            INPUT_PRECISION, True, FOLD_SCALE,
                         )  # fmt: skip
 
     empty = l_i == 0.0

@@ -210,7 +210,7 @@ def _fwd_impl(
         fnum, fidx, pnum, pidx, ptile, tiles, row_order, heavy_rows,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *out.stride(),
         *_index_strides(fnum, fidx), hq, hq // hkv, nq, nk, d, dv, *c.scalars,
-        HAS_PARTIAL=has_partial, **c.meta, **launch,
+        HAS_PARTIAL=has_partial, FOLD_SCALE=c.fold_scale, **c.meta, **launch,
     )  # fmt: skip
     return out, lse
 

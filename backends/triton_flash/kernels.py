@@ -15,7 +15,8 @@ offset                where row i sits among the keys: key position i + offset
                       (0 for top_left, NK - NQ for bottom_right alignment).
 band                  causal and window in one form: row i keeps keys
                       [i + offset - win_left, i + offset + win_right]; causal clamps
-                      win_right to <= 0; an absent side is NQ + NK ("unbounded").
+                      win_right to <= 0; an absent side is NQ + NK + 1025 ("unbounded",
+                      beyond every padded tile: ops._band).
 segments              for one row block, the key blocks it visits split in three:
                       [lo, f_lo) band edge (masked), [f_lo, f_hi) fully inside the band and
                       inside NK (no mask arithmetic at all), [f_hi, hi) band edge / NK tail
@@ -46,6 +47,14 @@ MASK_KIND             0 none, 1 bool (True = keep), 2 float (added to scores); r
                       tile-wise through four strides (0 for broadcast dims)
 HAS_DROPOUT           Philox keep mask per weight, regenerated in the backward
 INPUT_PRECISION       "ieee" or "tf32" for float32 inputs (PyTorch's matmul precision)
+FOLD_SCALE            forward only: qk_scale > 0, no softcap, no float mask; the scale
+                      moves into the exponent's FMA (see _fwd_step)
+MASK_HEAD, MASK_TAIL  whether the first / last masked segment can be non-empty (ops
+                      decides from the band's sides and the lengths' divisibility by the
+                      tiles); a segment that is always empty is not compiled at all:
+                      its loop, even when it runs zero times, keeps its pointer tiles
+                      live across the main loop (ptxas, sm_90: 20 more registers in the
+                      D=64 forward, spills at BLOCK_N=128)
 """
 
 from __future__ import annotations
@@ -150,12 +159,14 @@ def _scores(
     qk, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
     mask_rows, stride_mn, qk_scale, sm_scale, softcap,
     MASKED: tl.constexpr, HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    MASK_KIND: tl.constexpr, ROWS_FIRST: tl.constexpr,
+    MASK_KIND: tl.constexpr, ROWS_FIRST: tl.constexpr, UNSCALED: tl.constexpr,
 ):  # fmt: skip
     """Final scores in log2 units from raw q.k products, in the contract's order:
     scale, softcap, + float mask, masked -> -inf. Returns (s, tanh) (tanh for backward).
 
     ROWS_FIRST: qk is (rows, keys); otherwise (keys, rows) as in the dK/dV kernel.
+    UNSCALED (only without softcap and float mask): s is the masked raw product, and the
+    caller applies ``qk_scale`` (see FOLD_SCALE in :func:`_fwd_step`).
     ``mask_rows`` points at the attn_mask rows of offs_m (int64 row offsets applied).
     """
     if ROWS_FIRST:
@@ -169,7 +180,10 @@ def _scores(
         s = t * (softcap * LOG2E)
     else:
         t = qk  # unused
-        s = qk * qk_scale
+        if UNSCALED:
+            s = qk
+        else:
+            s = qk * qk_scale
     if MASK_KIND != 0:
         if ROWS_FIRST:
             mptrs = mask_rows[:, None] + cols.to(tl.int64) * stride_mn
@@ -198,22 +212,32 @@ def _fwd_step(
     qk_scale, sm_scale, softcap, dropout_p,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, HAS_TILE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, HAS_TILE: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):  # fmt: skip
     """One key tile (keys start_n .. start_n + BLOCK_N - 1; k_ptrs/v_ptrs point at its
     first row) folded into the running softmax. HAS_TILE: also apply a (rows, keys)
-    uint8 token mask read at tile_ptrs (block-sparse partial blocks)."""
+    uint8 token mask read at tile_ptrs (block-sparse partial blocks).
+
+    FOLD_SCALE (no softcap, no float mask, qk_scale > 0): the row max is taken over the
+    raw products and scaled once per row (a positive scale commutes with max), and the
+    scale enters the exponent as one FMA per score, s * qk_scale - m, instead of a
+    multiply and a subtract: about a tenth of the main loop's instructions at D=64
+    (SASS, sm_90), in a loop that issues about as many instructions as its matrix
+    products take cycles."""
     offs_n = start_n + offs_n0
     k = _load_rows(k_ptrs, offs_n, NK, offs_d, HEAD_D, MASKED, not EVEN_D)
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
     s, _t = _scores(
         qk, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
         mask_rows, stride_mn, qk_scale, sm_scale, softcap,
-        MASKED, HAS_BAND, HAS_SOFTCAP, MASK_KIND, True,
+        MASKED, HAS_BAND, HAS_SOFTCAP, MASK_KIND, True, FOLD_SCALE,
     )  # fmt: skip
     if HAS_TILE:
         s = tl.where(tl.load(tile_ptrs) != 0, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if FOLD_SCALE:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
     if MASKED or MASK_KIND != 0 or HAS_TILE:
         # A row with no kept key so far has m_new = -inf: shift by 0 instead, so
         # that exp2(-inf - -inf) never makes a NaN.
@@ -221,7 +245,10 @@ def _fwd_step(
     else:
         m_use = m_new
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
+    if FOLD_SCALE:
+        p = tl.exp2(s * qk_scale - m_use[:, None])
+    else:
+        p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if HAS_DROPOUT:
@@ -242,7 +269,7 @@ def _fwd_inner(
     qk_scale, sm_scale, softcap, dropout_p,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):  # fmt: skip
     # k_ptrs/v_ptrs point at key row `start`; advanced by BLOCK_N rows per step.
     for start_n in range(start, end, BLOCK_N):
@@ -252,6 +279,7 @@ def _fwd_inner(
             NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
             qk_scale, sm_scale, softcap, dropout_p,
             MASKED, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION, False,
+            FOLD_SCALE,
         )  # fmt: skip
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -276,7 +304,8 @@ def attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr, MASK_HEAD: tl.constexpr,
+    MASK_TAIL: tl.constexpr,
 ):  # fmt: skip
     """Out (B, H, NQ, DV) and Lse (B, H, NQ) float32 natural log, for one row block."""
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
@@ -324,31 +353,26 @@ def attn_fwd_kernel(
     lo, f_lo, f_hi, hi = _key_ranges(
         start_m, NK, offset, win_left, win_right, BLOCK_M, BLOCK_N, HAS_BAND
     )
-    if HAS_BAND:
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q,
-            k_base + lo.to(tl.int64) * stride_kn, v_base + lo.to(tl.int64) * stride_vn,
-            mask_rows, drop_rows, seed, lo, f_lo, offs_m, offs_n0, offs_d, offs_dv,
-            stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-            qk_scale, sm_scale, softcap, dropout_p,
-            BLOCK_N, True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
-        )  # fmt: skip
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q,
-        k_base + f_lo.to(tl.int64) * stride_kn, v_base + f_lo.to(tl.int64) * stride_vn,
-        mask_rows, drop_rows, seed, f_lo, f_hi, offs_m, offs_n0, offs_d, offs_dv,
-        stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-        qk_scale, sm_scale, softcap, dropout_p,
-        BLOCK_N, False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
-    )  # fmt: skip
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q,
-        k_base + f_hi.to(tl.int64) * stride_kn, v_base + f_hi.to(tl.int64) * stride_vn,
-        mask_rows, drop_rows, seed, f_hi, hi, offs_m, offs_n0, offs_d, offs_dv,
-        stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-        qk_scale, sm_scale, softcap, dropout_p,
-        BLOCK_N, True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
-    )  # fmt: skip
+    for seg in tl.static_range(3):
+        if seg == 0:
+            s0 = lo
+            s1 = f_lo
+        elif seg == 1:
+            s0 = f_lo
+            s1 = f_hi
+        else:
+            s0 = f_hi
+            s1 = hi
+        if (seg == 0 and MASK_HEAD) or seg == 1 or (seg == 2 and MASK_TAIL):
+            s0_64 = s0.to(tl.int64)
+            acc, l_i, m_i = _fwd_inner(
+                acc, l_i, m_i, q, k_base + s0_64 * stride_kn, v_base + s0_64 * stride_vn,
+                mask_rows, drop_rows, seed, s0, s1, offs_m, offs_n0, offs_d, offs_dv,
+                stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                qk_scale, sm_scale, softcap, dropout_p,
+                BLOCK_N, seg != 1, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
+                INPUT_PRECISION, FOLD_SCALE,
+            )  # fmt: skip
 
     # Rows with no kept key: l_i == 0 -> output 0 and lse -inf (never 0/0).
     empty = l_i == 0.0
@@ -438,7 +462,7 @@ def _bwd_kv_step(
     sT, tT = _scores(
         qkT, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
         mask_base + offs_m.to(tl.int64) * stride_mm, stride_mn, qk_scale, sm_scale, softcap,
-        MASKED, HAS_BAND, HAS_SOFTCAP, MASK_KIND, False,
+        MASKED, HAS_BAND, HAS_SOFTCAP, MASK_KIND, False, False,
     )  # fmt: skip
     if HAS_TILE:
         sT = tl.where(tl.load(tile_ptrs) != 0, sT, float("-inf"))
@@ -502,7 +526,7 @@ def attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
 ):  # fmt: skip
     """dK (B, HKV, NK, D) and dV (B, HKV, NK, DV) for one key block, summed over the
     GROUP query heads that read it (in a fixed order: deterministic)."""
@@ -562,7 +586,7 @@ def attn_bwd_dkdv_kernel(
             else:
                 s0 = f_hi
                 s1 = hi
-            if seg != 0 or HAS_BAND:
+            if (seg == 0 and MASK_HEAD) or seg == 1 or (seg == 2 and MASK_TAIL):
                 s0_64 = s0.to(tl.int64)
                 dk, dv = _bwd_kv_inner(
                     dk, dv, k, v, q_base + s0_64 * stride_qm, do_base + s0_64 * stride_dom,
@@ -602,7 +626,7 @@ def _bwd_q_step(
     s, t = _scores(
         qk, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
         mask_rows, stride_mn, qk_scale, sm_scale, softcap,
-        MASKED, HAS_BAND, HAS_SOFTCAP, MASK_KIND, True,
+        MASKED, HAS_BAND, HAS_SOFTCAP, MASK_KIND, True, False,
     )  # fmt: skip
     if HAS_TILE:
         s = tl.where(tl.load(tile_ptrs) != 0, s, float("-inf"))
@@ -657,7 +681,7 @@ def attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
 ):  # fmt: skip
     """dQ (B, H, NQ, D) for one row block (its own pass: no atomics)."""
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
@@ -714,7 +738,7 @@ def attn_bwd_dq_kernel(
         else:
             s0 = f_hi
             s1 = hi
-        if seg != 0 or HAS_BAND:
+        if (seg == 0 and MASK_HEAD) or seg == 1 or (seg == 2 and MASK_TAIL):
             s0_64 = s0.to(tl.int64)
             dq = _bwd_q_inner(
                 dq, q, do, lse2, delta, k_base + s0_64 * stride_kn, v_base + s0_64 * stride_vn,

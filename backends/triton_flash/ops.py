@@ -32,7 +32,7 @@ from torch._library.triton import set_wrap_triton_enabled
 from torch.library import triton_op, wrap_triton
 
 from . import kernels
-from .configs import launch_config
+from .configs import LaunchConfig, launch_config
 
 # Window sides and the causal clamp are passed as ints; this stands for "no window".
 NO_WINDOW = -1
@@ -116,11 +116,19 @@ def _mask_view(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor
     return mask, strides, 2
 
 
+_TILE_SLACK = 1024  # at least twice any BLOCK_M or BLOCK_N (configs.py: at most 128)
+
+
 def _band(
     nq: int, nk: int, causal: bool, bottom_right: bool, window_left: int, window_right: int
 ) -> tuple[bool, int, int, int]:
-    """(HAS_BAND, offset, win_left, win_right) with absent sides as "unbounded"."""
-    unbounded = nq + nk + 1
+    """(HAS_BAND, offset, win_left, win_right) with absent sides as "unbounded".
+
+    "Unbounded" must leave a band edge outside every tile, padded rows and keys of the
+    last, ragged tiles included (up to _TILE_SLACK / 2 past the lengths): the kernels
+    skip a segment outright when its edge is absent (_edge_segments), so an absent side
+    may not clip even a padded row's keys."""
+    unbounded = nq + nk + 1 + _TILE_SLACK
     left = unbounded if window_left == NO_WINDOW else window_left
     right = unbounded if window_right == NO_WINDOW else window_right
     if causal:
@@ -159,6 +167,14 @@ class _Setup:
     # offset, win_left, win_right, qk_scale, sm_scale, softcap, dropout_p: the kernels'
     # trailing scalar arguments, in their order.
     scalars: tuple
+    # The forward kernels' FOLD_SCALE: the scale may move into the exponent (kernels'
+    # _fwd_step). Needs qk_scale > 0 as a float32 normal number (a max over raw
+    # products times a zero or negative scale would be wrong, and -inf * 0 is NaN),
+    # and scores that are plain scaled products (no softcap, no float mask).
+    fold_scale: bool
+
+
+_FP32_TINY = 1.1754943508222875e-38  # smallest normal float32
 
 
 def _setup(
@@ -169,9 +185,27 @@ def _setup(
     meta = _common_meta(
         q, v, causal, bottom_right, window_left, window_right, softcap, mask_kind, dropout_p
     )
-    scalars = (offset, left, right, scale * math.log2(math.e), scale,
+    qk_scale = scale * math.log2(math.e)
+    scalars = (offset, left, right, qk_scale, scale,
                softcap if softcap > 0.0 else 1.0, dropout_p)  # fmt: skip
-    return _Setup(mask_t, strides, meta, scalars)
+    fold = _FP32_TINY <= qk_scale < math.inf and softcap <= 0.0 and mask_kind != 2
+    return _Setup(mask_t, strides, meta, scalars, fold)
+
+
+def _edge_segments(
+    walks_keys: bool, nq: int, nk: int, cfg: LaunchConfig, causal: bool, left: int, right: int
+) -> dict[str, bool]:
+    """MASK_HEAD / MASK_TAIL of a dense kernel: whether its first / last masked segment
+    can be non-empty (kernels' glossary, "segments"). A kernel walks keys (forward, dQ:
+    the head is the band's left edge, the tail its right edge and a ragged last key tile)
+    or queries (dK/dV: the head is the band's right edge, the tail its left edge and
+    ragged last tiles of either length)."""
+    left_edge = left != NO_WINDOW
+    right_edge = causal or right != NO_WINDOW
+    if walks_keys:
+        return {"MASK_HEAD": left_edge, "MASK_TAIL": right_edge or nk % cfg.block_n != 0}
+    ragged = nq % cfg.block_m != 0 or nk % cfg.block_n != 0
+    return {"MASK_HEAD": right_edge, "MASK_TAIL": left_edge or ragged}
 
 
 def _forward_outputs(
@@ -255,6 +289,8 @@ def _fwd_impl(
         q, k, v, c.mask, q if seed is None else seed, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *out.stride(),
         hq, hq // hkv, nq, nk, d, dv, *c.scalars, **c.meta, **cfg.meta(),
+        FOLD_SCALE=c.fold_scale,
+        **_edge_segments(True, nq, nk, cfg, causal, window_left, window_right),
     )  # fmt: skip
     return out, lse
 
@@ -297,12 +333,14 @@ def _bwd_impl(
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dk.stride(),
         *dv.stride(), hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
         **c.meta, **cfg.meta(),
+        **_edge_segments(False, nq, nk, cfg, causal, window_left, window_right),
     )  # fmt: skip
     cfg = launch_config("bwd_q", block_d, esize, causal, cap, interp, max(nq, nk))
     _launcher(kernels.attn_bwd_dq_kernel, q)[(triton.cdiv(nq, cfg.block_m), b * hq)](
         q, k, v, c.mask, seed_t, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
         hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **c.meta, **cfg.meta(),
+        **_edge_segments(True, nq, nk, cfg, causal, window_left, window_right),
     )  # fmt: skip
     return dq, dk, dv
 
@@ -383,6 +421,9 @@ class DirectAttention(torch.autograd.Function):
         # machinery, which only torch.compile needs.
         with set_wrap_triton_enabled(False):
             out, lse = fwd_impl(q, k, v, mask, seed, *extra, *scalars)
+        # An output that gets no gradient (lse, usually) arrives as None instead of a
+        # tensor of zeros: no fill and no subtraction in the backward.
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, mask, seed, out, lse)
         ctx.impl = (bwd_impl, extra, scalars)
         return out, lse
