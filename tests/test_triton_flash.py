@@ -393,6 +393,31 @@ def test_lse_gradient(with_out: bool) -> None:
         assert (x.double() - ref).abs().max().item() < 1e-4
 
 
+def test_launch_config_lean_entries() -> None:
+    """Calls without a mask tile (``lean``) take the larger tiles measured for them, short
+    and long; everything else, block-sparse included, keeps the general table; a lean key
+    that is not listed falls through to it (short entries included)."""
+    from attnhub.backends.triton_flash import configs
+
+    sm90 = (9, 0)
+
+    def cfg(direction, d, causal, n, lean, esize=2):  # type: ignore[no-untyped-def]
+        return configs.launch_config(direction, d, esize, causal, sm90, False, n, lean)
+
+    big = configs.LaunchConfig(128, 128, 8, 3)
+    assert cfg("fwd", 128, False, 4096, True) == big
+    assert cfg("fwd", 128, False, 1024, True) == big
+    assert cfg("fwd", 128, False, 4096, False) == configs.LaunchConfig(128, 64, 8, 3)
+    assert cfg("fwd", 128, False, 4096, True, esize=4) == cfg("fwd", 128, False, 4096, False, 4)
+    three_stage = [configs.LaunchConfig(64, 128, 8, 3), configs.LaunchConfig(128, 64, 8, 3)]
+    for causal in (False, True):
+        assert [cfg(d, 128, causal, 16384, True) for d in ("bwd_kv", "bwd_q")] == three_stage
+    assert [cfg(d, 128, False, 1024, True) for d in ("bwd_kv", "bwd_q")] == three_stage
+    # Causal D=128 at N <= 1024 and causal D=64 forward at N <= 1024 are not lean keys.
+    assert cfg("bwd_kv", 128, True, 1024, True) == cfg("bwd_kv", 128, True, 1024, False)
+    assert cfg("fwd", 64, True, 1024, True) == configs.LaunchConfig(64, 64, 4, 3)
+
+
 @pytest.mark.parametrize(
     ("scale", "softcap", "mask", "fold"),
     [
@@ -527,11 +552,7 @@ def test_launch_config_short_sequence_entries() -> None:
         "fwd", 128, 2, True, sm90, False
     )
     short_bwd = [
-        configs.launch_config(d, 128, 2, True, sm90, False, 1024) for d in ("bwd_kv", "bwd_q")
+        configs.launch_config(d, 128, 2, False, sm90, False, 1024) for d in ("bwd_kv", "bwd_q")
     ]
     assert short_bwd == [configs.LaunchConfig(32, 64, 4, 3), configs.LaunchConfig(64, 32, 4, 3)]
-    for direction in ("bwd_kv", "bwd_q"):  # non-causal D=128 has no short entry
-        assert configs.launch_config(direction, 128, 2, False, sm90, False, 1024) == (
-            configs.launch_config(direction, 128, 2, False, sm90, False)
-        )
     assert configs.launch_config("fwd", 64, 2, True, sm90, True, 512) == configs.INTERPRETER_FWD

@@ -41,26 +41,21 @@ INTERPRETER_FWD = LaunchConfig(32, 16, 4, 1)
 INTERPRETER_BWD_KV = LaunchConfig(16, 32, 4, 1)  # BLOCK_M rows per step, BLOCK_N keys
 INTERPRETER_BWD_Q = LaunchConfig(32, 16, 4, 1)
 
-# Measured entries cite "sweep-3": benchmarks/results/
-# triton_flash-sweep-n1k-n4k-n16k-2026-11-30-r3.json (H200, bf16, N = 1024, 4096 and
-# 16384, B = 16384/N, H = 2048/D; each candidate checked against SDPA flash, then timed
-# with do_bench), run after the scale fold and the edge-segment flags, which lowered the
-# kernels' registers and moved the best tiles. TFLOP/s below are N = 1024 / 4096 / 16384.
-# The fp32 and D=256 rows are first choices sized for shared memory, not yet measured.
+# Measured entries cite a sweep: "sweep-1", the sweep section of
+# benchmarks/results/triton_flash-gpu-check-2026-11-30.json (H200, bf16, B=4, N=4096,
+# H=2048/D, each candidate checked against SDPA flash, then timed with do_bench), or
+# "sweep-3", triton_flash-sweep-n1k-n4k-n16k-2026-11-30-r3.json (the same at N = 1024,
+# 4096 and 16384, B = 16384/N, after the scale fold and the edge-segment flags lowered
+# the kernels' registers; TFLOP/s quoted as N = 1024 / 4096 / 16384). The fp32 and D=256
+# rows are first choices sized for shared memory, not yet measured.
 _Rows = tuple[tuple[int, LaunchConfig], ...]
 
 # Forward, 2-byte dtypes: Q stays resident, K/V tiles stream through num_stages buffers.
-_FWD_2B_DENSE: _Rows = (
-    # D<=64: 372 / 407 / 411 against 371 / 391 / 413 for (128, 64, 4, 4) (sweep-3).
-    (64, LaunchConfig(128, 64, 4, 3)),
-    # D=128: 404 / 470 / 493 against 394 / 450 / 473 for (128, 64, 8, 3) (sweep-3).
-    (128, LaunchConfig(128, 128, 8, 3)),
-    (256, LaunchConfig(64, 64, 8, 2)),
-)
-_FWD_2B_CAUSAL: _Rows = (
-    # D<=64: 248 / 344 / 384; (128, 64, 4, 4) 243 / 342 / 384 (sweep-3). N <= 1024: _SHORT_2B.
-    (64, LaunchConfig(128, 64, 4, 3)),
-    # D=128: 281 / 410 / 460; (128, 128, 8, 3) 257 / 395 / 446 (sweep-3).
+_FWD_2B: _Rows = (
+    # D<=64: stages 4 over 3: 384 vs 375 TFLOP/s dense, 339 vs 335 causal (sweep-1).
+    (64, LaunchConfig(128, 64, 4, 4)),
+    # D=128: best of five in the sweep: 458 dense, 403 causal (BLOCK_N=128: 452/372;
+    # 4 warps: 141, register spills) (sweep-1).
     (128, LaunchConfig(128, 64, 8, 3)),
     (256, LaunchConfig(64, 64, 8, 2)),
 )
@@ -77,32 +72,25 @@ _FWD_4B: _Rows = (
 # and its accumulator resident (BLOCK_M rows) and streams K/V.
 _BWD_2B_DENSE: tuple[_Rows, _Rows] = (
     (
-        # D<=64: 306 / 348 / 360; (64,128,8,3) 304 / 349 / 349, (32,64,4,3) 305 / 319 / 346
-        # (sweep-3).
-        (64, LaunchConfig(32, 128, 4, 3)),
-        # D=128: 335 / 380 / 411 against 284 / 350 / 359 for (64,128,8,2) and 317 / 338 / 365
-        # for (32,64,4,3) (sweep-3; three stages fit since the edge-segment flags).
-        (128, LaunchConfig(64, 128, 8, 3)),
+        (64, LaunchConfig(32, 128, 4, 3)),  # 350 TFLOP/s; (64,128,8,3) 304, (32,64,4,3) 322
+        (128, LaunchConfig(64, 128, 8, 2)),  # 352; (32,128,8,2) 276, (32,64,4,3) 341
         (256, LaunchConfig(32, 32, 4, 1)),
     ),
     (
         (64, LaunchConfig(128, 32, 4, 3)),
-        (128, LaunchConfig(128, 64, 8, 3)),
+        (128, LaunchConfig(128, 64, 8, 2)),
         (256, LaunchConfig(64, 32, 8, 1)),
     ),
 )
 _BWD_2B_CAUSAL: tuple[_Rows, _Rows] = (
     (
-        # D<=64: 228 / 272 / 320; (64,128,8,3) 189 / 274 / 312 (sweep-3).
-        (64, LaunchConfig(32, 64, 4, 3)),
-        # D=128, N > 1024: 331 / 369 at N=4096 / 16384 against 310 / 340 for (32,64,4,3)
-        # (sweep-3); N <= 1024: _SHORT_2B.
-        (128, LaunchConfig(64, 128, 8, 3)),
+        (64, LaunchConfig(32, 64, 4, 3)),  # 287; (32,128,4,3) 245, (64,128,8,3) 272
+        (128, LaunchConfig(32, 64, 4, 3)),  # 330; (32,128,8,2) 250, (64,128,8,2) 299
         (256, LaunchConfig(32, 32, 4, 1)),
     ),
     (
         (64, LaunchConfig(64, 32, 4, 3)),
-        (128, LaunchConfig(128, 64, 8, 3)),
+        (128, LaunchConfig(64, 32, 4, 3)),
         (256, LaunchConfig(64, 32, 8, 1)),
     ),
 )
@@ -125,24 +113,49 @@ _BWD_4B: tuple[_Rows, _Rows] = (
 )
 
 
-# Short sequences (at most SHORT_N keys and queries), 2-byte dtypes: where a sweep at
-# N=1024 (B=16, H=2048/D) found a configuration clearly faster than the table's row.
-# Each program walks only 8-16 key tiles there, so smaller tiles (more programs in
-# flight) win.
+# Short sequences (at most SHORT_N keys and queries), 2-byte dtypes: where the sweep at
+# N=1024 (B=16, H=2048/D; triton_flash-sweep-n1k-n16k-2026-11-30.json) found a
+# configuration more than 5% faster than the table's row. Each program walks only 8-16
+# key tiles there, so smaller tiles (more programs in flight) win.
 SHORT_N = 1024
 _SHORT_2B: dict[tuple[str, int, bool], LaunchConfig] = {
-    # D=64 causal forward: 273 TFLOP/s against 248 for (128, 64, 4, 3) (sweep-3).
+    # D=64 causal forward: 261 TFLOP/s against 233 for (128, 64, 4, 4).
     ("fwd", 64, True): LaunchConfig(64, 64, 4, 3),
-    # D=128 causal backward: 252 against 203 for (64,128,8,3)/(128,64,8,3) (sweep-3).
-    ("bwd_kv", 128, True): LaunchConfig(32, 64, 4, 3),
-    ("bwd_q", 128, True): LaunchConfig(64, 32, 4, 3),
+    # D=128 non-causal backward: 305 against 279 for (64,128,8,2)/(128,64,8,2).
+    ("bwd_kv", 128, False): LaunchConfig(32, 64, 4, 3),
+    ("bwd_q", 128, False): LaunchConfig(64, 32, 4, 3),
+}
+
+# Lean calls: dense triton_flash with no attn_mask, so no mask tile streams beside K/V
+# (or Q/dO) and a third pipeline stage, or BLOCK_N=128, fits in shared memory. Keyed by
+# (direction, padded head dim, causal, N <= SHORT_N); a key not listed falls through to
+# the tables above. Block-sparse calls and calls with a mask never use these: with a
+# mask tile the D=128 forward below needs 256 KiB (the H200 has 227), seen on the GPU.
+_LEAN_2B: dict[tuple[str, int, bool, bool], LaunchConfig] = {
+    # D=64 forward: 372 / 407 / 411 against 371 / 391 / 413 for (128, 64, 4, 4), causal
+    # 344 / 384 at N > 1024 against 342 / 384 (sweep-3).
+    ("fwd", 64, False, False): LaunchConfig(128, 64, 4, 3),
+    ("fwd", 64, True, False): LaunchConfig(128, 64, 4, 3),
+    # D=128 non-causal forward: 404 / 470 / 493 against 394 / 450 / 473 for (128,64,8,3)
+    # (sweep-3); causal keeps (128,64,8,3): 281 / 410 / 460 against 257 / 395 / 446.
+    ("fwd", 128, False, False): LaunchConfig(128, 128, 8, 3),
+    ("fwd", 128, False, True): LaunchConfig(128, 128, 8, 3),
+    # D=128 backward with three stages: non-causal 335 / 380 / 411 against 317 (the short
+    # entry) / 350 / 359; causal 331 / 369 at N > 1024 against 310 / 340 for (32,64,4,3),
+    # which stays best at N=1024 (252 against 203) (sweep-3).
+    ("bwd_kv", 128, False, False): LaunchConfig(64, 128, 8, 3),
+    ("bwd_q", 128, False, False): LaunchConfig(128, 64, 8, 3),
+    ("bwd_kv", 128, False, True): LaunchConfig(64, 128, 8, 3),
+    ("bwd_q", 128, False, True): LaunchConfig(128, 64, 8, 3),
+    ("bwd_kv", 128, True, False): LaunchConfig(64, 128, 8, 3),
+    ("bwd_q", 128, True, False): LaunchConfig(128, 64, 8, 3),
 }
 
 
 def _rows(direction: str, element_size: int, causal: bool) -> _Rows:
     wide = element_size >= 4
     if direction == "fwd":
-        return _FWD_4B if wide else (_FWD_2B_CAUSAL if causal else _FWD_2B_DENSE)
+        return _FWD_4B if wide else _FWD_2B
     pair = _BWD_4B if wide else (_BWD_2B_CAUSAL if causal else _BWD_2B_DENSE)
     return pair[0] if direction == "bwd_kv" else pair[1]
 
@@ -160,13 +173,15 @@ def launch_config(
     capability: tuple[int, int] | None,
     interpret: bool,
     seqlen: int | None = None,
+    lean: bool = False,
 ) -> LaunchConfig:
     """The launch configuration for one kernel launch.
 
     ``block_d`` is the larger of the padded head dims of q/k and v. ``capability``
     is part of the key so that entries for other GPUs can be added; today's entries
     were measured on sm_90 only. ``seqlen``, the longer of Nq and Nk, selects the
-    short-sequence entries (``SHORT_N``) where it is given.
+    short-sequence entries (``SHORT_N``) where it is given. ``lean``: a dense call that
+    streams no mask tile, which may take the larger ``_LEAN_2B`` entries.
     """
     if interpret:
         return {
@@ -176,7 +191,12 @@ def launch_config(
         }[direction]
     if direction in OVERRIDE:
         return OVERRIDE[direction]
-    if seqlen is not None and seqlen <= SHORT_N and element_size == 2:
+    short_call = seqlen is not None and seqlen <= SHORT_N
+    if lean and element_size == 2:
+        entry = _LEAN_2B.get((direction, block_d, causal, short_call))
+        if entry is not None:
+            return entry
+    if short_call and element_size == 2:
         short = _SHORT_2B.get((direction, block_d, causal))
         if short is not None:
             return short

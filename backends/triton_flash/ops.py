@@ -282,7 +282,7 @@ def _fwd_impl(
                scale, dropout_p)  # fmt: skip
     cfg = launch_config(
         "fwd", max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"]), q.element_size(), causal,
-        _capability(q.device), interpreting(), max(nq, nk),
+        _capability(q.device), interpreting(), max(nq, nk), lean=mask is None,
     )  # fmt: skip
     grid = (triton.cdiv(nq, cfg.block_m), b * hq)
     _launcher(kernels.attn_fwd_kernel, q)[grid](
@@ -327,7 +327,7 @@ def _bwd_impl(
     interp, cap, esize = interpreting(), _capability(q.device), q.element_size()
     seed_t = q if seed is None else seed
 
-    cfg = launch_config("bwd_kv", block_d, esize, causal, cap, interp, max(nq, nk))
+    cfg = launch_config("bwd_kv", block_d, esize, causal, cap, interp, max(nq, nk), mask is None)
     _launcher(kernels.attn_bwd_dkdv_kernel, q)[(triton.cdiv(nk, cfg.block_n), b * hkv)](
         q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dk.stride(),
@@ -335,7 +335,7 @@ def _bwd_impl(
         **c.meta, **cfg.meta(),
         **_edge_segments(False, nq, nk, cfg, causal, window_left, window_right),
     )  # fmt: skip
-    cfg = launch_config("bwd_q", block_d, esize, causal, cap, interp, max(nq, nk))
+    cfg = launch_config("bwd_q", block_d, esize, causal, cap, interp, max(nq, nk), mask is None)
     _launcher(kernels.attn_bwd_dq_kernel, q)[(triton.cdiv(nq, cfg.block_m), b * hq)](
         q, k, v, c.mask, seed_t, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
