@@ -510,17 +510,11 @@ def flex_layout_block_mask(layout: Any, seqlen: int, *, exact: bool) -> Any:
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    if layout.mask_mod is None:  # every kept block is full
-        full = layout.index("kv")
-        partial_num, partial_idx = torch.zeros_like(full.num), full.indices
-    else:
-        full = layout.index("full_kv")
-        partial = layout.index("partial_kv")
-        partial_num, partial_idx = partial.num, partial.indices
+    partial, full = layout.kv_lists()
     mask_mod = layout.token_mask_mod() if exact else layout.mask_mod
     return BlockMask.from_kv_blocks(
-        partial_num,
-        partial_idx,
+        partial.num,
+        partial.indices,
         full.num,
         full.indices,
         BLOCK_SIZE=layout.block_size,

@@ -301,6 +301,17 @@ class BlockSparseLayout:
             self._index[direction] = _compress(masks[direction])
         return self._index[direction]
 
+    def kv_lists(self) -> tuple[BlockIndex, BlockIndex]:
+        """The per-query-block lists ``(partial, full)`` by :attr:`full_blocks`'s rule:
+        ``index("partial_kv")`` and ``index("full_kv")``, or without a ``mask_mod`` an
+        empty partial list and every kept block (``index("kv")``) as full. In this order
+        they are FlexAttention's ``BlockMask.from_kv_blocks`` lists (``kv_*``, then
+        ``full_kv_*``) at the layout's ``block_size``."""
+        if self.mask_mod is None:
+            full = self.index("kv")
+            return BlockIndex(torch.zeros_like(full.num), full.indices), full
+        return self.index("partial_kv"), self.index("full_kv")
+
     def _check_lengths(self, seq_len_q: int, seq_len_k: int) -> None:
         bq, bk = self.block_size
         want = (_blocks(seq_len_q, bq), _blocks(seq_len_k, bk))

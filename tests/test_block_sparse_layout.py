@@ -111,6 +111,18 @@ def test_index_lists_name_the_kept_blocks_in_order():
     assert layout.index("kv") is kv  # built once
 
 
+def test_kv_lists_split_kept_blocks_into_partial_and_full():
+    causal = BlockSparseLayout.causal(48, 16)  # the diagonal blocks are partial
+    partial, full = causal.kv_lists()
+    assert partial is causal.index("partial_kv") and full is causal.index("full_kv")
+    assert partial.num.tolist() == [[[1, 1, 1]]] and full.num.tolist() == [[[0, 1, 2]]]
+    # Without a mask_mod every kept block is full, whatever full_mask says.
+    mask = torch.tensor([[1, 0, 1], [0, 0, 0], [1, 1, 1]], dtype=torch.bool).view(1, 1, 3, 3)
+    plain = BlockSparseLayout(mask, (16, 16), torch.zeros_like(mask))
+    partial, full = plain.kv_lists()
+    assert full is plain.index("kv") and partial.num.tolist() == [[[0, 0, 0]]]
+
+
 def test_attention_with_a_layout_equals_attention_with_its_dense_mask():
     torch.manual_seed(0)
     q = torch.randn(2, 2, 70, 16)

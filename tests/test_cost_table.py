@@ -1,11 +1,11 @@
 """The measured-speed ranking: tables, the policy, its default installation, ``attnhub tune``.
 
-Requests are built by hand with capability (9, 0): dispatch reads only the request.
+Requests are built by hand (conftest.py's ``cuda_request``) with capability (9, 0):
+dispatch reads only the request.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -20,27 +20,6 @@ from attnhub import registry as registry_module
 from attnhub.backend import Backend
 from attnhub.cost_table import CostTable, CostTablePolicy
 from attnhub.registry import BackendRegistry
-from attnhub.request import AttentionRequest
-
-SM90 = AttentionRequest(
-    device_type="cuda",
-    capability=(9, 0),
-    dtype=torch.bfloat16,
-    batch=4,
-    heads_q=16,
-    heads_kv=16,
-    seqlen_q=4096,
-    seqlen_k=4096,
-    same_seqlen=True,
-    q_longer=False,
-    head_dim=128,
-    head_dim_v=128,
-    causal=True,
-)
-
-
-def req(**changes) -> AttentionRequest:  # type: ignore[no-untyped-def]
-    return dataclasses.replace(SM90, **changes)
 
 
 class _Fake(Backend):
@@ -98,6 +77,12 @@ def fake_registry(monkeypatch):  # type: ignore[no-untyped-def]
     dispatch.clear_cache()
 
 
+@pytest.fixture
+def sm90(cuda_request):  # type: ignore[no-untyped-def]
+    """The call TABLE measures: bfloat16, causal, D=128, N~4096 on sm_90 (conftest's)."""
+    return cuda_request()
+
+
 def test_the_shipped_sm90_table_is_well_formed():
     path = Path(cost_table.__file__).parent / "data" / "cost_table_sm90.json"
     table = cost_table.CostTable.from_json(json.loads(path.read_text()), path.name)
@@ -108,8 +93,8 @@ def names(ranked) -> list[str]:  # type: ignore[no-untyped-def]
     return [b.name for b, _ in ranked]
 
 
-def test_ranks_eligible_backends_by_measured_time_and_says_which_entry_decided():
-    ranked = CostTablePolicy(TABLE).rank(SM90, ALL)
+def test_ranks_eligible_backends_by_measured_time_and_says_which_entry_decided(sm90):
+    ranked = CostTablePolicy(TABLE).rank(sm90, ALL)
     assert names(ranked) == ["torch_sdpa_cudnn", "triton_flash", "torch_sdpa_flash", "newcomer"]
     assert ranked[0][1] == (
         "measured 1 ms vs 1.23 ms for triton_flash in cost_table_sm90.json "
@@ -120,24 +105,24 @@ def test_ranks_eligible_backends_by_measured_time_and_says_which_entry_decided()
     assert ranked[3][1].startswith("linear memory, priority 99 (not timed in cost_table_sm90.json")
 
 
-def test_ranks_only_the_eligible_and_is_deterministic():
+def test_ranks_only_the_eligible_and_is_deterministic(sm90):
     policy = CostTablePolicy(TABLE)
-    ranked = policy.rank(SM90, [FLASH, TRITON])  # cuDNN is not eligible for this call
+    ranked = policy.rank(sm90, [FLASH, TRITON])  # cuDNN is not eligible for this call
     assert names(ranked) == ["triton_flash", "torch_sdpa_flash"]
     assert "1.23 ms vs 1.51 ms for torch_sdpa_flash" in ranked[0][1]
-    assert names(policy.rank(SM90, [TRITON, FLASH])) == names(ranked)  # order of input irrelevant
-    only = policy.rank(SM90, [TRITON, NEWCOMER])
+    assert names(policy.rank(sm90, [TRITON, FLASH])) == names(ranked)  # order of input irrelevant
+    only = policy.rank(sm90, [TRITON, NEWCOMER])
     assert names(only) == ["triton_flash", "newcomer"]
     assert "the only eligible backend timed there" in only[0][1]
     tie = CostTable("sm90", {("bfloat16", 128, 4096, True, "fwd"): {"b_one": 1.0, "a_one": 1.0}})
-    assert names(CostTablePolicy(tie).rank(SM90, [fake("b_one", 0), fake("a_one", 0)])) == [
+    assert names(CostTablePolicy(tie).rank(sm90, [fake("b_one", 0), fake("a_one", 0)])) == [
         "a_one",
         "b_one",
     ]
 
 
-def test_calls_that_need_backward_rank_by_forward_plus_backward():
-    ranked = CostTablePolicy(TABLE).rank(req(needs_grad=True), ALL)
+def test_calls_that_need_backward_rank_by_forward_plus_backward(cuda_request):
+    ranked = CostTablePolicy(TABLE).rank(cuda_request(needs_grad=True), ALL)
     assert names(ranked)[:3] == ["triton_flash", "torch_sdpa_cudnn", "torch_sdpa_flash"]
     assert "[bf16 D128 N~4096 causal fwd_bwd]" in ranked[0][1]
 
@@ -156,28 +141,28 @@ def test_calls_that_need_backward_rank_by_forward_plus_backward():
         ({"capability": (8, 0)}, "cost_table_sm90.json is for sm90, not cuda sm80"),
     ],
 )  # fmt: skip
-def test_uncovered_requests_fall_back_to_declared_priority(changes, why):
-    ranked = CostTablePolicy(TABLE).rank(req(**changes), ALL)
+def test_uncovered_requests_fall_back_to_declared_priority(changes, why, cuda_request):
+    ranked = CostTablePolicy(TABLE).rank(cuda_request(**changes), ALL)
     assert names(ranked) == ["newcomer", "triton_flash", "torch_sdpa_cudnn", "torch_sdpa_flash"]
     assert ranked[0][1] == f"linear memory, priority 99 ({why})"
 
 
-def test_a_length_between_measured_ones_uses_the_nearest_within_two_octaves():
+def test_a_length_between_measured_ones_uses_the_nearest_within_two_octaves(cuda_request):
     policy = CostTablePolicy(TABLE)
     # 8192 is one octave from 4096 and from 16384: the tie goes to the longer one.
-    ranked = policy.rank(req(seqlen_q=8192, seqlen_k=8192), [TRITON, CUDNN])
+    ranked = policy.rank(cuda_request(seqlen_q=8192, seqlen_k=8192), [TRITON, CUDNN])
     assert ranked[0][1] == (
         "measured 8 ms vs 9 ms for torch_sdpa_cudnn in cost_table_sm90.json "
         "[bf16 D128 N~16384 causal fwd, nearest to N~8192]"
     )
-    ranked = policy.rank(req(seqlen_q=256, seqlen_k=256), [CUDNN, TRITON])
+    ranked = policy.rank(cuda_request(seqlen_q=256, seqlen_k=256), [CUDNN, TRITON])
     assert names(ranked) == ["triton_flash", "torch_sdpa_cudnn"]
     assert "N~1024 causal fwd, nearest to N~256" in ranked[0][1]
 
 
-def test_dispatch_explains_the_table_entry(fake_registry):
+def test_dispatch_explains_the_table_entry(fake_registry, sm90):
     attnhub.set_policy(CostTablePolicy(TABLE))
-    decision = dispatch.decide(SM90)
+    decision = dispatch.decide(sm90)
     assert decision.chosen == "torch_sdpa_cudnn"
     assert decision.policy == "measured cost (cost_table_sm90.json)"
     assert decision.why.startswith(
@@ -189,32 +174,32 @@ def test_dispatch_explains_the_table_entry(fake_registry):
     )
 
 
-def test_installed_by_default_from_the_users_cache_and_turned_off_by_env(fake_registry, monkeypatch, tmp_path):  # fmt: skip
-    assert dispatch.decide(SM90).chosen == "newcomer"  # no table yet: declared priority
+def test_installed_by_default_from_the_users_cache_and_turned_off_by_env(fake_registry, monkeypatch, tmp_path, sm90, cuda_request):  # fmt: skip
+    assert dispatch.decide(sm90).chosen == "newcomer"  # no table yet: declared priority
     TABLE.write(cost_table.cache_path("sm90"))
     assert cost_table.cache_path("sm90") == tmp_path / "cache" / "attnhub" / "cost_table_sm90.json"
     cost_table.forget_tables()
-    decision = dispatch.decide(SM90)
+    decision = dispatch.decide(sm90)
     assert decision.chosen == "torch_sdpa_cudnn" and decision.policy.startswith("measured cost")
     # Another device class has no table: the declared priority ranks it.
-    other = dispatch.decide(req(capability=(7, 5)))
+    other = dispatch.decide(cuda_request(capability=(7, 5)))
     assert other.chosen == "newcomer" and other.policy == "declared priority"
     monkeypatch.setenv("ATTNHUB_RANKING", "priority")
     dispatch.clear_cache()
-    assert dispatch.decide(SM90).chosen == "newcomer"
+    assert dispatch.decide(sm90).chosen == "newcomer"
     # An explicitly set policy wins over the default.
     monkeypatch.delenv("ATTNHUB_RANKING")
     attnhub.set_policy(dispatch.DeclaredPriority())
-    assert dispatch.decide(SM90).chosen == "newcomer"
+    assert dispatch.decide(sm90).chosen == "newcomer"
     attnhub.set_policy(None)
-    assert dispatch.decide(SM90).chosen == "torch_sdpa_cudnn"
+    assert dispatch.decide(sm90).chosen == "torch_sdpa_cudnn"
 
 
-def test_a_broken_table_is_ignored_with_a_warning(fake_registry, caplog):
+def test_a_broken_table_is_ignored_with_a_warning(fake_registry, caplog, sm90):
     path = cost_table.cache_path("sm90")
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    assert dispatch.decide(SM90).chosen == "newcomer"
+    assert dispatch.decide(sm90).chosen == "newcomer"
     assert any("ignoring cost table" in r.getMessage() for r in caplog.records)
 
 
@@ -253,16 +238,16 @@ def test_table_from_results_keeps_dense_fwd_and_fwd_bwd_and_round_trips(tmp_path
         cost_table.table_from_results({**_results(), "device_class": None})
 
 
-def test_tune_from_results_writes_the_cache_table_dispatch_then_uses(fake_registry, tmp_path, capsys):  # fmt: skip
+def test_tune_from_results_writes_the_cache_table_dispatch_then_uses(fake_registry, tmp_path, capsys, sm90, cuda_request):  # fmt: skip
     results = tmp_path / "h200.json"
     results.write_text(json.dumps(_results()))
     assert cli.main(["tune", "--from-results", str(results)]) == 0
     path = cost_table.cache_path("sm90")
     assert f"wrote {path}: 2 entries for sm90" in capsys.readouterr().out
-    decision = dispatch.decide(SM90)
+    decision = dispatch.decide(sm90)
     assert decision.chosen == "torch_sdpa_cudnn"
     assert "1 ms vs 1.1 ms for triton_flash in cost_table_sm90.json" in decision.why
-    assert dispatch.decide(req(needs_grad=True)).chosen == "triton_flash"
+    assert dispatch.decide(cuda_request(needs_grad=True)).chosen == "triton_flash"
     # -o writes elsewhere (e.g. the shipped attnhub/data/cost_table_sm90.json).
     shipped = tmp_path / "data" / "cost_table_sm90.json"
     assert cli.main(["tune", "--from-results", str(results), "-o", str(shipped)]) == 0

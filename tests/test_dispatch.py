@@ -23,22 +23,6 @@ from attnhub.backend import Backend
 from attnhub.registry import BackendRegistry
 from attnhub.request import AttentionRequest
 
-BF16_CUDA_SM80 = AttentionRequest(
-    device_type="cuda",
-    capability=(8, 0),
-    dtype=torch.bfloat16,
-    batch=2,
-    heads_q=16,
-    heads_kv=16,
-    seqlen_q=4096,
-    seqlen_k=4096,
-    same_seqlen=True,
-    q_longer=False,
-    head_dim=96,
-    head_dim_v=96,
-    causal=True,
-)
-
 
 class _Fake(Backend):
     """A backend that records its calls and returns the reference's answer."""
@@ -83,17 +67,23 @@ def fake_registry(monkeypatch):  # type: ignore[no-untyped-def]
     dispatch.clear_cache()
 
 
+@pytest.fixture
+def sm80(cuda_request):  # type: ignore[no-untyped-def]
+    """A bfloat16 causal call with head_dim 96 on a (faked) sm_80 device."""
+    return cuda_request(capability=(8, 0), batch=2, head_dim=96, head_dim_v=96)
+
+
 def decide(reg: BackendRegistry, request: AttentionRequest, names=None, strict=False):  # type: ignore[no-untyped-def]
     return dispatch._decide(reg, request, dispatch.Selection(names, strict, "test"))
 
 
-def test_highest_priority_eligible_backend_wins_and_rejections_say_why(fake_registry):
+def test_highest_priority_eligible_backend_wins_and_rejections_say_why(fake_registry, sm80):
     fake_registry.add(fake("hopper_only", min_capability=(9, 0), priority=100))
     fake_registry.add(fake("small_heads", head_dims=(16, 64), priority=90))
     fake_registry.add(fake("fp16_only", dtypes=frozenset({torch.float16}), priority=80))
     fake_registry.add(fake("general", priority=10))
     fake_registry.add(fake("slow", priority=50, memory="quadratic"))
-    decision = decide(fake_registry, BF16_CUDA_SM80)
+    decision = decide(fake_registry, sm80)
     assert decision.chosen == "general"
     reasons = decision.reasons()
     assert reasons["hopper_only"] == ["needs compute capability >= 9.0, device has 8.0"]
@@ -101,14 +91,14 @@ def test_highest_priority_eligible_backend_wins_and_rejections_say_why(fake_regi
     assert reasons["fp16_only"] == ["dtype bfloat16 is not one of float16"]
     # Linear memory ranks above quadratic even at lower priority.
     assert reasons["slow"] == [] and "ranked above slow" in decision.why
-    on_hopper = dataclasses.replace(BF16_CUDA_SM80, capability=(9, 0))
+    on_hopper = dataclasses.replace(sm80, capability=(9, 0))
     assert decide(fake_registry, on_hopper).chosen == "hopper_only"
 
 
-def test_reasons_come_from_declarations_for_each_feature(fake_registry):
+def test_reasons_come_from_declarations_for_each_feature(fake_registry, sm80):
     fake_registry.add(fake("plain"))
     request = dataclasses.replace(
-        BF16_CUDA_SM80, window=True, softcap=True, dropout=True, heads_kv=4, return_lse=True,
+        sm80, window=True, softcap=True, dropout=True, heads_kv=4, return_lse=True,
         mask="bool", alignment="bottom_right", same_seqlen=False,
     )  # fmt: skip
     fake_registry.add(
@@ -129,14 +119,14 @@ def test_reasons_come_from_declarations_for_each_feature(fake_registry):
     )
 
 
-def test_choice_does_not_depend_on_registration_order():
+def test_choice_does_not_depend_on_registration_order(sm80):
     backends = [fake("alpha", priority=5), fake("beta", priority=5), fake("gamma", priority=1)]
     chosen = set()
     for order in (backends, backends[::-1], [backends[1], backends[2], backends[0]]):
         reg = BackendRegistry()
         for b in order:
             reg.add(b)
-        decision = decide(reg, BF16_CUDA_SM80)
+        decision = decide(reg, sm80)
         chosen.add((decision.chosen, tuple(c.name for c in decision.candidates)))
     assert chosen == {("alpha", ("alpha", "beta", "gamma"))}
 

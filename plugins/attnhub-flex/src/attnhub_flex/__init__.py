@@ -11,11 +11,11 @@ contract.md's features become FlexAttention's two hooks:
 
 A block-sparse layout (``block_sparse=``, an ``attnhub.BlockSparseLayout``) becomes a
 ``BlockMask`` built with ``BlockMask.from_kv_blocks`` from the layout's own compressed
-lists (partial blocks: ``index("partial_kv")``, full blocks: ``index("full_kv")``, at
-the layout's ``block_size``), intersected with the blocks the other masks keep, and a
-``mask_mod`` that is exact at token level (the layout's block state and its token-level
-``mask_mod``, and the other masks). It is built once per (layout, Nq, Nk, causal,
-alignment, window) and cached; see :func:`_layout_block_mask`.
+lists (partial and full blocks: ``layout.kv_lists()``, at the layout's ``block_size``),
+intersected with the blocks the other masks keep, and a ``mask_mod`` that is exact at
+token level (the layout's block state and its token-level ``mask_mod``, and the other
+masks). It is built once per (layout, Nq, Nk, causal, alignment, window) and cached; see
+:func:`_layout_block_mask`.
 
 Grouped-query attention is ``enable_gqa=True``; the log-sum-exp comes from the kernel
 (natural log, -inf on rows with no key). Not offered, and declared so: dropout
@@ -241,15 +241,9 @@ def _build_layout_block_mask(
     block = layout.block_size
     if other_mod is None and sparse_block == block:
         # The layout's own lists, as they are.
-        if layout.mask_mod is None:
-            full = layout.index("kv")
-            partial_num = torch.zeros_like(full.num)
-            partial = (partial_num, full.indices)
-        else:
-            full = layout.index("full_kv")
-            p = layout.index("partial_kv")
-            partial = (p.num, p.indices)
-        full_lists = (full.num, full.indices)
+        partial_index, full_index = layout.kv_lists()
+        partial = (partial_index.num, partial_index.indices)
+        full_lists = (full_index.num, full_index.indices)
     else:
         kept = layout.block_mask
         full = layout.full_blocks

@@ -1,0 +1,41 @@
+"""Fixtures shared by the test modules."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from attnhub.request import AttentionRequest
+
+# bfloat16, causal, B=4, 16 query and key heads, Nq = Nk ~ 4096, D = 128, on sm_90.
+_CUDA_REQUEST = AttentionRequest(
+    device_type="cuda",
+    capability=(9, 0),
+    dtype=torch.bfloat16,
+    batch=4,
+    heads_q=16,
+    heads_kv=16,
+    seqlen_q=4096,
+    seqlen_k=4096,
+    same_seqlen=True,
+    q_longer=False,
+    head_dim=128,
+    head_dim_v=128,
+    causal=True,
+)
+
+
+@pytest.fixture
+def cuda_request() -> Callable[..., AttentionRequest]:
+    """Builds requests by hand for a faked CUDA device (dispatch reads only the request):
+    ``cuda_request(**changes)`` is a bfloat16 causal call, B=4, 16 heads, N~4096, D=128
+    on sm_90, with ``changes`` replacing its fields."""
+
+    def build(**changes: Any) -> AttentionRequest:
+        return dataclasses.replace(_CUDA_REQUEST, **changes)
+
+    return build
