@@ -155,6 +155,28 @@ def _query_ranges(
 
 
 @triton.jit
+def _segment(seg: tl.constexpr, lo, f_lo, f_hi, hi):
+    """(start, end) of segment ``seg``: 0 the masked head [lo, f_lo), 1 the unmasked
+    middle [f_lo, f_hi), 2 the masked tail [f_hi, hi) (glossary, "segments")."""
+    if seg == 0:
+        s0 = lo
+        s1 = f_lo
+    elif seg == 1:
+        s0 = f_lo
+        s1 = f_hi
+    else:
+        s0 = f_hi
+        s1 = hi
+    return s0, s1
+
+
+@triton.jit
+def _compiled(seg: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr):
+    """Whether segment ``seg`` is compiled at all (MASK_HEAD / MASK_TAIL, glossary)."""
+    return (seg == 0 and MASK_HEAD) or seg == 1 or (seg == 2 and MASK_TAIL)
+
+
+@triton.jit
 def _scores(
     qk, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
     mask_rows, stride_mn, qk_scale, sm_scale, softcap,
@@ -354,16 +376,8 @@ def attn_fwd_kernel(
         start_m, NK, offset, win_left, win_right, BLOCK_M, BLOCK_N, HAS_BAND
     )
     for seg in tl.static_range(3):
-        if seg == 0:
-            s0 = lo
-            s1 = f_lo
-        elif seg == 1:
-            s0 = f_lo
-            s1 = f_hi
-        else:
-            s0 = f_hi
-            s1 = hi
-        if (seg == 0 and MASK_HEAD) or seg == 1 or (seg == 2 and MASK_TAIL):
+        s0, s1 = _segment(seg, lo, f_lo, f_hi, hi)
+        if _compiled(seg, MASK_HEAD, MASK_TAIL):
             s0_64 = s0.to(tl.int64)
             acc, l_i, m_i = _fwd_inner(
                 acc, l_i, m_i, q, k_base + s0_64 * stride_kn, v_base + s0_64 * stride_vn,
@@ -577,16 +591,8 @@ def attn_bwd_dkdv_kernel(
         mask_base = Mask + b * stride_mb + h * stride_mh
         drop_base = bh * NQ * NK
         for seg in tl.static_range(3):
-            if seg == 0:
-                s0 = lo
-                s1 = f_lo
-            elif seg == 1:
-                s0 = f_lo
-                s1 = f_hi
-            else:
-                s0 = f_hi
-                s1 = hi
-            if (seg == 0 and MASK_HEAD) or seg == 1 or (seg == 2 and MASK_TAIL):
+            s0, s1 = _segment(seg, lo, f_lo, f_hi, hi)
+            if _compiled(seg, MASK_HEAD, MASK_TAIL):
                 s0_64 = s0.to(tl.int64)
                 dk, dv = _bwd_kv_inner(
                     dk, dv, k, v, q_base + s0_64 * stride_qm, do_base + s0_64 * stride_dom,
@@ -729,16 +735,8 @@ def attn_bwd_dq_kernel(
         start_m, NK, offset, win_left, win_right, BLOCK_M, BLOCK_N, HAS_BAND
     )
     for seg in tl.static_range(3):
-        if seg == 0:
-            s0 = lo
-            s1 = f_lo
-        elif seg == 1:
-            s0 = f_lo
-            s1 = f_hi
-        else:
-            s0 = f_hi
-            s1 = hi
-        if (seg == 0 and MASK_HEAD) or seg == 1 or (seg == 2 and MASK_TAIL):
+        s0, s1 = _segment(seg, lo, f_lo, f_hi, hi)
+        if _compiled(seg, MASK_HEAD, MASK_TAIL):
             s0_64 = s0.to(tl.int64)
             dq = _bwd_q_inner(
                 dq, q, do, lse2, delta, k_base + s0_64 * stride_kn, v_base + s0_64 * stride_vn,
