@@ -326,8 +326,9 @@ def _bwd_impl(
     block_d = max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"])
     interp, cap, esize = interpreting(), _capability(q.device), q.element_size()
     seed_t = q if seed is None else seed
+    lean = mask is None  # no mask tile streams: the larger lean tiles fit (configs.py)
 
-    cfg = launch_config("bwd_kv", block_d, esize, causal, cap, interp, max(nq, nk), mask is None)
+    cfg = launch_config("bwd_kv", block_d, esize, causal, cap, interp, max(nq, nk), lean=lean)
     _launcher(kernels.attn_bwd_dkdv_kernel, q)[(triton.cdiv(nk, cfg.block_n), b * hkv)](
         q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dk.stride(),
@@ -335,7 +336,7 @@ def _bwd_impl(
         **c.meta, **cfg.meta(),
         **_edge_segments(False, nq, nk, cfg, causal, window_left, window_right),
     )  # fmt: skip
-    cfg = launch_config("bwd_q", block_d, esize, causal, cap, interp, max(nq, nk), mask is None)
+    cfg = launch_config("bwd_q", block_d, esize, causal, cap, interp, max(nq, nk), lean=lean)
     _launcher(kernels.attn_bwd_dq_kernel, q)[(triton.cdiv(nq, cfg.block_m), b * hq)](
         q, k, v, c.mask, seed_t, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
