@@ -245,6 +245,106 @@ def test_forward_and_backward_bitwise_repeatable() -> None:
         assert torch.equal(a, b)
 
 
+# Feature combinations for the merged backward: causal GQA, MQA with Nq < Nk bottom-right
+# (ragged tiles on both axes), Nq > Nk, and everything at once; and CASES' even lengths,
+# where the roles' edge-segment flags (KV_MASK_*, Q_MASK_*) turn segments off.
+MERGED_CASES = [
+    Case("causal_gqa", 2, 4, 2, 50, 50, 32, causal=True),
+    Case("mqa_ragged_br", 1, 4, 1, 45, 61, 40, causal=True, bottom_right=True),
+    Case("ragged", 1, 2, 2, 70, 33, 16),
+    Case("all", 2, 4, 2, 53, 71, 40, causal=True, bottom_right=True, window=(20, None),
+         softcap=3.0, mask="float_bcast"),
+] + [case for case in CASES if case.label.startswith("even")]  # fmt: skip
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3], ids=["nodrop", "dropout"])
+@pytest.mark.parametrize("case", MERGED_CASES, ids=lambda c: c.id)
+def test_merged_backward_bitwise_equals_split(
+    case: Case, dropout_p: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One launch (attn_bwd_kernel, in either program order) and two launches give bitwise
+    the same outputs and gradients, dropout included (same seed): the same programs
+    compute the same sums in the same order, whichever launch runs them. The merged
+    launch gets each role's edge-segment flags as the split kernels get theirs."""
+    from attnhub.backends.triton_flash import configs
+
+    torch.manual_seed(hash(case.id) % 1000)
+    q, k, v, mask = _inputs(case, torch.float16)
+    dout = torch.randn(case.b, case.hq, case.nq, case.dv or case.d, dtype=torch.float16,
+                       device=DEVICE)  # fmt: skip
+    launcher = ops._launcher
+    results, launched = {}, {}
+    for mode in configs.BWD_MODES:
+        calls: list[tuple[str, dict]] = []
+
+        def recording(kernel, like, calls=calls):  # type: ignore[no-untyped-def]
+            launch = launcher(kernel, like)
+
+            class Grid:
+                def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+                    def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+                        calls.append((kernel.fn.__name__, kwargs))
+                        return launch[grid](*args, **kwargs)
+
+                    return run
+
+            return Grid()
+
+        monkeypatch.setenv(configs.BWD_ENV, mode)
+        monkeypatch.setattr(ops, "_launcher", recording)
+        torch.manual_seed(5)  # the dropout seed
+        results[mode] = _run_flash(case, q, k, v, mask, dout, dropout_p=dropout_p)
+        launched[mode] = calls
+    # These cases' configurations (the interpreter's; D <= 64 on a GPU) allow the merged
+    # launch: check that it did run, not the split fallback, with the split kernels' flags.
+    split = launched["split"]
+    assert [name for name, _ in split[-2:]] == ["attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
+    flags = {f"{role}{name}": split[i][1][name] for i, role in ((-2, "KV_"), (-1, "Q_"))
+             for name in ("MASK_HEAD", "MASK_TAIL")}  # fmt: skip
+    if case.label.startswith("even") and not case.causal and case.window is None:
+        assert not any(flags.values())  # the merged kernel without its masked segments
+    for mode in ("merged", "merged_heads"):
+        assert [name for name, _ in launched[mode][-2:]] == [
+            "attn_bwd_preprocess_kernel", "attn_bwd_kernel",
+        ]  # fmt: skip
+        merged = launched[mode][-1][1]
+        assert {name: merged[name] for name in flags} == flags
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results["split"], results[mode]):
+            assert torch.equal(a, b), f"{mode}: {name} differs from split"
+
+
+def test_backward_launch_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ATTNHUB_TRITON_BWD picks the launch where the two roles' configurations (the split
+    path's own, lean or not) share warps and stages, and split elsewhere."""
+    from attnhub.backends.triton_flash import configs
+
+    sm90 = (9, 0)
+
+    def pair(d: int, esize: int, causal: bool, n: int = 4096, lean: bool = True):  # type: ignore[no-untyped-def]
+        return configs.backward_configs(d, esize, causal, sm90, False, n, lean)
+
+    monkeypatch.delenv(configs.BWD_ENV, raising=False)
+    assert configs.backward_launch(*pair(128, 2, True)) == configs.BWD_DEFAULT
+    for mode in configs.BWD_MODES:
+        monkeypatch.setenv(configs.BWD_ENV, mode)
+        # Equal warps and stages (2-byte D <= 128, lean or not, short or not; fp32 rows).
+        for d, esize, causal, n, lean in ((64, 2, False, 4096, True), (128, 2, True, 1024, True),
+                                          (128, 2, False, 1024, True), (128, 2, False, 4096, False),
+                                          (256, 4, True, 4096, True)):  # fmt: skip
+            assert configs.backward_launch(*pair(d, esize, causal, n, lean)) == mode
+        # 2-byte D=256: 4 vs 8 warps, one launch cannot have both: split.
+        assert configs.backward_launch(*pair(256, 2, False)) == "split"
+        kv, q = configs.LaunchConfig(32, 64, 4, 3), configs.LaunchConfig(64, 32, 4, 2)
+        assert configs.backward_launch(kv, q) == "split"  # stages differ
+    # The lean D=128 tiles reach the merged kernel as its two roles' tiles.
+    merged = configs.merged_meta(*pair(128, 2, False), "merged_heads")
+    assert merged == {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
+                      "HEAD_MAJOR": True, "num_warps": 8, "num_stages": 3}  # fmt: skip
+    monkeypatch.setenv(configs.BWD_ENV, "fused")
+    with pytest.raises(ValueError, match="ATTNHUB_TRITON_BWD='fused'"):
+        configs.backward_launch(*pair(64, 2, False))
+
+
 def _dropout_case() -> Case:
     return Case("dropout", 1, 2, 2, 32, 40, 32, causal=True, bottom_right=True)
 

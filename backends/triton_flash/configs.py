@@ -12,11 +12,17 @@ structure (Triton's fused-attention tutorial; the plain-Triton probe in
 shared/perf/anchors-h200.md), sized so that shared memory fits the H200's 227 KiB with
 the stated pipelining depth (``python -m attnhub.backends.triton_flash.aot_check``
 reports each kernel's shared memory without a GPU). Issue 4 tunes further.
+
+The backward runs as one launch or two (:func:`backward_launch`): the "bwd_kv" and
+"bwd_q" entries (:func:`backward_configs`) then configure the two roles of the merged
+kernel, or the two kernels.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -205,3 +211,67 @@ def launch_config(
         if block_d <= bound:
             return config
     return rows[-1][1]
+
+
+def backward_configs(*key: Any) -> tuple[LaunchConfig, LaunchConfig]:
+    """(dK/dV, dQ) configurations of one backward: :func:`launch_config` for "bwd_kv" and
+    for "bwd_q" with the same ``key`` (its arguments after ``direction``), whether the
+    backward then runs split or merged."""
+    return launch_config("bwd_kv", *key), launch_config("bwd_q", *key)
+
+
+# The backward as one launch ("merged": kernels.attn_bwd_kernel, whose programs split
+# into a dK/dV role and a dQ role, as FlexAttention's backward) or two ("split":
+# attn_bwd_dkdv_kernel, then attn_bwd_dq_kernel). The merged launch is an experiment
+# (benchmarks/NOTES.md, "Branch wip/merged-bwd-launch-2"); the variable exists for its
+# A/B.
+BWD_ENV = "ATTNHUB_TRITON_BWD"
+BWD_MODES = ("split", "merged", "merged_heads")
+BWD_DEFAULT = "split"
+
+
+def backward_launch(kv: LaunchConfig, q: LaunchConfig) -> str:
+    """How to launch one backward whose dK/dV and dQ configurations are ``kv`` and ``q``:
+    ``"split"`` (two launches), ``"merged"`` (one launch: all dK/dV programs, then all
+    dQ programs) or ``"merged_heads"`` (one launch in FlexAttention's order: per kv
+    head, its dK/dV programs, then its query heads' dQ programs). Every mode gives
+    bitwise the same gradients: each program computes the same sums in the same order.
+
+    ``ATTNHUB_TRITON_BWD`` (split | merged | merged_heads; unset or empty:
+    ``BWD_DEFAULT``) chooses. It is read on every backward, so a benchmark can switch it
+    in-process; under ``torch.compile`` the value at trace time is baked into the graph.
+    A merged launch is used only where ``kv`` and ``q`` have the same num_warps and
+    num_stages (a launch has one of each; the 2-byte D=256 rows have 4 vs 8 warps);
+    elsewhere the backward is split whatever was asked. An unknown value raises, so
+    that a typo cannot silently time the wrong path.
+
+    The default is "split", the measured path. On the H200, before the edge-segment
+    flags and the lean tiles, the merged launch measured +1-5% (merged_heads) at D=128
+    and -6-9% at D=64 causal, where every program gets the hungrier role's registers
+    and the dQ programs per SM halve; ``aot_check --bwd-table`` gives registers and
+    spills at today's tiles (benchmarks/NOTES.md). Make it the default (or the choice
+    per table row) only after the A/B on today's tiles
+    (``benchmarks/triton_flash_gpu.py OUT.json --only bwd_ab``).
+    """
+    mode = os.environ.get(BWD_ENV) or BWD_DEFAULT
+    if mode not in BWD_MODES:
+        raise ValueError(f"{BWD_ENV}={mode!r}: expected one of {', '.join(BWD_MODES)}")
+    if mode != "split" and (kv.num_warps, kv.num_stages) != (q.num_warps, q.num_stages):
+        return "split"
+    return mode
+
+
+def merged_meta(kv: LaunchConfig, q: LaunchConfig, mode: str) -> dict[str, int | bool]:
+    """The merged kernel's tile constexprs and launch options for ``mode`` ("merged" or
+    "merged_heads"): dK/dV tiles as BLOCK_M1/BLOCK_N1, dQ tiles as BLOCK_M2/BLOCK_N2
+    (FlexAttention's names), the program order, and the shared num_warps/num_stages
+    (equal in ``kv`` and ``q``, see :func:`backward_launch`)."""
+    return {
+        "BLOCK_M1": kv.block_m,
+        "BLOCK_N1": kv.block_n,
+        "BLOCK_M2": q.block_m,
+        "BLOCK_N2": q.block_n,
+        "HEAD_MAJOR": mode == "merged_heads",
+        "num_warps": kv.num_warps,
+        "num_stages": kv.num_stages,
+    }

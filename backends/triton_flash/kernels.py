@@ -33,6 +33,12 @@ forward, dQ, preprocess   axis 0: block of BLOCK_M query rows; axis 1: b * H + h
 dK/dV                     axis 0: block of BLOCK_N keys;       axis 1: b * HKV + hkv; the
                           program loops over the GROUP query heads of its kv head, so dK/dV
                           need no atomics and the backward is deterministic.
+merged backward           attn_bwd_kernel: the dK/dV and dQ programs above in one launch,
+                          each program's role and (tile, b * head) derived from its ids
+                          (grids in its docstring). The split launch runs the same programs
+                          through attn_bwd_dkdv_kernel and attn_bwd_dq_kernel; all three
+                          call _bwd_dkdv_program / _bwd_dq_program, so the two paths give
+                          bitwise the same gradients.
 
 Layout: every tensor is (B, heads, N, D) read through its four strides (transposed
 (B, N, H, D) views work without a copy). Base offsets are int64.
@@ -40,6 +46,9 @@ Layout: every tensor is (B, heads, N, D) read through its four strides (transpos
 Constexpr knobs (each absent feature compiles away)
 ---------------------------------------------------
 BLOCK_M, BLOCK_N      tile sizes (configs.py picks them per device/head dim/dtype)
+BLOCK_M1, BLOCK_N1    the merged backward's dK/dV tiles (BLOCK_N1 keys per program, BLOCK_M1
+BLOCK_M2, BLOCK_N2    rows per step) and dQ tiles (BLOCK_M2 rows, BLOCK_N2 keys per step);
+                      HEAD_MAJOR its program order (attn_bwd_kernel)
 EVEN_D                HEAD_D == BLOCK_D and HEAD_DV == BLOCK_DV: no head-dim load masks
 HAS_BAND              causal or window: segment split and band masks in edge segments
 HAS_SOFTCAP           scores c * tanh(s / c), and the (1 - tanh^2) factor in backward
@@ -54,7 +63,9 @@ MASK_HEAD, MASK_TAIL  whether the first / last masked segment can be non-empty (
                       tiles); a segment that is always empty is not compiled at all:
                       its loop, even when it runs zero times, keeps its pointer tiles
                       live across the main loop (ptxas, sm_90: 20 more registers in the
-                      D=64 forward, spills at BLOCK_N=128)
+                      D=64 forward, spills at BLOCK_N=128). The merged backward has one
+                      pair per role, KV_MASK_HEAD/KV_MASK_TAIL and Q_MASK_HEAD/Q_MASK_TAIL,
+                      each the split kernel's pair for that role's tiles
 """
 
 from __future__ import annotations
@@ -525,8 +536,9 @@ def _bwd_kv_inner(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=_DYNAMIC)
-def attn_bwd_dkdv_kernel(
+@triton.jit
+def _bwd_dkdv_program(
+    pid_n, pid_bh,
     Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -542,11 +554,14 @@ def attn_bwd_dkdv_kernel(
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
 ):  # fmt: skip
-    """dK (B, HKV, NK, D) and dV (B, HKV, NK, DV) for one key block, summed over the
-    GROUP query heads that read it (in a fixed order: deterministic)."""
+    """One dK/dV program: dK (B, HKV, NK, D) and dV (B, HKV, NK, DV) for key block
+    ``pid_n`` (keys pid_n * BLOCK_N .. + BLOCK_N - 1) of ``pid_bh`` = b * HKV + hkv, summed
+    over the GROUP query heads that read it (in a fixed order: deterministic). Whichever
+    launch runs it (:func:`attn_bwd_dkdv_kernel`, or the dK/dV role of
+    :func:`attn_bwd_kernel`), a program computes the same values in the same order."""
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
-    start_n = tl.program_id(0) * BLOCK_N
-    pid_bh = tl.program_id(1).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    pid_bh = pid_bh.to(tl.int64)
     b = pid_bh // HKV
     hk = pid_bh % HKV
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -613,6 +628,42 @@ def attn_bwd_dkdv_kernel(
              dv.to(DV.dtype.element_ty), mask=inb_n & (offs_dv[None, :] < HEAD_DV))  # fmt: skip
 
 
+@triton.jit(do_not_specialize=_DYNAMIC)
+def attn_bwd_dkdv_kernel(
+    Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H, HKV, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+    qk_scale, sm_scale, softcap, dropout_p,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
+):  # fmt: skip
+    """dK and dV, one program per (key block, b * HKV + hkv) on grid axes (0, 1): the split
+    backward's first launch (see :func:`_bwd_dkdv_program`)."""
+    _bwd_dkdv_program(
+        tl.program_id(0), tl.program_id(1),
+        Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_mb, stride_mh, stride_mm, stride_mn,
+        stride_dob, stride_doh, stride_dom, stride_dod,
+        stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+        stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+        H, HKV, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+        qk_scale, sm_scale, softcap, dropout_p,
+        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND,
+        HAS_DROPOUT, INPUT_PRECISION, MASK_HEAD, MASK_TAIL,
+    )  # fmt: skip
+
+
 @triton.jit
 def _bwd_q_step(
     dq, q, do, lse2, delta, k_ptrs, v_ptrs, tile_ptrs, mask_rows, drop_rows, seed,
@@ -673,8 +724,9 @@ def _bwd_q_inner(
     return dq
 
 
-@triton.jit(do_not_specialize=_DYNAMIC)
-def attn_bwd_dq_kernel(
+@triton.jit
+def _bwd_dq_program(
+    pid_m, pid_bh,
     Q, K, V, Mask, Seed, DO, Lse, Delta, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -689,10 +741,13 @@ def attn_bwd_dq_kernel(
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
 ):  # fmt: skip
-    """dQ (B, H, NQ, D) for one row block (its own pass: no atomics)."""
+    """One dQ program: dQ (B, H, NQ, D) for row block ``pid_m`` (rows pid_m * BLOCK_M ..
+    + BLOCK_M - 1) of ``pid_bh`` = b * H + h (its own pass over the keys: no atomics).
+    Whichever launch runs it (:func:`attn_bwd_dq_kernel`, or the dQ role of
+    :func:`attn_bwd_kernel`), a program computes the same values in the same order."""
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
-    start_m = tl.program_id(0) * BLOCK_M
-    pid_bh = tl.program_id(1).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    pid_bh = pid_bh.to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
@@ -750,3 +805,134 @@ def attn_bwd_dq_kernel(
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows * stride_dqm + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < HEAD_D))  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_DYNAMIC)
+def attn_bwd_dq_kernel(
+    Q, K, V, Mask, Seed, DO, Lse, Delta, DQ,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+    qk_scale, sm_scale, softcap, dropout_p,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
+):  # fmt: skip
+    """dQ, one program per (row block, b * H + h) on grid axes (0, 1): the split
+    backward's second launch (see :func:`_bwd_dq_program`)."""
+    _bwd_dq_program(
+        tl.program_id(0), tl.program_id(1),
+        Q, K, V, Mask, Seed, DO, Lse, Delta, DQ,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_mb, stride_mh, stride_mm, stride_mn,
+        stride_dob, stride_doh, stride_dom, stride_dod,
+        stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+        H, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+        qk_scale, sm_scale, softcap, dropout_p,
+        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND,
+        HAS_DROPOUT, INPUT_PRECISION, MASK_HEAD, MASK_TAIL,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_DYNAMIC)
+def attn_bwd_kernel(
+    Q, K, V, Mask, Seed, DO, Lse, Delta, DQ, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    B, H, HKV, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+    qk_scale, sm_scale, softcap, dropout_p,
+    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+    KV_MASK_HEAD: tl.constexpr, KV_MASK_TAIL: tl.constexpr,
+    Q_MASK_HEAD: tl.constexpr, Q_MASK_TAIL: tl.constexpr,
+):  # fmt: skip
+    """dQ, dK and dV in one launch (FlexAttention's backward structure): cdiv(NK, BLOCK_N1)
+    dK/dV programs per b * HKV + hkv and cdiv(NQ, BLOCK_M2) dQ programs per b * H + h.
+    Each program runs exactly one role, :func:`_bwd_dkdv_program` with tiles of BLOCK_N1
+    keys (BLOCK_M1 query rows per step) or :func:`_bwd_dq_program` with tiles of BLOCK_M2
+    rows (BLOCK_N2 keys per step), so the gradients are bitwise those of the split
+    launches (the same programs summing in the same order; still no atomics). Each role
+    has its own edge-segment flags (KV_MASK_*, Q_MASK_*: ops._edge_segments with that
+    role's tiles), as the split kernels have. Both roles share the launch's num_warps and
+    num_stages, and its registers: ptxas allocates the hungrier role's count (or more)
+    to every program.
+
+    Grid and program order (the hardware starts blocks in order, axis 0 fastest):
+    HEAD_MAJOR=False  1-D: all dK/dV programs (key block fastest, then b * HKV + hkv),
+                      then all dQ programs (row block fastest, then b * H + h): the
+                      split launches' orders back to back, so the dQ programs fill the
+                      tail of the dK/dV programs instead of waiting for it.
+    HEAD_MAJOR=True   (cdiv(NK, BLOCK_N1) + GROUP * cdiv(NQ, BLOCK_M2), B * HKV):
+                      FlexAttention's grid. Per kv head, its key blocks' dK/dV programs,
+                      then the dQ programs of its GROUP query heads, so both roles run
+                      side by side throughout and read one head's Q/K/V/dO at about the
+                      same time (L2 reuse).
+    """
+    # Each role's (tile, batch*head) is computed apart, not selected with tl.where: a
+    # shared pair made both roles' index arithmetic identical, LLVM hoisted it above
+    # the branch, and ptxas spilled 6x more in the dK/dV loop (bf16 D=128, (64,128,8,2):
+    # 1656 spill bytes against 392; 264 for attn_bwd_dkdv_kernel alone).
+    pid = tl.program_id(0)
+    kv_tiles = tl.cdiv(NK, BLOCK_N1)
+    q_tiles = tl.cdiv(NQ, BLOCK_M2)
+    if HEAD_MAJOR:
+        is_kv = pid < kv_tiles
+        kv_tile = pid
+        kv_bh = tl.program_id(1)
+        # b * H + h for query head h = hkv * GROUP + g is (b * HKV + hkv) * GROUP + g.
+        q_tile = (pid - kv_tiles) % q_tiles
+        q_bh = tl.program_id(1) * GROUP + (pid - kv_tiles) // q_tiles
+    else:
+        n_kv = kv_tiles * B * HKV
+        is_kv = pid < n_kv
+        kv_tile = pid % kv_tiles
+        kv_bh = pid // kv_tiles
+        q_tile = (pid - n_kv) % q_tiles
+        q_bh = (pid - n_kv) // q_tiles
+    if is_kv:
+        _bwd_dkdv_program(
+            kv_tile, kv_bh,
+            Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV,
+            stride_qb, stride_qh, stride_qm, stride_qd,
+            stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_vb, stride_vh, stride_vn, stride_vd,
+            stride_mb, stride_mh, stride_mm, stride_mn,
+            stride_dob, stride_doh, stride_dom, stride_dod,
+            stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+            stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+            H, HKV, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+            qk_scale, sm_scale, softcap, dropout_p,
+            BLOCK_M1, BLOCK_N1, BLOCK_D, BLOCK_DV, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND,
+            HAS_DROPOUT, INPUT_PRECISION, KV_MASK_HEAD, KV_MASK_TAIL,
+        )  # fmt: skip
+    else:
+        _bwd_dq_program(
+            q_tile, q_bh,
+            Q, K, V, Mask, Seed, DO, Lse, Delta, DQ,
+            stride_qb, stride_qh, stride_qm, stride_qd,
+            stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_vb, stride_vh, stride_vn, stride_vd,
+            stride_mb, stride_mh, stride_mm, stride_mn,
+            stride_dob, stride_doh, stride_dom, stride_dod,
+            stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+            H, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+            qk_scale, sm_scale, softcap, dropout_p,
+            BLOCK_M2, BLOCK_N2, BLOCK_D, BLOCK_DV, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND,
+            HAS_DROPOUT, INPUT_PRECISION, Q_MASK_HEAD, Q_MASK_TAIL,
+        )  # fmt: skip

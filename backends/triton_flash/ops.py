@@ -32,7 +32,7 @@ from torch._library.triton import set_wrap_triton_enabled
 from torch.library import triton_op, wrap_triton
 
 from . import kernels
-from .configs import LaunchConfig, launch_config
+from .configs import LaunchConfig, backward_configs, backward_launch, launch_config, merged_meta
 
 # Window sides and the causal clamp are passed as ints; this stands for "no window".
 NO_WINDOW = -1
@@ -193,19 +193,29 @@ def _setup(
 
 
 def _edge_segments(
-    walks_keys: bool, nq: int, nk: int, cfg: LaunchConfig, causal: bool, left: int, right: int
+    walks_keys: bool,
+    nq: int,
+    nk: int,
+    cfg: LaunchConfig,
+    causal: bool,
+    left: int,
+    right: int,
+    prefix: str = "",
 ) -> dict[str, bool]:
     """MASK_HEAD / MASK_TAIL of a dense kernel: whether its first / last masked segment
     can be non-empty (kernels' glossary, "segments"). A kernel walks keys (forward, dQ:
     the head is the band's left edge, the tail its right edge and a ragged last key tile)
     or queries (dK/dV: the head is the band's right edge, the tail its left edge and
-    ragged last tiles of either length)."""
+    ragged last tiles of either length). ``prefix`` names a role of the merged backward
+    kernel ("KV_", "Q_"), whose ``cfg`` is that role's tiles."""
     left_edge = left != NO_WINDOW
     right_edge = causal or right != NO_WINDOW
     if walks_keys:
-        return {"MASK_HEAD": left_edge, "MASK_TAIL": right_edge or nk % cfg.block_n != 0}
-    ragged = nq % cfg.block_m != 0 or nk % cfg.block_n != 0
-    return {"MASK_HEAD": right_edge, "MASK_TAIL": left_edge or ragged}
+        head, tail = left_edge, right_edge or nk % cfg.block_n != 0
+    else:
+        head = right_edge
+        tail = left_edge or nq % cfg.block_m != 0 or nk % cfg.block_n != 0
+    return {prefix + "MASK_HEAD": head, prefix + "MASK_TAIL": tail}
 
 
 def _forward_outputs(
@@ -314,7 +324,12 @@ def _bwd_impl(
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward: (dq, dk, dv) shaped like (q, k, v). ``dlse`` (B, Hq, Nq) is the
-    gradient reaching the returned lse, or None. Deterministic: no atomics."""
+    gradient reaching the returned lse, or None. Deterministic: no atomics.
+
+    After the preprocess (delta), dK/dV and dQ run as two launches or as one merged
+    launch, as :func:`configs.backward_launch` decides (``ATTNHUB_TRITON_BWD``), with the
+    same two configurations and edge-segment flags either way; the gradients are bitwise
+    the same."""
     dq, dk, dv, empty = _grad_outputs(q, k, v)
     if empty:
         return dq, dk, dv
@@ -324,24 +339,39 @@ def _bwd_impl(
                scale, dropout_p)  # fmt: skip
     delta = _delta(out, dout, dlse, c.meta["BLOCK_DV"])
     block_d = max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"])
-    interp, cap, esize = interpreting(), _capability(q.device), q.element_size()
     seed_t = q if seed is None else seed
-    lean = mask is None  # no mask tile streams: the larger lean tiles fit (configs.py)
-
-    cfg = launch_config("bwd_kv", block_d, esize, causal, cap, interp, max(nq, nk), lean=lean)
-    _launcher(kernels.attn_bwd_dkdv_kernel, q)[(triton.cdiv(nk, cfg.block_n), b * hkv)](
+    kv_cfg, q_cfg = backward_configs(block_d, q.element_size(), causal, _capability(q.device),
+                                     interpreting(), max(nq, nk), mask is None)  # fmt: skip
+    band = (causal, window_left, window_right)
+    mode = backward_launch(kv_cfg, q_cfg)
+    if mode != "split":
+        # One launch; the kernel derives each program's role and tile from its ids alone
+        # (grids in kernels.attn_bwd_kernel's docstring).
+        kv_tiles, q_tiles = triton.cdiv(nk, kv_cfg.block_n), triton.cdiv(nq, q_cfg.block_m)
+        if mode == "merged_heads":
+            grid: tuple[int, ...] = (kv_tiles + (hq // hkv) * q_tiles, b * hkv)
+        else:
+            grid = (kv_tiles * b * hkv + q_tiles * b * hq,)
+        _launcher(kernels.attn_bwd_kernel, q)[grid](
+            q, k, v, c.mask, seed_t, dout, lse, delta, dq, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
+            *dk.stride(), *dv.stride(), b, hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
+            **c.meta, **merged_meta(kv_cfg, q_cfg, mode),
+            **_edge_segments(False, nq, nk, kv_cfg, *band, prefix="KV_"),
+            **_edge_segments(True, nq, nk, q_cfg, *band, prefix="Q_"),
+        )  # fmt: skip
+        return dq, dk, dv
+    _launcher(kernels.attn_bwd_dkdv_kernel, q)[(triton.cdiv(nk, kv_cfg.block_n), b * hkv)](
         q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dk.stride(),
         *dv.stride(), hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
-        **c.meta, **cfg.meta(),
-        **_edge_segments(False, nq, nk, cfg, causal, window_left, window_right),
+        **c.meta, **kv_cfg.meta(), **_edge_segments(False, nq, nk, kv_cfg, *band),
     )  # fmt: skip
-    cfg = launch_config("bwd_q", block_d, esize, causal, cap, interp, max(nq, nk), lean=lean)
-    _launcher(kernels.attn_bwd_dq_kernel, q)[(triton.cdiv(nq, cfg.block_m), b * hq)](
+    _launcher(kernels.attn_bwd_dq_kernel, q)[(triton.cdiv(nq, q_cfg.block_m), b * hq)](
         q, k, v, c.mask, seed_t, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
-        hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **c.meta, **cfg.meta(),
-        **_edge_segments(True, nq, nk, cfg, causal, window_left, window_right),
+        hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **c.meta, **q_cfg.meta(),
+        **_edge_segments(True, nq, nk, q_cfg, *band),
     )  # fmt: skip
     return dq, dk, dv
 
