@@ -16,6 +16,16 @@ compile time, registers and spills per kernel (the fp32 D=256 rows were sized th
         --shape 1,16,16,2049,1000 --causal --bottom-right --config bwd_kv=16,32,8,1 \
         --kernel bwd --registers
 
+The backward is recorded as the split pair (``attn_bwd_dkdv_kernel``,
+``attn_bwd_dq_kernel``) and as the merged launch (``attn_bwd_kernel``) in both program
+orders, whatever ``ATTNHUB_TRITON_BWD`` says (``--bwd`` picks one). Registers, spills
+(also those inside loops) and shared memory of the merged kernel beside the two it
+merges, bf16 D=64/128, causal and not, at the benchmark grid's shapes (B = 16384 / N,
+H = 2048 / D) for N = 1024, 4096 and 16384, and with GQA 4:1 at N = 4096, with the
+configurations of a call without attn_mask (the lean table where it has a row):
+
+    python -m attnhub.backends.triton_flash.aot_check --bwd-table
+
 Run it without ``TRITON_INTERPRET`` in the environment (it removes it itself, so run
 it in a fresh process). Exit status 1 when any variant fails.
 """
@@ -29,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 # Kernel modules decide between interpreter and compiler when imported.
@@ -63,18 +74,28 @@ class _Recorder:
         return launch
 
 
-def record(cases: list[tuple[torch.dtype, int, dict]]) -> list:
+BWD_RECORDED = configs.BWD_MODES  # the backward launch modes recorded by default
+
+
+def record(
+    cases: list[tuple[torch.dtype, int, dict]], bwd_modes: tuple[str, ...] = BWD_RECORDED
+) -> list:
     """Run forward+backward for each (dtype, head dim, options) on CPU, recording launches.
 
     ``options`` may hold ``shape``: (B, Hq, Hkv, Nq, Nk), default (1, 2, 1, 40, 50); the
     shape decides the JIT's specialization (ints equal to 1, multiples of 16), so a GPU
     test's launch is reproduced exactly by passing its shape. The backward gets a
-    contiguous grad_out, as in training and in the conformance tests."""
+    contiguous grad_out, as in training and in the conformance tests. Each case runs
+    once per backward launch mode in ``bwd_modes`` (``configs.BWD_MODES``; a mode that
+    is not allowed for the case's configurations records the split launches again, and
+    :func:`compile_all` compiles each distinct launch once)."""
     launches: list = []
     original = ops._launcher
+    saved_mode = os.environ.get(configs.BWD_ENV)
     ops._launcher = lambda kernel, like: _Recorder(kernel, launches)  # type: ignore[assignment]
     try:
-        for dtype, d, options in cases:
+        for (dtype, d, options), mode in ((c, m) for c in cases for m in bwd_modes):
+            os.environ[configs.BWD_ENV] = mode
             options = dict(options)
             b, hq, hkv, nq, nk = options.pop("shape", (1, 2, 1, 40, 50))
             q = torch.randn(b, hq, nq, d, dtype=dtype, requires_grad=True)
@@ -88,6 +109,10 @@ def record(cases: list[tuple[torch.dtype, int, dict]]) -> list:
             out.backward(torch.randn_like(out))
     finally:
         ops._launcher = original
+        if saved_mode is None:
+            os.environ.pop(configs.BWD_ENV, None)
+        else:
+            os.environ[configs.BWD_ENV] = saved_mode
     return launches
 
 
@@ -141,9 +166,10 @@ def variants(quick: bool) -> list[tuple[torch.dtype, int, dict]]:
     return cases
 
 
-def ptxas_usage(ptx: str, capability: int) -> str:
-    """Registers and spills of compiled PTX, from ``ptxas -v`` (the ptxas Triton ships;
-    the AOT metadata lacks them: the driver reports them only on load)."""
+def ptxas_numbers(ptx: str, capability: int) -> tuple[int, int, int] | None:
+    """(registers, stack frame bytes, spill store bytes) of compiled PTX, from
+    ``ptxas -v`` (the ptxas Triton ships; the AOT metadata lacks them: the driver reports
+    them only on load); None where ptxas printed neither."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -158,37 +184,93 @@ def ptxas_usage(ptx: str, capability: int) -> str:
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log)
     if not (regs and spills):
+        return None
+    return int(regs.group(1)), int(spills.group(1)), int(spills.group(2))
+
+
+def loop_spills(cubin: bytes) -> tuple[int, int] | None:
+    """(STL, LDL): spill stores and loads inside the kernel's innermost loops (SASS from
+    the cuobjdump Triton ships; a loop is a backward branch's range). ptxas's spill
+    bytes count the whole kernel, where a spill around the prologue costs next to
+    nothing; one in a loop costs on every tile. None where cuobjdump fails."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        try:
+            sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", path],
+                                  capture_output=True, text=True, check=True).stdout  # fmt: skip
+        except (OSError, RuntimeError, subprocess.CalledProcessError):
+            return None
+    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for addr, op in code:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", op)
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    inner = [(lo, hi) for lo, hi in loops
+             if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]  # fmt: skip
+
+    def count(name: str) -> int:
+        return sum(1 for a, op in code if re.search(rf"\b{name}\b", op)
+                   and any(lo <= a <= hi for lo, hi in inner))  # fmt: skip
+
+    return count("STL"), count("LDL")
+
+
+def ptxas_usage(ptx: str, capability: int) -> str:
+    """:func:`ptxas_numbers` as text."""
+    numbers = ptxas_numbers(ptx, capability)
+    if numbers is None:
         return "registers=?"
-    return f"registers={regs.group(1)} stack={spills.group(1)} spill_stores={spills.group(2)}"
+    return "registers={} stack={} spill_stores={}".format(*numbers)
+
+
+def _distinct(launches: list, kernel_filter: tuple[str, ...] | None = None) -> Iterator[tuple]:
+    """The recorded launches that compile differently (kernel, argument types and
+    specializations, constexprs and options), first occurrence each; ``kernel_filter``:
+    only the kernels of these names."""
+    seen = set()
+    for kernel, kargs, kwargs in launches:
+        if kernel_filter is not None and kernel.fn.__name__ not in kernel_filter:
+            continue
+        key = (kernel.fn.__name__, str([_TYPES.get(getattr(a, "dtype", None), a == 1) for a in kargs]),
+               str(sorted(kwargs.items())))  # fmt: skip
+        if key not in seen:
+            seen.add(key)
+            yield kernel, kargs, kwargs
+
+
+def _try_compile(kernel: Any, kargs: tuple, kwargs: dict, capability: int, name: str) -> Any:
+    """:func:`compile_launch`, or None after printing a FAIL line with the error."""
+    try:
+        return compile_launch(kernel, kargs, kwargs, capability)
+    except Exception as exc:
+        print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
+        return None
 
 
 def compile_all(
     launches: list,
     capability: int,
     *,
-    kernel_filter: str | None = None,
+    kernel_filter: tuple[str, ...] | None = None,
     registers: bool = False,
 ) -> int:
     """Compile each distinct recorded launch for ``sm_<capability>``; print shared
     memory and compile time per kernel (and registers/spills with ``registers``);
     return the number of failures (errors or over the limit). ``kernel_filter``: only
-    kernels whose name contains it."""
-    seen, failures, start = set(), 0, time.time()
-    for kernel, kargs, kwargs in launches:
-        if kernel_filter is not None and kernel_filter not in kernel.fn.__name__:
-            continue
-        key = (kernel.fn.__name__, str([_TYPES.get(getattr(a, "dtype", None), a == 1) for a in kargs]),
-               str(sorted(kwargs.items())))  # fmt: skip
-        if key in seen:
-            continue
-        seen.add(key)
+    the kernels of these names."""
+    count, failures, start = 0, 0, time.time()
+    for kernel, kargs, kwargs in _distinct(launches, kernel_filter):
+        count += 1
         name = f"{kernel.fn.__name__} {_TYPES[kargs[0].dtype]} {kwargs}"
         began = time.time()
-        try:
-            compiled = compile_launch(kernel, kargs, kwargs, capability)
-        except Exception as exc:
+        compiled = _try_compile(kernel, kargs, kwargs, capability, name)
+        if compiled is None:
             failures += 1
-            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2000:]}", flush=True)
             continue
         took = time.time() - began
         shared = compiled.metadata.shared
@@ -197,14 +279,59 @@ def compile_all(
         failures += over
         print(f"{'FAIL' if over else 'ok'} {name} shared={shared}{usage} compile={took:.1f}s",
               flush=True)  # fmt: skip
-    print(f"{len(seen)} launches compiled for sm_{capability} in {time.time() - start:.0f} s, "
+    print(f"{count} launches compiled for sm_{capability} in {time.time() - start:.0f} s, "
           f"{failures} failures")  # fmt: skip
     return failures
 
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-_KERNELS = {"fwd": "attn_fwd_kernel", "bwd": "attn_bwd_d", "bwd_kv": "attn_bwd_dkdv_kernel",
-            "bwd_q": "attn_bwd_dq_kernel", "pre": "attn_bwd_preprocess_kernel"}  # fmt: skip
+_KV, _Q, _MERGED = "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel", "attn_bwd_kernel"
+_KERNELS = {"fwd": ("attn_fwd_kernel",), "bwd": (_KV, _Q, _MERGED), "bwd_kv": (_KV,),
+            "bwd_q": (_Q,), "bwd_merged": (_MERGED,),
+            "pre": ("attn_bwd_preprocess_kernel",)}  # fmt: skip
+
+
+def bwd_table(capability: int) -> int:
+    """Print registers, spills and shared memory of the merged backward kernel beside the
+    two kernels it merges (markdown), for bf16 D=64/128, causal and not, at the benchmark
+    grid's shapes (B = 16384 / N, H = 2048 / D) for N = 1024, 4096 and 16384, and with
+    GQA 4:1 (Hkv = H / 4, which adds the dK/dV program's loop over query heads) at
+    N = 4096, with the configurations a call without attn_mask gets (the lean ones where
+    listed). Returns the number of compile failures. A merged kernel gets at least the
+    registers of its hungrier role; where it spills inside a loop and neither separate
+    kernel did, expect it slower."""
+    print("| D | N | heads | causal | kernel | tiles (M,N) | warps, stages | registers | "
+          "spill stores (B) | stack (B) | STL/LDL in loops | shared (B) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    failures = 0
+    points = [(d, n, c, 1) for d in (64, 128) for n in (1024, 4096, 16384) for c in (False, True)]
+    points += [(d, 4096, c, 4) for d in (64, 128) for c in (False, True)]
+    for d, n, causal, group in points:
+        shape = (16384 // n, 2048 // d, 2048 // d // group, n, n)
+        cases = [(torch.bfloat16, d, {"shape": shape, "causal": causal})]
+        launches = record(cases, configs.BWD_MODES)
+        for kernel, kargs, kwargs in _distinct(launches, _KERNELS["bwd"]):
+            name = kernel.fn.__name__
+            compiled = _try_compile(kernel, kargs, kwargs, capability, name)
+            if compiled is None:
+                failures += 1
+                continue
+            if name == _MERGED:
+                order = " (heads)" if kwargs["HEAD_MAJOR"] else ""
+                label = f"merged{order}"
+                tiles = "dK/dV ({},{}), dQ ({},{})".format(
+                    *(kwargs[x] for x in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"))
+                )
+            else:
+                label = "dK/dV" if name == _KV else "dQ"
+                tiles = f"({kwargs['BLOCK_M']},{kwargs['BLOCK_N']})"
+            regs, stack, spills = ptxas_numbers(compiled.asm["ptx"], capability) or ("?",) * 3
+            in_loops = "{}/{}".format(*(loop_spills(compiled.asm["cubin"]) or ("?", "?")))
+            heads = f"{shape[1]}" if group == 1 else f"{shape[1]}:{shape[2]}"
+            print(f"| {d} | {n} | {heads} | {'yes' if causal else 'no'} | {label} | {tiles} | "
+                  f"{kwargs['num_warps']}, {kwargs['num_stages']} | {regs} | {spills} | "
+                  f"{stack} | {in_loops} | {compiled.metadata.shared} |", flush=True)  # fmt: skip
+    return failures
 
 
 def _config(text: str) -> tuple[str, configs.LaunchConfig]:
@@ -231,10 +358,20 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--kernel", choices=sorted(_KERNELS), help="compile only these kernels")
     parser.add_argument(
+        "--bwd", choices=(*configs.BWD_MODES, "all"), default="all",
+        help="backward launch mode to record (default: all of them)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--bwd-table", action="store_true",
+        help="only the merged-vs-split backward register table (bf16, D 64/128, N 1K/4K, GQA)",
+    )  # fmt: skip
+    parser.add_argument(
         "--registers", action="store_true",
         help="also report registers and spills (runs ptxas -v once more per kernel)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.bwd_table:
+        return 1 if bwd_table(args.capability) else 0
     if args.dtype is None:
         cases = variants(args.quick)
     else:
@@ -248,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [(_DTYPES[args.dtype], args.head_dim, options)]
     configs.OVERRIDE.update(dict(args.config))
     try:
-        launches = record(cases)
+        launches = record(cases, BWD_RECORDED if args.bwd == "all" else (args.bwd,))
     finally:
         for direction, _ in args.config:
             configs.OVERRIDE.pop(direction, None)
