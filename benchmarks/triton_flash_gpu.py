@@ -18,6 +18,14 @@ Usage (on the H200 machine, after ``pip install --no-build-isolation --no-deps -
    then timed (data for the configuration table).
 7. ``--only fold``: the forward with and without the scale folded into the exponent
    (kernels' FOLD_SCALE) on the grid, at the table's and the probe's configurations.
+8. ``--only bwd_ab``: the backward as two launches or one (``ATTNHUB_TRITON_BWD`` =
+   split, merged, merged_heads; branch wip/merged-bwd-launch-2) on the timing grid, each
+   mode's gradients checked bitwise against split's first.
+
+``--bwd MODE`` sets ``ATTNHUB_TRITON_BWD`` for the whole run (default: the library's).
+The merged-vs-split A/B in one call::
+
+    python benchmarks/triton_flash_gpu.py OUT.json --only bwd_ab [--quick]
 
 Writes JSON to OUT.json and prints the timing table last.
 """
@@ -63,6 +71,7 @@ def env() -> dict:
         "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "attnhub_commit": commit,
+        "ATTNHUB_TRITON_BWD": os.environ.get("ATTNHUB_TRITON_BWD"),
         "note": "working tree may differ from the commit (uncommitted changes)",
     }
 
@@ -443,6 +452,92 @@ def fold(seqlens: tuple[int, ...] = (1024, 4096, 16384)) -> list[dict]:
     return rows
 
 
+BWD_AB_MODES = ("split", "merged", "merged_heads")
+
+
+def bwd_ab(quick: bool) -> list[dict]:
+    """Split vs merged backward on the timing grid (bf16, D 64/128, N 1K/4K/16K, B = 16384/N,
+    H = 2048/D, causal and not). Per point and mode: the gradients, checked bitwise equal
+    to split's; the backward alone (do_bench median of the implementation on saved
+    forward outputs: preprocess plus the dK/dV and dQ launches, host time included, as a
+    training step pays it); forward+backward through autograd as in ``timing``. The modes
+    alternate within a point, so a drift of the clock affects all of them alike."""
+    from attnhub.backends.triton_flash import configs
+
+    rows = []
+    ns = (1024, 4096) if quick else (1024, 4096, 16384)
+    previous = os.environ.get(configs.BWD_ENV)
+    try:
+        for d, n, causal in ((d, n, c) for d in (64, 128) for n in ns for c in (False, True)):
+            rows += _bwd_ab_point(d, n, causal)
+            torch.cuda.empty_cache()
+    finally:
+        if previous is None:
+            os.environ.pop(configs.BWD_ENV, None)
+        else:
+            os.environ[configs.BWD_ENV] = previous
+    print_bwd_ab(rows)
+    return rows
+
+
+def _bwd_ab_point(d: int, n: int, causal: bool) -> list[dict]:
+    from torch._library.triton import set_wrap_triton_enabled
+
+    from attnhub.backends.triton_flash import configs, ops
+
+    b, h = 16384 // n, 2048 // d
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    dout = torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out, lse = ops.flash_attention(q, k, v, causal=causal)
+    # The configurations ops._bwd_impl picks for this call (no attn_mask: lean).
+    cfgs = configs.backward_configs(
+        d, 2, causal, torch.cuda.get_device_capability(), False, n, True
+    )
+    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+
+    def bwd() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Raw launches, as an eager backward makes them (ops.DirectAttention.backward).
+        with set_wrap_triton_enabled(False):
+            return ops._bwd_impl(dout, q, k, v, None, None, out, lse, None, causal, False,
+                                 ops.NO_WINDOW, ops.NO_WINDOW, 0.0, d**-0.5, 0.0)  # fmt: skip
+
+    rows, reference = [], None
+    for mode in BWD_AB_MODES:
+        os.environ[configs.BWD_ENV] = mode
+        grads = bwd()
+        torch.cuda.synchronize()
+        reference = grads if reference is None else reference
+        row = {"D": d, "N": n, "B": b, "H": h, "causal": causal, "mode": mode,
+               "launch": configs.backward_launch(*cfgs),
+               "configs": [[c.block_m, c.block_n, c.num_warps, c.num_stages] for c in cfgs],
+               "bitwise_equal_to_split": all(torch.equal(x, r) for x, r in zip(grads, reference))}  # fmt: skip
+        t_b = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
+        t_f, t_fb = _bench(_ours, q, k, v, dout, causal)
+        row.update(bwd_ms=round(t_b, 4), bwd_tflops=round(2.5 * flops / t_b / 1e9, 1),
+                   fwd_bwd_ms=round(t_fb, 4), fwd_ms=round(t_f, 4))  # fmt: skip
+        print(f"bwd_ab {row}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def print_bwd_ab(rows: list[dict]) -> None:
+    by = {(r["D"], r["N"], r["causal"], r["mode"]): r for r in rows}
+    print("\nbf16 backward alone, ms (do_bench median); x = split / mode (> 1: mode faster)")
+    print(f"{'D':>4} {'N':>6} {'causal':>6} | {'split':>7} | " + " | ".join(
+        f"{m:>12} {'x':>5}" for m in BWD_AB_MODES[1:]) + " | bitwise")  # fmt: skip
+    for d, n, causal in sorted({(r["D"], r["N"], r["causal"]) for r in rows}):
+        split = by[(d, n, causal, "split")]["bwd_ms"]
+        cells, same = [], True
+        for m in BWD_AB_MODES[1:]:
+            r = by[(d, n, causal, m)]
+            same &= r["bitwise_equal_to_split"]
+            cells.append(f"{r['bwd_ms']:>12} {split / r['bwd_ms']:>5.2f}")
+        print(f"{d:>4} {n:>6} {causal!s:>6} | {split:>7} | " + " | ".join(cells) + f" | {same}")
+
+
 def print_table(rows: list[dict]) -> None:
     by = {(r["backend"], r["D"], r["Nq"], r["causal"], r["mode"]): r["tflops"] for r in rows}
     print("\nbf16 TFLOP/s, triton_flash vs torch_sdpa_flash (fwd | bwd), ratio")
@@ -468,7 +563,11 @@ def main() -> None:
     parser.add_argument("--no-sanitizer", action="store_true")
     parser.add_argument("--only", default="", help="comma list of sections to run")
     parser.add_argument("--sweep-seqlens", default="4096", help="comma list of N for the sweep")
+    parser.add_argument("--bwd", choices=BWD_AB_MODES,
+                        help="set ATTNHUB_TRITON_BWD for the whole run")  # fmt: skip
     args = parser.parse_args()
+    if args.bwd:
+        os.environ["ATTNHUB_TRITON_BWD"] = args.bwd
     torch.set_float32_matmul_precision("highest")
     sections = set(args.only.split(",")) if args.only else {
         "correctness", "determinism", "sanitizer", "memory", "long", "timing", "sweep"}  # fmt: skip
@@ -490,6 +589,7 @@ def main() -> None:
         ("timing", lambda: timing(args.quick)),
         ("sweep", lambda: sweep(tuple(int(n) for n in args.sweep_seqlens.split(",")))),
         ("fold", fold),
+        ("bwd_ab", lambda: bwd_ab(args.quick)),
     )
     for name, step in steps:
         if name not in sections:
