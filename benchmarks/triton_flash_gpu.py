@@ -21,6 +21,8 @@ Usage (on the H200 machine, after ``pip install --no-build-isolation --no-deps -
 8. ``--only bwd_ab``: the backward as two launches or one (``ATTNHUB_TRITON_BWD`` =
    split, merged, merged_heads; branch wip/merged-bwd-launch-2) on the timing grid, each
    mode's gradients checked bitwise against split's first.
+9. ``--only order_ab``: row blocks in id order against reversed (kernels' REVERSE_M) at
+   the grid's causal points, forward and split backward, checked bitwise first.
 
 ``--bwd MODE`` sets ``ATTNHUB_TRITON_BWD`` for the whole run (default: the library's).
 The merged-vs-split A/B in one call::
@@ -538,6 +540,76 @@ def print_bwd_ab(rows: list[dict]) -> None:
         print(f"{d:>4} {n:>6} {causal!s:>6} | {split:>7} | " + " | ".join(cells) + f" | {same}")
 
 
+def order_ab(quick: bool) -> list[dict]:
+    """Row blocks in id order against reversed (kernels' REVERSE_M, which ops sets for a
+    causal band) at the timing grid's causal points (bf16, D 64/128, N 1K/4K/16K, B =
+    16384/N, H = 2048/D): the forward and the split backward (whose dQ launch takes the
+    flag), outputs and gradients checked bitwise equal across the orders, then timed
+    (do_bench median; the backward alone as in ``bwd_ab``). The orders alternate within
+    a point."""
+    from attnhub.backends.triton_flash import configs
+
+    previous = os.environ.get(configs.BWD_ENV)
+    os.environ[configs.BWD_ENV] = "split"
+    rows = []
+    try:
+        for d, n in (
+            (d, n) for d in (64, 128) for n in ((1024, 4096) if quick else (1024, 4096, 16384))
+        ):
+            rows += _order_ab_point(d, n)
+            torch.cuda.empty_cache()
+    finally:
+        if previous is None:
+            os.environ.pop(configs.BWD_ENV, None)
+        else:
+            os.environ[configs.BWD_ENV] = previous
+    return rows
+
+
+def _order_ab_point(d: int, n: int) -> list[dict]:
+    from torch._library.triton import set_wrap_triton_enabled
+
+    from attnhub.backends.triton_flash import ops
+
+    b, h = 16384 // n, 2048 // d
+    torch.manual_seed(7)
+    q, k, v, dout = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16)
+                     for _ in range(4))  # fmt: skip
+    flops = 2 * b * h * n * n * d  # causal: half of 4 * B * H * N^2 * D
+
+    def fwd():  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            return ops.flash_attention(q, k, v, causal=True)
+
+    out, lse = fwd()
+
+    def bwd():  # type: ignore[no-untyped-def]
+        with set_wrap_triton_enabled(False):
+            return ops._bwd_impl(dout, q, k, v, None, None, out, lse, None, True, False,
+                                 ops.NO_WINDOW, ops.NO_WINDOW, 0.0, d**-0.5, 0.0)  # fmt: skip
+
+    row_order = ops._row_order
+    rows, reference = [], None
+    for reverse in (True, False):
+        if not reverse:
+            ops._row_order = lambda *a, prefix="": {f"{prefix}REVERSE_M": False}
+        try:
+            results = (*fwd(), *bwd())
+            torch.cuda.synchronize()
+            reference = results if reference is None else reference
+            t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+            t_b = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
+        finally:
+            ops._row_order = row_order
+        row = {"D": d, "N": n, "B": b, "H": h, "causal": True, "reverse_m": reverse,
+               "bitwise_equal_to_reversed": all(torch.equal(x, r) for x, r in zip(results, reference)),
+               "fwd_ms": round(t_f, 4), "fwd_tflops": round(flops / t_f / 1e9, 1),
+               "bwd_ms": round(t_b, 4), "bwd_tflops": round(2.5 * flops / t_b / 1e9, 1)}  # fmt: skip
+        print(f"order_ab {row}", flush=True)
+        rows.append(row)
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     by = {(r["backend"], r["D"], r["Nq"], r["causal"], r["mode"]): r["tflops"] for r in rows}
     print("\nbf16 TFLOP/s, triton_flash vs torch_sdpa_flash (fwd | bwd), ratio")
@@ -590,6 +662,7 @@ def main() -> None:
         ("sweep", lambda: sweep(tuple(int(n) for n in args.sweep_seqlens.split(",")))),
         ("fold", fold),
         ("bwd_ab", lambda: bwd_ab(args.quick)),
+        ("order_ab", lambda: order_ab(args.quick)),
     )
     for name, step in steps:
         if name not in sections:

@@ -301,6 +301,7 @@ def test_merged_backward_bitwise_equals_split(
     assert [name for name, _ in split[-2:]] == ["attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
     flags = {f"{role}{name}": split[i][1][name] for i, role in ((-2, "KV_"), (-1, "Q_"))
              for name in ("MASK_HEAD", "MASK_TAIL")}  # fmt: skip
+    flags["Q_REVERSE_M"] = split[-1][1]["REVERSE_M"]
     if case.label.startswith("even") and not case.causal and case.window is None:
         assert not any(flags.values())  # the merged kernel without its masked segments
     for mode in ("merged", "merged_heads"):
@@ -539,6 +540,25 @@ def test_forward_folds_the_scale_only_where_exact(scale, softcap, mask, fold) ->
     setup = ops._setup(q, q, masks[mask], 8, False, False, ops.NO_WINDOW, ops.NO_WINDOW,
                        softcap, scale, 0.0)  # fmt: skip
     assert setup.fold_scale is fold
+
+
+@pytest.mark.parametrize(
+    ("causal", "window", "reverse"),
+    [
+        (False, (None, None), False),
+        (True, (None, None), True),  # row i sees i + 1 keys: later blocks are longer
+        (False, (None, 0), True),  # a right window alone bounds rows as causal does
+        (True, (64, None), False),  # a band of equal width: no order to prefer
+        (False, (64, None), False),  # later rows see fewer keys
+    ],
+)
+def test_row_blocks_run_last_first_where_later_rows_see_more_keys(causal, window, reverse) -> None:  # type: ignore[no-untyped-def]
+    """REVERSE_M (forward and dQ; the merged backward's Q_REVERSE_M): the longest
+    programs launch first. The order changes no result: causal cases of CASES run
+    reversed, the others in id order, against the same references."""
+    left, right = (ops.NO_WINDOW if w is None else w for w in window)
+    assert ops._row_order(causal, left, right) == {"REVERSE_M": reverse}
+    assert ops._row_order(causal, left, right, prefix="Q_") == {"Q_REVERSE_M": reverse}
 
 
 def test_declarations_and_dispatch() -> None:

@@ -218,6 +218,16 @@ def _edge_segments(
     return {prefix + "MASK_HEAD": head, prefix + "MASK_TAIL": tail}
 
 
+def _row_order(causal: bool, left: int, right: int, prefix: str = "") -> dict[str, bool]:
+    """REVERSE_M of the forward and dQ kernels (``prefix`` "Q_": the merged backward's dQ
+    role): whether later row blocks visit more key blocks, which holds when the band has
+    a right edge (causal, or a right window) and no left one. The kernels then take
+    their row blocks last first (kernels._row_block). dK/dV needs no flag: under such a
+    band its earlier key blocks are the longer ones, and they already come first."""
+    heavier_later = (causal or right != NO_WINDOW) and left == NO_WINDOW
+    return {f"{prefix}REVERSE_M": heavier_later}
+
+
 def _forward_outputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -301,6 +311,7 @@ def _fwd_impl(
         hq, hq // hkv, nq, nk, d, dv, *c.scalars, **c.meta, **cfg.meta(),
         FOLD_SCALE=c.fold_scale,
         **_edge_segments(True, nq, nk, cfg, causal, window_left, window_right),
+        **_row_order(causal, window_left, window_right),
     )  # fmt: skip
     return out, lse
 
@@ -359,6 +370,7 @@ def _bwd_impl(
             **c.meta, **merged_meta(kv_cfg, q_cfg, mode),
             **_edge_segments(False, nq, nk, kv_cfg, *band, prefix="KV_"),
             **_edge_segments(True, nq, nk, q_cfg, *band, prefix="Q_"),
+            **_row_order(*band, prefix="Q_"),
         )  # fmt: skip
         return dq, dk, dv
     _launcher(kernels.attn_bwd_dkdv_kernel, q)[(triton.cdiv(nk, kv_cfg.block_n), b * hkv)](
@@ -371,7 +383,7 @@ def _bwd_impl(
         q, k, v, c.mask, seed_t, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
         hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **c.meta, **q_cfg.meta(),
-        **_edge_segments(True, nq, nk, q_cfg, *band),
+        **_edge_segments(True, nq, nk, q_cfg, *band), **_row_order(*band),
     )  # fmt: skip
     return dq, dk, dv
 
