@@ -315,8 +315,9 @@ def test_merged_backward_bitwise_equals_split(
 
 
 def test_backward_launch_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ATTNHUB_TRITON_BWD picks the launch where the two roles' configurations (the split
-    path's own, lean or not) share warps and stages, and split elsewhere."""
+    """The table (or ATTNHUB_TRITON_BWD over it) picks the launch where the two roles'
+    configurations (the split path's own, lean or not) share warps and stages, and split
+    elsewhere."""
     from attnhub.backends.triton_flash import configs
 
     sm90 = (9, 0)
@@ -324,8 +325,19 @@ def test_backward_launch_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     def pair(d: int, esize: int, causal: bool, n: int = 4096, lean: bool = True):  # type: ignore[no-untyped-def]
         return configs.backward_configs(d, esize, causal, sm90, False, n, lean)
 
+    def table(d: int, esize: int, causal: bool, n: int = 4096, lean: bool = True) -> str:
+        return configs.backward_launch(*pair(d, esize, causal, n, lean), d, esize, lean)
+
     monkeypatch.delenv(configs.BWD_ENV, raising=False)
+    # Without the variable, the table: one launch for lean 2-byte D=128 calls only.
+    for causal, n in ((False, 1024), (True, 1024), (False, 16384), (True, 4096)):
+        assert table(128, 2, causal, n) == "merged_heads"
+    assert table(128, 2, True, lean=False) == configs.BWD_DEFAULT  # a mask tile: unmeasured
+    assert table(128, 4, True) == configs.BWD_DEFAULT
+    assert table(64, 2, True) == table(64, 2, False) == configs.BWD_DEFAULT
     assert configs.backward_launch(*pair(128, 2, True)) == configs.BWD_DEFAULT
+    monkeypatch.setenv(configs.BWD_ENV, "split")
+    assert table(128, 2, True) == "split"  # the variable overrides the table
     for mode in configs.BWD_MODES:
         monkeypatch.setenv(configs.BWD_ENV, mode)
         # Equal warps and stages (2-byte D <= 128, lean or not, short or not; fp32 rows).

@@ -222,38 +222,42 @@ def backward_configs(*key: Any) -> tuple[LaunchConfig, LaunchConfig]:
 
 # The backward as one launch ("merged": kernels.attn_bwd_kernel, whose programs split
 # into a dK/dV role and a dQ role, as FlexAttention's backward) or two ("split":
-# attn_bwd_dkdv_kernel, then attn_bwd_dq_kernel). The merged launch is an experiment
-# (benchmarks/NOTES.md, "Branch wip/merged-bwd-launch-2"); the variable exists for its
-# A/B.
+# attn_bwd_dkdv_kernel, then attn_bwd_dq_kernel). ATTNHUB_TRITON_BWD overrides the
+# table below (for A/B runs).
 BWD_ENV = "ATTNHUB_TRITON_BWD"
 BWD_MODES = ("split", "merged", "merged_heads")
 BWD_DEFAULT = "split"
 
+# Lean calls with 2-byte dtypes, by padded head dim: the launch measured fastest on the
+# H200 with the lean tiles (triton_flash-bwd-ab-2026-11-30-r2.json, backward alone,
+# modes timed in A B C C B A order at each point; ratios split / mode):
+# D=128 merged_heads 1.01 / 1.01 / 1.01 non-causal and 1.03 / 1.07 / 1.02 causal at
+# N = 1024 / 4096 / 16384. D=64 stays split: merged loses 3-5% causal (every program
+# gets the hungrier role's registers) and is within 1% non-causal.
+_LEAN_LAUNCH_2B: dict[int, str] = {128: "merged_heads"}
 
-def backward_launch(kv: LaunchConfig, q: LaunchConfig) -> str:
+
+def backward_launch(
+    kv: LaunchConfig, q: LaunchConfig, block_d: int = 0, element_size: int = 0, lean: bool = False
+) -> str:
     """How to launch one backward whose dK/dV and dQ configurations are ``kv`` and ``q``:
     ``"split"`` (two launches), ``"merged"`` (one launch: all dK/dV programs, then all
     dQ programs) or ``"merged_heads"`` (one launch in FlexAttention's order: per kv
     head, its dK/dV programs, then its query heads' dQ programs). Every mode gives
     bitwise the same gradients: each program computes the same sums in the same order.
 
-    ``ATTNHUB_TRITON_BWD`` (split | merged | merged_heads; unset or empty:
-    ``BWD_DEFAULT``) chooses. It is read on every backward, so a benchmark can switch it
-    in-process; under ``torch.compile`` the value at trace time is baked into the graph.
-    A merged launch is used only where ``kv`` and ``q`` have the same num_warps and
-    num_stages (a launch has one of each; the 2-byte D=256 rows have 4 vs 8 warps);
-    elsewhere the backward is split whatever was asked. An unknown value raises, so
-    that a typo cannot silently time the wrong path.
-
-    The default is "split", the measured path. On the H200, before the edge-segment
-    flags and the lean tiles, the merged launch measured +1-5% (merged_heads) at D=128
-    and -6-9% at D=64 causal, where every program gets the hungrier role's registers
-    and the dQ programs per SM halve; ``aot_check --bwd-table`` gives registers and
-    spills at today's tiles (benchmarks/NOTES.md). Make it the default (or the choice
-    per table row) only after the A/B on today's tiles
-    (``benchmarks/triton_flash_gpu.py OUT.json --only bwd_ab``).
+    The choice: ``ATTNHUB_TRITON_BWD`` (split | merged | merged_heads) where it is set
+    and not empty, else ``_LEAN_LAUNCH_2B`` for a lean call (:func:`launch_config`)
+    with a 2-byte dtype and padded head dim ``block_d``, else ``BWD_DEFAULT``. The
+    variable is read on every backward, so a benchmark can switch it in-process; under
+    ``torch.compile`` the value at trace time is baked into the graph. A merged launch
+    is used only where ``kv`` and ``q`` have the same num_warps and num_stages (a
+    launch has one of each; the 2-byte D=256 rows have 4 vs 8 warps); elsewhere the
+    backward is split whatever was asked. An unknown value raises, so that a typo
+    cannot silently time the wrong path.
     """
-    mode = os.environ.get(BWD_ENV) or BWD_DEFAULT
+    table = _LEAN_LAUNCH_2B.get(block_d) if lean and element_size == 2 else None
+    mode = os.environ.get(BWD_ENV) or table or BWD_DEFAULT
     if mode not in BWD_MODES:
         raise ValueError(f"{BWD_ENV}={mode!r}: expected one of {', '.join(BWD_MODES)}")
     if mode != "split" and (kv.num_warps, kv.num_stages) != (q.num_warps, q.num_stages):

@@ -338,8 +338,8 @@ def _bwd_impl(
     gradient reaching the returned lse, or None. Deterministic: no atomics.
 
     After the preprocess (delta), dK/dV and dQ run as two launches or as one merged
-    launch, as :func:`configs.backward_launch` decides (``ATTNHUB_TRITON_BWD``), with the
-    same two configurations and edge-segment flags either way; the gradients are bitwise
+    launch, as :func:`configs.backward_launch` decides (a table by head dim;
+    ``ATTNHUB_TRITON_BWD`` overrides it), with the same two configurations and edge-segment flags either way; the gradients are bitwise
     the same."""
     dq, dk, dv, empty = _grad_outputs(q, k, v)
     if empty:
@@ -351,10 +351,11 @@ def _bwd_impl(
     delta = _delta(out, dout, dlse, c.meta["BLOCK_DV"])
     block_d = max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"])
     seed_t = q if seed is None else seed
-    kv_cfg, q_cfg = backward_configs(block_d, q.element_size(), causal, _capability(q.device),
-                                     interpreting(), max(nq, nk), mask is None)  # fmt: skip
+    esize, lean = q.element_size(), mask is None
+    kv_cfg, q_cfg = backward_configs(block_d, esize, causal, _capability(q.device),
+                                     interpreting(), max(nq, nk), lean)  # fmt: skip
     band = (causal, window_left, window_right)
-    mode = backward_launch(kv_cfg, q_cfg)
+    mode = backward_launch(kv_cfg, q_cfg, block_d, esize, lean)
     if mode != "split":
         # One launch; the kernel derives each program's role and tile from its ids alone
         # (grids in kernels.attn_bwd_kernel's docstring).
