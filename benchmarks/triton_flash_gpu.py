@@ -19,10 +19,11 @@ Usage (on the H200 machine, after ``pip install --no-build-isolation --no-deps -
 7. ``--only fold``: the forward with and without the scale folded into the exponent
    (kernels' FOLD_SCALE) on the grid, at the table's and the probe's configurations.
 8. ``--only bwd_ab``: the backward as two launches or one (``ATTNHUB_TRITON_BWD`` =
-   split, merged, merged_heads; branch wip/merged-bwd-launch-2) on the timing grid, each
+   split, merged, merged_heads) on the timing grid, each
    mode's gradients checked bitwise against split's first.
-9. ``--only order_ab``: row blocks in id order against reversed (kernels' REVERSE_M) at
-   the grid's causal points, forward and split backward, checked bitwise first.
+9. ``--only window_ab``: sliding-window tiles chosen by the band's width against by the
+   sequence length (and split against the library's backward launch), at the issue's
+   window shape.
 
 ``--bwd MODE`` sets ``ATTNHUB_TRITON_BWD`` for the whole run (default: the library's).
 The merged-vs-split A/B in one call::
@@ -555,79 +556,74 @@ def print_bwd_ab(rows: list[dict]) -> None:
         print(f"{d:>4} {n:>6} {causal!s:>6} | {split:>7} | " + " | ".join(cells) + f" | {same}")
 
 
-def order_ab(quick: bool) -> list[dict]:
-    """Row blocks in id order against reversed (kernels' REVERSE_M, which ops sets for a
-    causal band) at the timing grid's causal points (bf16, D 64/128, N 1K/4K/16K, B =
-    16384/N, H = 2048/D): the forward and the split backward (whose dQ launch takes the
-    flag), outputs and gradients checked bitwise equal across the orders, then timed
-    (do_bench median; the backward alone as in ``bwd_ab``). The orders alternate within
-    a point."""
-    from attnhub.backends.triton_flash import configs
-
-    previous = os.environ.get(configs.BWD_ENV)
-    os.environ[configs.BWD_ENV] = "split"
-    rows = []
-    try:
-        for d, n in (
-            (d, n) for d in (64, 128) for n in ((1024, 4096) if quick else (1024, 4096, 16384))
-        ):
-            rows += _order_ab_point(d, n)
-            torch.cuda.empty_cache()
-    finally:
-        if previous is None:
-            os.environ.pop(configs.BWD_ENV, None)
-        else:
-            os.environ[configs.BWD_ENV] = previous
-    return rows
+WINDOW_AB = (256, 1024, 4096)  # W keys: window = (W - 1, 0), causal
+# (tiles chosen by, backward launch): the library's choice first.
+WINDOW_AB_VARIANTS = (("walk", ""), ("seqlen", ""), ("walk", "split"), ("seqlen", "split"))
 
 
-def _order_ab_point(d: int, n: int) -> list[dict]:
+def window_ab() -> list[dict]:
+    """Sliding-window tiles: chosen by the band's width (ops._Setup.walk: a W-key window
+    takes the tiles of a W-token sequence) against by the sequence length, each with the
+    library's backward launch and with the split one, at the issue's window shape (bf16,
+    B=2, H=16, N=16384, D=128, causal, window=(W-1, 0)). The forward and the backward
+    alone (as in ``bwd_ab``), each variant timed twice (A B C D D C B A); outputs and
+    gradients compared with the first variant's (max abs diff)."""
+    import dataclasses
+
     from torch._library.triton import set_wrap_triton_enabled
 
-    from attnhub.backends.triton_flash import ops
+    from attnhub.backends.triton_flash import configs, ops
 
-    b, h = 16384 // n, 2048 // d
-    torch.manual_seed(7)
-    q, k, v, dout = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16)
-                     for _ in range(4))  # fmt: skip
-    flops = 2 * b * h * n * n * d  # causal: half of 4 * B * H * N^2 * D
+    b, h, n, d = 2, 16, 16384, 128
+    torch.manual_seed(9)
+    q, k, v, dout = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16) for _ in range(4))
+    setup, previous = ops._setup, os.environ.get(configs.BWD_ENV)
+    rows = []
+    for w in WINDOW_AB:
+        window = (w - 1, 0)
+        flops = 4 * d * b * h * (w * n - w * (w - 1) // 2)  # kept pairs, as attnhub bench
 
-    def fwd():  # type: ignore[no-untyped-def]
-        with torch.no_grad():
-            return ops.flash_attention(q, k, v, causal=True)
+        def fwd():  # type: ignore[no-untyped-def]
+            with torch.no_grad():
+                return ops.flash_attention(q, k, v, causal=True, window=window)  # noqa: B023
 
-    out, lse = fwd()
+        def bwd(out, lse):  # type: ignore[no-untyped-def]
+            with set_wrap_triton_enabled(False):
+                return ops._bwd_impl(dout, q, k, v, None, None, out, lse, None, True, False,
+                                     w - 1, 0, 0.0, d**-0.5, 0.0)  # fmt: skip  # noqa: B023
 
-    def bwd():  # type: ignore[no-untyped-def]
-        with set_wrap_triton_enabled(False):
-            return ops._bwd_impl(dout, q, k, v, None, None, out, lse, None, True, False,
-                                 ops.NO_WINDOW, ops.NO_WINDOW, 0.0, d**-0.5, 0.0)  # fmt: skip
-
-    row_order = ops._row_order
-    runs: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
-    rows, reference = [], None
-    for reverse in (True, False, False, True):  # A B B A, as in bwd_ab
-        if not reverse:
-            ops._row_order = lambda *a, prefix="": {f"{prefix}REVERSE_M": False}
-        try:
-            if not runs[reverse]:
-                results = (*fwd(), *bwd())
-                torch.cuda.synchronize()
-                reference = results if reference is None else reference
-                rows.append({"D": d, "N": n, "B": b, "H": h, "causal": True, "reverse_m": reverse,
-                             "bitwise_equal_to_reversed": all(
-                                 torch.equal(x, r) for x, r in zip(results, reference))})  # fmt: skip
-            t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
-            t_b = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
-            runs[reverse].append((t_f, t_b))
-        finally:
-            ops._row_order = row_order
-    for row in rows:
-        t_f, t_b = (sum(x) / 2 for x in zip(*runs[row["reverse_m"]]))
-        row.update(fwd_ms=round(t_f, 4), fwd_tflops=round(flops / t_f / 1e9, 1),
-                   bwd_ms=round(t_b, 4), bwd_tflops=round(2.5 * flops / t_b / 1e9, 1),
-                   runs_ms=[[round(x, 4) for x in r] for r in runs[row["reverse_m"]]])  # fmt: skip
-        print(f"order_ab {row}", flush=True)
+        runs: dict[tuple[str, str], list[tuple[float, float]]] = {x: [] for x in WINDOW_AB_VARIANTS}
+        results = {}
+        for variant in WINDOW_AB_VARIANTS + WINDOW_AB_VARIANTS[::-1]:
+            tiles_by, mode = variant
+            if tiles_by == "seqlen":
+                ops._setup = lambda *a, **kw: dataclasses.replace(setup(*a, **kw), walk=n)
+            os.environ[configs.BWD_ENV] = mode
+            try:
+                out, lse = fwd()
+                results.setdefault(variant, (out, lse, *bwd(out, lse)))
+                t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+                t_b = triton.testing.do_bench(lambda: bwd(out, lse), warmup=25, rep=100,  # noqa: B023
+                                              return_mode="median")  # fmt: skip
+                runs[variant].append((t_f, t_b))
+            finally:
+                ops._setup = setup
+                if previous is None:
+                    os.environ.pop(configs.BWD_ENV, None)
+                else:
+                    os.environ[configs.BWD_ENV] = previous
+        first = results[WINDOW_AB_VARIANTS[0]]
+        for variant, times in runs.items():
+            t_f, t_b = (sum(x) / 2 for x in zip(*times))
+            diff = max((x.float() - y.float()).abs().max().item()
+                       for x, y in zip(results[variant], first))  # fmt: skip
+            row = {"W": w, "B": b, "H": h, "N": n, "D": d, "tiles_by": variant[0],
+                   "bwd_launch": variant[1] or "library", "max_abs_diff_vs_first": diff,
+                   "fwd_ms": round(t_f, 4), "fwd_tflops": round(flops / t_f / 1e9, 1),
+                   "bwd_ms": round(t_b, 4), "bwd_tflops": round(2.5 * flops / t_b / 1e9, 1),
+                   "runs_ms": [[round(x, 4) for x in r] for r in times]}  # fmt: skip
+            print(f"window_ab {row}", flush=True)
+            rows.append(row)
     return rows
 
 
@@ -683,7 +679,7 @@ def main() -> None:
         ("sweep", lambda: sweep(tuple(int(n) for n in args.sweep_seqlens.split(",")))),
         ("fold", fold),
         ("bwd_ab", lambda: bwd_ab(args.quick)),
-        ("order_ab", lambda: order_ab(args.quick)),
+        ("window_ab", window_ab),
     )
     for name, step in steps:
         if name not in sections:

@@ -301,7 +301,6 @@ def test_merged_backward_bitwise_equals_split(
     assert [name for name, _ in split[-2:]] == ["attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
     flags = {f"{role}{name}": split[i][1][name] for i, role in ((-2, "KV_"), (-1, "Q_"))
              for name in ("MASK_HEAD", "MASK_TAIL")}  # fmt: skip
-    flags["Q_REVERSE_M"] = split[-1][1]["REVERSE_M"]
     if case.label.startswith("even") and not case.causal and case.window is None:
         assert not any(flags.values())  # the merged kernel without its masked segments
     for mode in ("merged", "merged_heads"):
@@ -555,22 +554,43 @@ def test_forward_folds_the_scale_only_where_exact(scale, softcap, mask, fold) ->
 
 
 @pytest.mark.parametrize(
-    ("causal", "window", "reverse"),
+    ("causal", "window", "walk"),
     [
-        (False, (None, None), False),
-        (True, (None, None), True),  # row i sees i + 1 keys: later blocks are longer
-        (False, (None, 0), True),  # a right window alone bounds rows as causal does
-        (True, (64, None), False),  # a band of equal width: no order to prefer
-        (False, (64, None), False),  # later rows see fewer keys
+        (False, (None, None), 50),  # max(Nq, Nk)
+        (True, (None, None), 50),
+        (True, (15, None), 16),  # a causal window of 16 keys
+        (False, (15, None), 50),  # no right side: rows see every later key
+        (False, (10, 5), 16),
+        (True, (10, 5), 11),  # causal clamps the right side to 0
+        (False, (100, 100), 50),  # wider than the sequence
+        (False, (0, -3), 1),  # an empty band still launches with some tiles
     ],
 )
-def test_row_blocks_run_last_first_where_later_rows_see_more_keys(causal, window, reverse) -> None:  # type: ignore[no-untyped-def]
-    """REVERSE_M (forward and dQ; the merged backward's Q_REVERSE_M): the longest
-    programs launch first. The order changes no result: causal cases of CASES run
-    reversed, the others in id order, against the same references."""
+def test_tiles_are_chosen_by_the_keys_a_row_walks(causal, window, walk, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """launch_config's sequence length is the band's width where both sides are bounded
+    (a sliding window walks as many tiles as a sequence of its width), else the longer
+    length; the forward and both backward configurations get it."""
+    from attnhub.backends.triton_flash import configs
+
     left, right = (ops.NO_WINDOW if w is None else w for w in window)
-    assert ops._row_order(causal, left, right) == {"REVERSE_M": reverse}
-    assert ops._row_order(causal, left, right, prefix="Q_") == {"Q_REVERSE_M": reverse}
+    q = torch.randn(1, 1, 40, 16)
+    setup = ops._setup(q, q, None, 50, causal, False, left, right, 0.0, 0.25, 0.0)
+    assert setup.walk == walk
+    seen: list[int | None] = []
+    launch_config = ops.launch_config
+
+    def spy(direction, *key, **kw):  # type: ignore[no-untyped-def]
+        seen.append(key[5] if len(key) > 5 else kw.get("seqlen"))
+        return launch_config(direction, *key, **kw)
+
+    monkeypatch.setattr(ops, "launch_config", spy)
+    monkeypatch.setattr(configs, "launch_config", spy)  # backward_configs' two calls
+    k = torch.randn(1, 1, 50, 16, requires_grad=True)
+    qg = torch.randn(1, 1, 40, 16, requires_grad=True)
+    win = None if window == (None, None) else window
+    out, _ = ops.flash_attention(qg, k, k, causal=causal, window=win)
+    out.sum().backward()
+    assert seen == [walk] * 3  # forward, dK/dV, dQ
 
 
 def test_declarations_and_dispatch() -> None:
@@ -613,6 +633,9 @@ def test_import_attnhub_does_not_load_kernels() -> None:
         Case("causal_br", 2, 8, 2, 1000, 1537, 128, causal=True, bottom_right=True),
         Case("plain", 1, 4, 4, 2048, 2048, 64),
         Case("window", 1, 4, 4, 2047, 2047, 256, window=(300, 0)),
+        # A 256-key causal window: the short tiles (ops._Setup.walk) and, at D=128, the
+        # one-launch backward with both band edges masked.
+        Case("sliding", 1, 8, 2, 3000, 3000, 128, causal=True, window=(255, 0)),
         Case(
             "all",
             1,

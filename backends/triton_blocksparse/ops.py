@@ -20,7 +20,6 @@ import weakref
 from typing import Any, NamedTuple
 
 import torch
-import triton
 
 from attnhub.backends.triton_flash.configs import launch_config
 from attnhub.backends.triton_flash.ops import (
@@ -33,6 +32,7 @@ from attnhub.backends.triton_flash.ops import (
     _launcher,
     _setup,
     call_scalars,
+    cdiv,
     direct,
     interpreting,
 )
@@ -171,7 +171,7 @@ def _grid(n: int, block: int, tile: int, heads: int) -> int:
     """Programs of a 1-D block-sparse grid: every tile of every layout block (the last
     one whole, even if ragged) for each of ``heads`` (batch x heads); see
     ``kernels._program_tile``, which maps a program to its tile, heaviest rows first."""
-    return triton.cdiv(n, block) * (block // tile) * heads
+    return cdiv(n, block) * (block // tile) * heads
 
 
 def _fwd_impl(

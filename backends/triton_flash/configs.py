@@ -229,11 +229,12 @@ BWD_MODES = ("split", "merged", "merged_heads")
 BWD_DEFAULT = "split"
 
 # Lean calls with 2-byte dtypes, by padded head dim: the launch measured fastest on the
-# H200 with the lean tiles (triton_flash-bwd-ab-2026-11-30-r2.json, backward alone,
-# modes timed in A B C C B A order at each point; ratios split / mode):
-# D=128 merged_heads 1.01 / 1.01 / 1.01 non-causal and 1.03 / 1.07 / 1.02 causal at
-# N = 1024 / 4096 / 16384. D=64 stays split: merged loses 3-5% causal (every program
-# gets the hungrier role's registers) and is within 1% non-causal.
+# H200 with the lean tiles, backward alone, ratios split / merged_heads at N = 1024 /
+# 4096 / 16384 (triton_flash-order-bwd-ab-2026-11-30-r2.json: each mode timed twice in
+# A B C C B A order; its first run in A B C order, -2026-11-30.json, in brackets):
+# D=128 non-causal 1.03 / 1.04 / 1.01 (1.01 / 1.01 / 1.01), causal 1.05 / 1.11 / 1.03
+# (1.03 / 1.07 / 1.02). D=64 stays split: 0.95-1.03 across the two runs, and -3 to -5%
+# causal in the first (every program gets the hungrier role's registers).
 _LEAN_LAUNCH_2B: dict[int, str] = {128: "merged_heads"}
 
 

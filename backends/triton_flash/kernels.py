@@ -29,9 +29,7 @@ dropout               keep test ``rand(seed, ((b*H + h)*NQ + i)*NK + j) >= p`` w
 
 Program ids
 -----------
-forward, dQ, preprocess   axis 0: block of BLOCK_M query rows (forward and dQ: counted
-                          from the last block when REVERSE_M, see _row_block); axis 1:
-                          b * H + h
+forward, dQ, preprocess   axis 0: block of BLOCK_M query rows; axis 1: b * H + h
 dK/dV                     axis 0: block of BLOCK_N keys;       axis 1: b * HKV + hkv; the
                           program loops over the GROUP query heads of its kv head, so dK/dV
                           need no atomics and the backward is deterministic.
@@ -68,9 +66,6 @@ MASK_HEAD, MASK_TAIL  whether the first / last masked segment can be non-empty (
                       D=64 forward, spills at BLOCK_N=128). The merged backward has one
                       pair per role, KV_MASK_HEAD/KV_MASK_TAIL and Q_MASK_HEAD/Q_MASK_TAIL,
                       each the split kernel's pair for that role's tiles
-REVERSE_M             forward and dQ (merged: Q_REVERSE_M): row blocks in reverse program
-                      order, the longest programs first (ops sets it where later row
-                      blocks visit more keys: a causal band without a left window)
 """
 
 from __future__ import annotations
@@ -190,18 +185,6 @@ def _segment(seg: tl.constexpr, lo, f_lo, f_hi, hi):
 def _compiled(seg: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr):
     """Whether segment ``seg`` is compiled at all (MASK_HEAD / MASK_TAIL, glossary)."""
     return (seg == 0 and MASK_HEAD) or seg == 1 or (seg == 2 and MASK_TAIL)
-
-
-@triton.jit
-def _row_block(pid, count, REVERSE_M: tl.constexpr):
-    """The row block of the ``pid``-th of ``count`` programs: ``pid``, or counted from
-    the last block when REVERSE_M. Under a causal band (no left window) a row block
-    visits more key blocks the later it sits, and the GPU starts programs roughly in id
-    order, so the reversed order starts the longest programs first and leaves the short
-    ones to fill the grid's last wave (longest-processing-time-first)."""
-    if REVERSE_M:
-        return count - 1 - pid
-    return pid
 
 
 @triton.jit
@@ -355,11 +338,11 @@ def attn_fwd_kernel(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr, MASK_HEAD: tl.constexpr,
-    MASK_TAIL: tl.constexpr, REVERSE_M: tl.constexpr,
+    MASK_TAIL: tl.constexpr,
 ):  # fmt: skip
     """Out (B, H, NQ, DV) and Lse (B, H, NQ) float32 natural log, for one row block."""
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
-    start_m = _row_block(tl.program_id(0), tl.num_programs(0), REVERSE_M) * BLOCK_M
+    start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
@@ -839,12 +822,11 @@ def attn_bwd_dq_kernel(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
-    REVERSE_M: tl.constexpr,
 ):  # fmt: skip
     """dQ, one program per (row block, b * H + h) on grid axes (0, 1): the split
     backward's second launch (see :func:`_bwd_dq_program`)."""
     _bwd_dq_program(
-        _row_block(tl.program_id(0), tl.num_programs(0), REVERSE_M), tl.program_id(1),
+        tl.program_id(0), tl.program_id(1),
         Q, K, V, Mask, Seed, DO, Lse, Delta, DQ,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
@@ -878,7 +860,7 @@ def attn_bwd_kernel(
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, HEAD_MAJOR: tl.constexpr,
     KV_MASK_HEAD: tl.constexpr, KV_MASK_TAIL: tl.constexpr,
-    Q_MASK_HEAD: tl.constexpr, Q_MASK_TAIL: tl.constexpr, Q_REVERSE_M: tl.constexpr,
+    Q_MASK_HEAD: tl.constexpr, Q_MASK_TAIL: tl.constexpr,
 ):  # fmt: skip
     """dQ, dK and dV in one launch (FlexAttention's backward structure): cdiv(NK, BLOCK_N1)
     dK/dV programs per b * HKV + hkv and cdiv(NQ, BLOCK_M2) dQ programs per b * H + h.
@@ -941,7 +923,7 @@ def attn_bwd_kernel(
         )  # fmt: skip
     else:
         _bwd_dq_program(
-            _row_block(q_tile, q_tiles, Q_REVERSE_M), q_bh,
+            q_tile, q_bh,
             Q, K, V, Mask, Seed, DO, Lse, Delta, DQ,
             stride_qb, stride_qh, stride_qm, stride_qd,
             stride_kb, stride_kh, stride_kn, stride_kd,

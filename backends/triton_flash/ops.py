@@ -20,6 +20,7 @@ tensors in Triton's interpreter.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -27,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import triton
 from torch._library.triton import set_wrap_triton_enabled
 from torch.library import triton_op, wrap_triton
 
@@ -89,10 +89,24 @@ class _Serialized:
         return locked
 
 
+@functools.cache
 def _capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_capability(device)
+
+
+# Grid and tile arithmetic on host ints. triton.cdiv and triton.next_power_of_2 compute
+# the same through Triton's constexpr-function wrapper, ~2 us a call on the dev CPU
+# against 0.03-0.04 here; a forward+backward made eight such calls.
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, b > 0."""
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    """The least power of two >= n, for n >= 1."""
+    return 1 << (n - 1).bit_length()
 
 
 def _input_precision(dtype: torch.dtype) -> str:
@@ -142,8 +156,8 @@ def _common_meta(
     q, v, causal, bottom_right, window_left, window_right, softcap, mask_kind, dropout_p
 ):  # type: ignore[no-untyped-def]
     d, dv = q.shape[-1], v.shape[-1]
-    block_d = triton.next_power_of_2(max(d, 16))
-    block_dv = triton.next_power_of_2(max(dv, 16))
+    block_d = _next_power_of_2(max(d, 16))
+    block_dv = _next_power_of_2(max(dv, 16))
     return {
         "BLOCK_D": block_d,
         "BLOCK_DV": block_dv,
@@ -172,6 +186,11 @@ class _Setup:
     # products times a zero or negative scale would be wrong, and -inf * 0 is NaN),
     # and scores that are plain scaled products (no softcap, no float mask).
     fold_scale: bool
+    # What launch_config takes as the sequence length (configs.SHORT_N): the most keys
+    # one row visits, the band's width where both its sides are bounded, else the longer
+    # length. The tiles that suit a program depend on how many it walks, and a 256-key
+    # sliding window walks as few as a 256-token sequence.
+    walk: int
 
 
 _FP32_TINY = 1.1754943508222875e-38  # smallest normal float32
@@ -189,7 +208,8 @@ def _setup(
     scalars = (offset, left, right, qk_scale, scale,
                softcap if softcap > 0.0 else 1.0, dropout_p)  # fmt: skip
     fold = _FP32_TINY <= qk_scale < math.inf and softcap <= 0.0 and mask_kind != 2
-    return _Setup(mask_t, strides, meta, scalars, fold)
+    walk = max(1, min(max(q.shape[2], nk), left + right + 1))  # absent sides: > nq + nk
+    return _Setup(mask_t, strides, meta, scalars, fold, walk)
 
 
 def _edge_segments(
@@ -216,16 +236,6 @@ def _edge_segments(
         head = right_edge
         tail = left_edge or nq % cfg.block_m != 0 or nk % cfg.block_n != 0
     return {prefix + "MASK_HEAD": head, prefix + "MASK_TAIL": tail}
-
-
-def _row_order(causal: bool, left: int, right: int, prefix: str = "") -> dict[str, bool]:
-    """REVERSE_M of the forward and dQ kernels (``prefix`` "Q_": the merged backward's dQ
-    role): whether later row blocks visit more key blocks, which holds when the band has
-    a right edge (causal, or a right window) and no left one. The kernels then take
-    their row blocks last first (kernels._row_block). dK/dV needs no flag: under such a
-    band its earlier key blocks are the longer ones, and they already come first."""
-    heavier_later = (causal or right != NO_WINDOW) and left == NO_WINDOW
-    return {f"{prefix}REVERSE_M": heavier_later}
 
 
 def _forward_outputs(
@@ -266,7 +276,7 @@ def _delta(
     b, hq, nq, dv = out.shape
     delta = torch.empty((b, hq, nq), device=out.device, dtype=torch.float32)
     pre_m = 32 if interpreting() else 64
-    _launcher(kernels.attn_bwd_preprocess_kernel, out)[(triton.cdiv(nq, pre_m), b * hq)](
+    _launcher(kernels.attn_bwd_preprocess_kernel, out)[(cdiv(nq, pre_m), b * hq)](
         out, dout, delta, *out.stride(), *dout.stride(), hq, nq, dv,
         BLOCK_M=pre_m, BLOCK_DV=block_dv,
     )  # fmt: skip
@@ -302,16 +312,15 @@ def _fwd_impl(
                scale, dropout_p)  # fmt: skip
     cfg = launch_config(
         "fwd", max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"]), q.element_size(), causal,
-        _capability(q.device), interpreting(), max(nq, nk), lean=mask is None,
+        _capability(q.device), interpreting(), c.walk, lean=mask is None,
     )  # fmt: skip
-    grid = (triton.cdiv(nq, cfg.block_m), b * hq)
+    grid = (cdiv(nq, cfg.block_m), b * hq)
     _launcher(kernels.attn_fwd_kernel, q)[grid](
         q, k, v, c.mask, q if seed is None else seed, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *out.stride(),
         hq, hq // hkv, nq, nk, d, dv, *c.scalars, **c.meta, **cfg.meta(),
         FOLD_SCALE=c.fold_scale,
         **_edge_segments(True, nq, nk, cfg, causal, window_left, window_right),
-        **_row_order(causal, window_left, window_right),
     )  # fmt: skip
     return out, lse
 
@@ -353,13 +362,13 @@ def _bwd_impl(
     seed_t = q if seed is None else seed
     esize, lean = q.element_size(), mask is None
     kv_cfg, q_cfg = backward_configs(block_d, esize, causal, _capability(q.device),
-                                     interpreting(), max(nq, nk), lean)  # fmt: skip
+                                     interpreting(), c.walk, lean)  # fmt: skip
     band = (causal, window_left, window_right)
     mode = backward_launch(kv_cfg, q_cfg, block_d, esize, lean)
     if mode != "split":
         # One launch; the kernel derives each program's role and tile from its ids alone
         # (grids in kernels.attn_bwd_kernel's docstring).
-        kv_tiles, q_tiles = triton.cdiv(nk, kv_cfg.block_n), triton.cdiv(nq, q_cfg.block_m)
+        kv_tiles, q_tiles = cdiv(nk, kv_cfg.block_n), cdiv(nq, q_cfg.block_m)
         if mode == "merged_heads":
             grid: tuple[int, ...] = (kv_tiles + (hq // hkv) * q_tiles, b * hkv)
         else:
@@ -371,20 +380,19 @@ def _bwd_impl(
             **c.meta, **merged_meta(kv_cfg, q_cfg, mode),
             **_edge_segments(False, nq, nk, kv_cfg, *band, prefix="KV_"),
             **_edge_segments(True, nq, nk, q_cfg, *band, prefix="Q_"),
-            **_row_order(*band, prefix="Q_"),
         )  # fmt: skip
         return dq, dk, dv
-    _launcher(kernels.attn_bwd_dkdv_kernel, q)[(triton.cdiv(nk, kv_cfg.block_n), b * hkv)](
+    _launcher(kernels.attn_bwd_dkdv_kernel, q)[(cdiv(nk, kv_cfg.block_n), b * hkv)](
         q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dk.stride(),
         *dv.stride(), hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
         **c.meta, **kv_cfg.meta(), **_edge_segments(False, nq, nk, kv_cfg, *band),
     )  # fmt: skip
-    _launcher(kernels.attn_bwd_dq_kernel, q)[(triton.cdiv(nq, q_cfg.block_m), b * hq)](
+    _launcher(kernels.attn_bwd_dq_kernel, q)[(cdiv(nq, q_cfg.block_m), b * hq)](
         q, k, v, c.mask, seed_t, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
         hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **c.meta, **q_cfg.meta(),
-        **_edge_segments(True, nq, nk, q_cfg, *band), **_row_order(*band),
+        **_edge_segments(True, nq, nk, q_cfg, *band),
     )  # fmt: skip
     return dq, dk, dv
 
