@@ -24,6 +24,8 @@ Usage (on the H200 machine, after ``pip install --no-build-isolation --no-deps -
 9. ``--only window_ab``: sliding-window tiles chosen by the band's width against by the
    sequence length (and split against the library's backward launch), at the issue's
    window shape.
+10. ``--only window_sweep``: a few forward and backward configurations for W = 256 and
+    1024 at that shape, each compared with the table's choice, then timed.
 
 ``--bwd MODE`` sets ``ATTNHUB_TRITON_BWD`` for the whole run (default: the library's).
 The merged-vs-split A/B in one call::
@@ -627,6 +629,76 @@ def window_ab() -> list[dict]:
     return rows
 
 
+# Window sweep candidates (D=128): the table's choice first (walk <= SHORT_N: the
+# general forward row; the short causal backward pair, one launch).
+WINDOW_SWEEP_FWD = ((128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3),
+                    (64, 32, 4, 3))  # fmt: skip
+WINDOW_SWEEP_BWD = (
+    ((32, 64, 4, 3), (64, 32, 4, 3)),
+    ((64, 128, 8, 3), (128, 64, 8, 3)),
+    ((64, 64, 4, 3), (64, 64, 4, 3)),
+    ((32, 128, 4, 3), (128, 32, 4, 3)),
+    ((64, 64, 8, 3), (64, 64, 8, 3)),
+)
+
+
+def window_sweep() -> list[dict]:
+    """Launch configurations for sliding windows at the issue's window shape (bf16, B=2,
+    H=16, N=16384, D=128, causal, window=(W-1, 0), W 256 and 1024), forward and backward
+    alone (the library's launch: one for these D=128 pairs), each compared with the
+    table's choice (max abs diff) and timed (do_bench median)."""
+    from torch._library.triton import set_wrap_triton_enabled
+
+    from attnhub.backends.triton_flash import configs, ops
+
+    b, h, n, d = 2, 16, 16384, 128
+    torch.manual_seed(9)
+    q, k, v, dout = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16) for _ in range(4))
+    rows = []
+    for w in (256, 1024):
+        flops = 4 * d * b * h * (w * n - w * (w - 1) // 2)
+
+        def fwd():  # type: ignore[no-untyped-def]
+            with torch.no_grad():
+                return ops.flash_attention(q, k, v, causal=True, window=(w - 1, 0))  # noqa: B023
+
+        def bwd(out, lse):  # type: ignore[no-untyped-def]
+            with set_wrap_triton_enabled(False):
+                return ops._bwd_impl(dout, q, k, v, None, None, out, lse, None, True, False,
+                                     w - 1, 0, 0.0, d**-0.5, 0.0)  # fmt: skip  # noqa: B023
+
+        configs.OVERRIDE.clear()
+        out, lse = fwd()
+        ref = (out, *bwd(out, lse))
+        trials = [("fwd", {"fwd": c}) for c in WINDOW_SWEEP_FWD]
+        trials += [("bwd", {"bwd_kv": kv, "bwd_q": dq}) for kv, dq in WINDOW_SWEEP_BWD]
+        for kind, chosen in trials:
+            configs.OVERRIDE.clear()
+            configs.OVERRIDE.update({k_: configs.LaunchConfig(*c) for k_, c in chosen.items()})
+            row = {"kind": kind, "W": w, "B": b, "H": h, "N": n, "D": d,
+                   "config": list(chosen.values())}  # fmt: skip
+            try:
+                if kind == "fwd":
+                    got = fwd()[:1]
+                    ms = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+                else:
+                    got = bwd(out, lse)
+                    ms = triton.testing.do_bench(lambda: bwd(out, lse), warmup=25, rep=100,  # noqa: B023
+                                                 return_mode="median")  # fmt: skip
+                expected = ref[:1] if kind == "fwd" else ref[1:]
+                err = max((a.float() - r.float()).abs().max().item() for a, r in zip(got, expected))
+                fl = flops if kind == "fwd" else 2.5 * flops
+                row.update(max_abs_diff_vs_table=err, ms=round(ms, 4),
+                           tflops=round(fl / ms / 1e9, 1))  # fmt: skip
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            finally:
+                configs.OVERRIDE.clear()
+            print(f"window_sweep {row}", flush=True)
+            rows.append(row)
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     by = {(r["backend"], r["D"], r["Nq"], r["causal"], r["mode"]): r["tflops"] for r in rows}
     print("\nbf16 TFLOP/s, triton_flash vs torch_sdpa_flash (fwd | bwd), ratio")
@@ -680,6 +752,7 @@ def main() -> None:
         ("fold", fold),
         ("bwd_ab", lambda: bwd_ab(args.quick)),
         ("window_ab", window_ab),
+        ("window_sweep", window_sweep),
     )
     for name, step in steps:
         if name not in sections:
