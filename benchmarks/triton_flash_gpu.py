@@ -629,8 +629,9 @@ def window_ab() -> list[dict]:
     return rows
 
 
-# Window sweep candidates (D=128): the table's choice first (walk <= SHORT_N: the
-# general forward row; the short causal backward pair, one launch).
+# Window sweep candidates (D=128); each is compared with the table's own choice at its
+# W. First run (707a7e2): the general forward row and the short causal backward pair
+# (one launch) were the table's choice at both W; then the first five backward pairs.
 WINDOW_SWEEP_FWD = ((128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3),
                     (64, 32, 4, 3))  # fmt: skip
 WINDOW_SWEEP_BWD = (
@@ -639,6 +640,11 @@ WINDOW_SWEEP_BWD = (
     ((64, 64, 4, 3), (64, 64, 4, 3)),
     ((32, 128, 4, 3), (128, 32, 4, 3)),
     ((64, 64, 8, 3), (64, 64, 8, 3)),
+    ((32, 64, 4, 4), (64, 32, 4, 4)),
+    ((32, 64, 4, 2), (64, 32, 4, 2)),
+    ((32, 64, 8, 3), (64, 32, 8, 3)),
+    ((16, 64, 4, 3), (64, 16, 4, 3)),
+    ((32, 32, 4, 3), (32, 32, 4, 3)),
 )
 
 

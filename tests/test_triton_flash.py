@@ -508,7 +508,8 @@ def test_lse_gradient(with_out: bool) -> None:
 def test_launch_config_lean_entries() -> None:
     """Calls without a mask tile (``lean``) take the larger tiles measured for them, short
     and long; everything else, block-sparse included, keeps the general table; a lean key
-    that is not listed falls through to it (short entries included)."""
+    that is not listed falls through to it (short entries included). Narrow calls (a
+    short sliding window) take the narrow entries first."""
     from attnhub.backends.triton_flash import configs
 
     sm90 = (9, 0)
@@ -528,6 +529,12 @@ def test_launch_config_lean_entries() -> None:
     # Causal D=128 at N <= 1024 and causal D=64 forward at N <= 1024 are not lean keys.
     assert cfg("bwd_kv", 128, True, 1024, True) == cfg("bwd_kv", 128, True, 1024, False)
     assert cfg("fwd", 64, True, 1024, True) == configs.LaunchConfig(64, 64, 4, 3)
+    # Narrow calls (at most NARROW_N keys per row: a short window), mask or not.
+    narrow = configs.LaunchConfig(64, 64, 4, 3)
+    assert cfg("fwd", 128, True, 256, True) == cfg("fwd", 128, True, 256, False) == narrow
+    assert cfg("fwd", 128, True, 257, True) == configs.LaunchConfig(128, 64, 8, 3)
+    assert cfg("fwd", 128, False, 256, True) == big  # non-causal: not measured narrow
+    assert cfg("fwd", 128, True, 256, True, esize=4) != narrow
 
 
 @pytest.mark.parametrize(

@@ -132,6 +132,19 @@ _SHORT_2B: dict[tuple[str, int, bool], LaunchConfig] = {
     ("bwd_q", 128, False): LaunchConfig(64, 32, 4, 3),
 }
 
+# Narrow calls: rows that visit at most NARROW_N keys (ops._Setup.walk: a sliding window
+# of at most 256 keys, or a sequence as short), 2-byte dtypes, with or without a mask.
+# Measured at the issue's window shape (bf16, B=2, H=16, N=16384, D=128, causal, window
+# (W-1, 0); triton_flash-window-sweep-2026-11-30.json): each row block then walks a few
+# key tiles, most of them on one of the band's two masked edges, and 64-row blocks waste
+# half as many masked rows as 128-row ones.
+NARROW_N = 256
+_NARROW_2B: dict[tuple[str, int, bool], LaunchConfig] = {
+    # D=128 causal forward, W=256: 0.366 ms against 0.438 for (128, 64, 8, 3); at
+    # W=1024 (not narrow) that row stays best: 0.791 against 0.850 for this one.
+    ("fwd", 128, True): LaunchConfig(64, 64, 4, 3),
+}
+
 # Lean calls: dense triton_flash with no attn_mask, so no mask tile streams beside K/V
 # (or Q/dO) and a third pipeline stage, or BLOCK_N=128, fits in shared memory. Keyed by
 # (direction, padded head dim, causal, N <= SHORT_N); a key not listed falls through to
@@ -186,8 +199,10 @@ def launch_config(
     ``block_d`` is the larger of the padded head dims of q/k and v. ``capability``
     is part of the key so that entries for other GPUs can be added; today's entries
     were measured on sm_90 only. ``seqlen``, the longer of Nq and Nk, selects the
-    short-sequence entries (``SHORT_N``) where it is given. ``lean``: a dense call that
-    streams no mask tile, which may take the larger ``_LEAN_2B`` entries.
+    short-sequence entries (``SHORT_N``) and the narrow ones (``NARROW_N``) where it is
+    given: ops passes the most keys one row visits, a sliding window's width where it is
+    narrower than the sequence. ``lean``: a dense call that streams no mask tile, which
+    may take the larger ``_LEAN_2B`` entries.
     """
     if interpret:
         return {
@@ -197,6 +212,10 @@ def launch_config(
         }[direction]
     if direction in OVERRIDE:
         return OVERRIDE[direction]
+    if seqlen is not None and seqlen <= NARROW_N and element_size == 2:
+        narrow = _NARROW_2B.get((direction, block_d, causal))
+        if narrow is not None:
+            return narrow
     short_call = seqlen is not None and seqlen <= SHORT_N
     if lean and element_size == 2:
         entry = _LEAN_2B.get((direction, block_d, causal, short_call))
