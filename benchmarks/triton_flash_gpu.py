@@ -2,7 +2,7 @@
 
 Usage (on the H200 machine, after ``pip install --no-build-isolation --no-deps -e .``)::
 
-    python benchmarks/triton_flash_gpu.py OUT.json [--quick] [--no-sanitizer]
+    python benchmarks/triton_flash_gpu.py OUT.json [--quick] [--no-sanitizer] [--commit SHA]
 
 1. Correctness against the float64 reference on the GPU (bf16, fp16, fp32; N up to
    16K; D 64/128/256; contract features), with contract.md's tolerance rule.
@@ -58,16 +58,21 @@ DEV = "cuda"
 MIB = 1 << 20
 
 
-def env() -> dict:
+def _git_head() -> str | None:
     try:
         proc = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
         )
-        commit = proc.stdout.strip() if proc.returncode == 0 else None
     except OSError:
-        commit = None
-    if commit is not None and len(commit) != 40:  # not a real hash (e.g. a copied tree)
-        commit = None
+        return None
+    commit = proc.stdout.strip() if proc.returncode == 0 else ""
+    return commit if len(commit) == 40 else None  # not a real hash (e.g. a copied tree)
+
+
+def env(commit: str | None = None) -> dict:
+    """The run's machine and versions. ``commit``: the tree's commit as the caller knows
+    it (``--commit``); else ``git rev-parse HEAD``, which names a stale commit where the
+    tree was copied without its git metadata (the device tool's copies did so)."""
     return {
         "gpu": torch.cuda.get_device_name(),
         "capability": list(torch.cuda.get_device_capability()),
@@ -75,7 +80,7 @@ def env() -> dict:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "attnhub_commit": commit,
+        "attnhub_commit": commit or _git_head(),
         "ATTNHUB_TRITON_BWD": os.environ.get("ATTNHUB_TRITON_BWD"),
         "note": "working tree may differ from the commit (uncommitted changes)",
     }
@@ -730,6 +735,7 @@ def main() -> None:
     parser.add_argument("--no-sanitizer", action="store_true")
     parser.add_argument("--only", default="", help="comma list of sections to run")
     parser.add_argument("--sweep-seqlens", default="4096", help="comma list of N for the sweep")
+    parser.add_argument("--commit", help="the tree's commit, recorded in env (default: git HEAD)")
     parser.add_argument("--bwd", choices=BWD_AB_MODES,
                         help="set ATTNHUB_TRITON_BWD for the whole run")  # fmt: skip
     args = parser.parse_args()
@@ -740,7 +746,7 @@ def main() -> None:
         "correctness", "determinism", "sanitizer", "memory", "long", "timing", "sweep"}  # fmt: skip
     if args.no_sanitizer:
         sections.discard("sanitizer")
-    result: dict = {"env": env()}
+    result: dict = {"env": env(args.commit)}
 
     def save() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
