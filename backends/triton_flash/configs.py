@@ -198,10 +198,10 @@ def launch_config(
 
     ``block_d`` is the larger of the padded head dims of q/k and v. ``capability``
     is part of the key so that entries for other GPUs can be added; today's entries
-    were measured on sm_90 only. ``seqlen``, the longer of Nq and Nk, selects the
-    short-sequence entries (``SHORT_N``) and the narrow ones (``NARROW_N``) where it is
-    given: ops passes the most keys one row visits, a sliding window's width where it is
-    narrower than the sequence. ``lean``: a dense call that streams no mask tile, which
+    were measured on sm_90 only. ``seqlen`` selects the short-sequence entries
+    (``SHORT_N``) and the narrow ones (``NARROW_N``) where it is given: the most keys
+    one row visits (ops passes the longer of Nq and Nk, or a sliding window's width
+    where that is narrower). ``lean``: a dense call that streams no mask tile, which
     may take the larger ``_LEAN_2B`` entries.
     """
     if interpret:

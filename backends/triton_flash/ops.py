@@ -348,8 +348,8 @@ def _bwd_impl(
 
     After the preprocess (delta), dK/dV and dQ run as two launches or as one merged
     launch, as :func:`configs.backward_launch` decides (a table by head dim;
-    ``ATTNHUB_TRITON_BWD`` overrides it), with the same two configurations and edge-segment flags either way; the gradients are bitwise
-    the same."""
+    ``ATTNHUB_TRITON_BWD`` overrides it), with the same two configurations and
+    edge-segment flags either way; the gradients are bitwise the same."""
     dq, dk, dv, empty = _grad_outputs(q, k, v)
     if empty:
         return dq, dk, dv
