@@ -474,20 +474,12 @@ def bwd_ab(quick: bool) -> list[dict]:
     run twice within a point, in A B C C B A order, and report the mean of the two runs:
     the first run of a point measured up to 8% slow in A B C order (a 16K forward that
     every mode runs alike: 3.10 ms first, 2.83-2.85 after)."""
-    from attnhub.backends.triton_flash import configs
 
     rows = []
     ns = (1024, 4096) if quick else (1024, 4096, 16384)
-    previous = os.environ.get(configs.BWD_ENV)
-    try:
-        for d, n, causal in ((d, n, c) for d in (64, 128) for n in ns for c in (False, True)):
-            rows += _bwd_ab_point(d, n, causal)
-            torch.cuda.empty_cache()
-    finally:
-        if previous is None:
-            os.environ.pop(configs.BWD_ENV, None)
-        else:
-            os.environ[configs.BWD_ENV] = previous
+    for d, n, causal in ((d, n, c) for d in (64, 128) for n in ns for c in (False, True)):
+        rows += _bwd_ab_point(d, n, causal)
+        torch.cuda.empty_cache()
     print_bwd_ab(rows)
     return rows
 
@@ -521,18 +513,18 @@ def _bwd_ab_point(d: int, n: int, causal: bool) -> list[dict]:
     runs: dict[str, list[tuple[float, float]]] = {m: [] for m in BWD_AB_MODES}
     rows, reference = [], None
     for mode in BWD_AB_MODES + BWD_AB_MODES[::-1]:
-        os.environ[configs.BWD_ENV] = mode
-        if not runs[mode]:
-            grads = bwd()
-            torch.cuda.synchronize()
-            reference = grads if reference is None else reference
-            rows.append({"D": d, "N": n, "B": b, "H": h, "causal": causal, "mode": mode,
-                         "launch": configs.backward_launch(*cfgs),
-                         "configs": [[c.block_m, c.block_n, c.num_warps, c.num_stages] for c in cfgs],
-                         "bitwise_equal_to_split": all(torch.equal(x, r) for x, r in zip(grads, reference))})  # fmt: skip
-        t_b = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
-        t_fb = triton.testing.do_bench(lambda: _fwd_bwd(q, k, v, dout, causal), warmup=25, rep=100,
-                                       grad_to_none=[q, k, v], return_mode="median")  # fmt: skip
+        with configs.backward_mode(mode):
+            if not runs[mode]:
+                grads = bwd()
+                torch.cuda.synchronize()
+                reference = grads if reference is None else reference
+                rows.append({"D": d, "N": n, "B": b, "H": h, "causal": causal, "mode": mode,
+                             "launch": configs.backward_launch(*cfgs),
+                             "configs": [[c.block_m, c.block_n, c.num_warps, c.num_stages] for c in cfgs],
+                             "bitwise_equal_to_split": all(torch.equal(x, r) for x, r in zip(grads, reference))})  # fmt: skip
+            t_b = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
+            t_fb = triton.testing.do_bench(lambda: _fwd_bwd(q, k, v, dout, causal), warmup=25, rep=100,
+                                           grad_to_none=[q, k, v], return_mode="median")  # fmt: skip
         runs[mode].append((t_b, t_fb))
     for row in rows:
         t_b, t_fb = (sum(x) / 2 for x in zip(*runs[row["mode"]]))
@@ -584,7 +576,7 @@ def window_ab() -> list[dict]:
     b, h, n, d = 2, 16, 16384, 128
     torch.manual_seed(9)
     q, k, v, dout = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16) for _ in range(4))
-    setup, previous = ops._setup, os.environ.get(configs.BWD_ENV)
+    setup = ops._setup
     rows = []
     for w in WINDOW_AB:
         window = (w - 1, 0)
@@ -605,20 +597,16 @@ def window_ab() -> list[dict]:
             tiles_by, mode = variant
             if tiles_by == "seqlen":
                 ops._setup = lambda *a, **kw: dataclasses.replace(setup(*a, **kw), walk=n)
-            os.environ[configs.BWD_ENV] = mode
             try:
-                out, lse = fwd()
-                results.setdefault(variant, (out, lse, *bwd(out, lse)))
-                t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
-                t_b = triton.testing.do_bench(lambda: bwd(out, lse), warmup=25, rep=100,  # noqa: B023
-                                              return_mode="median")  # fmt: skip
+                with configs.backward_mode(mode):
+                    out, lse = fwd()
+                    results.setdefault(variant, (out, lse, *bwd(out, lse)))
+                    t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+                    t_b = triton.testing.do_bench(lambda: bwd(out, lse), warmup=25, rep=100,  # noqa: B023
+                                                  return_mode="median")  # fmt: skip
                 runs[variant].append((t_f, t_b))
             finally:
                 ops._setup = setup
-                if previous is None:
-                    os.environ.pop(configs.BWD_ENV, None)
-                else:
-                    os.environ[configs.BWD_ENV] = previous
         first = results[WINDOW_AB_VARIANTS[0]]
         for variant, times in runs.items():
             t_f, t_b = (sum(x) / 2 for x in zip(*times))

@@ -355,6 +355,15 @@ def test_backward_launch_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(configs.BWD_ENV, "fused")
     with pytest.raises(ValueError, match="ATTNHUB_TRITON_BWD='fused'"):
         configs.backward_launch(*pair(64, 2, False))
+    # backward_mode (A/B tools): the mode inside, the previous value or absence after.
+    with configs.backward_mode("merged"):
+        assert table(64, 2, False) == "merged"
+    assert os.environ[configs.BWD_ENV] == "fused"
+    monkeypatch.delenv(configs.BWD_ENV)
+    with pytest.raises(RuntimeError), configs.backward_mode("split"):
+        assert table(128, 2, False) == "split"
+        raise RuntimeError
+    assert configs.BWD_ENV not in os.environ
 
 
 def _dropout_case() -> Case:

@@ -91,11 +91,9 @@ def record(
     :func:`compile_all` compiles each distinct launch once)."""
     launches: list = []
     original = ops._launcher
-    saved_mode = os.environ.get(configs.BWD_ENV)
     ops._launcher = lambda kernel, like: _Recorder(kernel, launches)  # type: ignore[assignment]
     try:
         for (dtype, d, options), mode in ((c, m) for c in cases for m in bwd_modes):
-            os.environ[configs.BWD_ENV] = mode
             options = dict(options)
             b, hq, hkv, nq, nk = options.pop("shape", (1, 2, 1, 40, 50))
             q = torch.randn(b, hq, nq, d, dtype=dtype, requires_grad=True)
@@ -105,14 +103,11 @@ def record(
                 mask = torch.randn(nq, nk, dtype=dtype)
             elif mask == "bool":
                 mask = torch.rand(1, 1, nq, nk) > 0.5
-            out, _ = ops.flash_attention(q, k, k, mask, **options)
-            out.backward(torch.randn_like(out))
+            with configs.backward_mode(mode):
+                out, _ = ops.flash_attention(q, k, k, mask, **options)
+                out.backward(torch.randn_like(out))
     finally:
         ops._launcher = original
-        if saved_mode is None:
-            os.environ.pop(configs.BWD_ENV, None)
-        else:
-            os.environ[configs.BWD_ENV] = saved_mode
     return launches
 
 

@@ -20,7 +20,9 @@ kernel, or the two kernels.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -283,6 +285,22 @@ def backward_launch(
     if mode != "split" and (kv.num_warps, kv.num_stages) != (q.num_warps, q.num_stages):
         return "split"
     return mode
+
+
+@contextlib.contextmanager
+def backward_mode(mode: str) -> Iterator[None]:
+    """Inside the block, backwards launch as ``mode`` (``ATTNHUB_TRITON_BWD``; "" for
+    the table's choice); the variable's previous value, or its absence, comes back
+    after. For A/B runs and tools that try several modes in one process."""
+    previous = os.environ.get(BWD_ENV)
+    os.environ[BWD_ENV] = mode
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(BWD_ENV, None)
+        else:
+            os.environ[BWD_ENV] = previous
 
 
 def merged_meta(kv: LaunchConfig, q: LaunchConfig, mode: str) -> dict[str, int | bool]:
