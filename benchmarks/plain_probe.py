@@ -7,15 +7,16 @@ tiles, contiguous (B, H, N, D) inputs, scale folded into the exponent), timed in
 process and on the same inputs as triton_flash with the same (BLOCK_M, BLOCK_N, warps,
 stages), so that a gap between the two is the cost of the contract's structure and not
 of tiles or machine. KT=1 loads K as a (D, BLOCK_N) tile instead of transposing a
-(BLOCK_N, D) tile. Prints one line per trial and writes JSON.
+(BLOCK_N, D) tile. SDPA's flash and cuDNN kernels are timed on the same inputs, for the
+ratios the issue's bars use. Prints one line per trial and writes JSON.
 
-    python3 benchmarks/plain_probe.py OUT.json
+    python3 benchmarks/plain_probe.py OUT.json [--seqlen N]   (default 4096; B = 16384 / N)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 import torch
 import triton
@@ -75,10 +76,27 @@ def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: tuple, kt: boo
 CONFIGS = {64: [(128, 64, 4, 4), (128, 128, 4, 3)], 128: [(128, 64, 8, 3), (128, 128, 8, 3)]}
 
 
+def _sdpa(backend):  # type: ignore[no-untyped-def]
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v):  # type: ignore[no-untyped-def]
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    return run
+
+
 def main() -> None:
+    from torch.nn.attention import SDPBackend
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output")
+    parser.add_argument("--seqlen", type=int, default=4096)
+    args = parser.parse_args()
     rows = []
+    flash, cudnn = _sdpa(SDPBackend.FLASH_ATTENTION), _sdpa(SDPBackend.CUDNN_ATTENTION)
     for d in (64, 128):
-        n = 4096
+        n = args.seqlen
         b, h = 16384 // n, 2048 // d
         torch.manual_seed(0)
         q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -90,6 +108,8 @@ def main() -> None:
                 "triton_flash": lambda q=q, k=k, v=v: flash_attention(q, k, v)[0],
                 "plain": lambda q=q, k=k, v=v, cfg=cfg: plain(q, k, v, cfg, False),
                 "plain_kt": lambda q=q, k=k, v=v, cfg=cfg: plain(q, k, v, cfg, True),
+                "torch_sdpa_flash": lambda q=q, k=k, v=v: flash(q, k, v),
+                "torch_sdpa_cudnn": lambda q=q, k=k, v=v: cudnn(q, k, v),
             }
             for name, fn in trials.items():
                 err = (fn().float() - ref.float()).abs().max().item()
@@ -100,7 +120,7 @@ def main() -> None:
                 print(row, flush=True)
                 rows.append(row)
             configs.OVERRIDE.clear()
-    with open(sys.argv[1], "w") as f:
+    with open(args.output, "w") as f:
         json.dump(rows, f, indent=1)
 
 
