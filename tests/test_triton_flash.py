@@ -649,8 +649,9 @@ def test_import_attnhub_does_not_load_kernels() -> None:
         Case("causal_br", 2, 8, 2, 1000, 1537, 128, causal=True, bottom_right=True),
         Case("plain", 1, 4, 4, 2048, 2048, 64),
         Case("window", 1, 4, 4, 2047, 2047, 256, window=(300, 0)),
-        # A 256-key causal window: the short tiles (ops._Setup.walk) and, at D=128, the
-        # one-launch backward with both band edges masked.
+        # A 256-key causal window: tiles chosen by its width (ops._Setup.walk: the narrow
+        # forward row, the short backward pair) and, at D=128, the one-launch backward
+        # with both band edges masked.
         Case("sliding", 1, 8, 2, 3000, 3000, 128, causal=True, window=(255, 0)),
         Case(
             "all",
