@@ -465,6 +465,21 @@ def fold(seqlens: tuple[int, ...] = (1024, 4096, 16384)) -> list[dict]:
 BWD_AB_MODES = ("split", "merged", "merged_heads")
 
 
+def _raw_backward(q, k, v, dout, out, lse, causal: bool, window: tuple[int, int] | None = None):  # type: ignore[no-untyped-def]
+    """(dq, dk, dv) from the backward's launches alone (preprocess, dK/dV and dQ) on saved
+    forward outputs, raw as an eager backward makes them (ops.DirectAttention.backward):
+    host time included, as a training step pays it. ``window``: (left, right) in the
+    ops' encoding (NO_WINDOW for an absent side), default none."""
+    from torch._library.triton import set_wrap_triton_enabled
+
+    from attnhub.backends.triton_flash import ops
+
+    left, right = window if window is not None else (ops.NO_WINDOW, ops.NO_WINDOW)
+    with set_wrap_triton_enabled(False):
+        return ops._bwd_impl(dout, q, k, v, None, None, out, lse, None, causal, False,
+                             left, right, 0.0, q.shape[-1] ** -0.5, 0.0)  # fmt: skip
+
+
 def bwd_ab(quick: bool) -> list[dict]:
     """Split vs merged backward on the timing grid (bf16, D 64/128, N 1K/4K/16K, B = 16384/N,
     H = 2048/D, causal and not). Per point and mode: the gradients, checked bitwise equal
@@ -485,8 +500,6 @@ def bwd_ab(quick: bool) -> list[dict]:
 
 
 def _bwd_ab_point(d: int, n: int, causal: bool) -> list[dict]:
-    from torch._library.triton import set_wrap_triton_enabled
-
     from attnhub.backends.triton_flash import configs, ops
 
     b, h = 16384 // n, 2048 // d
@@ -503,10 +516,7 @@ def _bwd_ab_point(d: int, n: int, causal: bool) -> list[dict]:
     flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
 
     def bwd() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Raw launches, as an eager backward makes them (ops.DirectAttention.backward).
-        with set_wrap_triton_enabled(False):
-            return ops._bwd_impl(dout, q, k, v, None, None, out, lse, None, causal, False,
-                                 ops.NO_WINDOW, ops.NO_WINDOW, 0.0, d**-0.5, 0.0)  # fmt: skip
+        return _raw_backward(q, k, v, dout, out, lse, causal)
 
     # A B C C B A: a drift within the point (the clock, the allocator's first large
     # blocks) weighs on every mode alike; each mode reports the mean of its two runs.
@@ -555,6 +565,31 @@ def print_bwd_ab(rows: list[dict]) -> None:
         print(f"{d:>4} {n:>6} {causal!s:>6} | {split:>7} | " + " | ".join(cells) + f" | {same}")
 
 
+WINDOW_SHAPE = (2, 16, 16384, 128)  # B, H, N, D: the issue's sliding-window extra
+
+
+def _window_inputs() -> tuple[torch.Tensor, ...]:
+    """q, k, v, dout at WINDOW_SHAPE, bf16."""
+    torch.manual_seed(9)
+    return tuple(torch.randn(*WINDOW_SHAPE, device=DEV, dtype=torch.bfloat16) for _ in range(4))
+
+
+def _window_calls(q, k, v, dout, w: int):  # type: ignore[no-untyped-def]
+    """(fwd, bwd, flops) for a causal window of ``w`` keys (window = (w - 1, 0)): the
+    forward without grad, returning (out, lse); the raw backward on given (out, lse);
+    and the forward's FLOPs over the kept pairs, as attnhub bench counts them."""
+    b, h, n, d = q.shape
+
+    def fwd():  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            return flash_attention(q, k, v, causal=True, window=(w - 1, 0))
+
+    def bwd(out, lse):  # type: ignore[no-untyped-def]
+        return _raw_backward(q, k, v, dout, out, lse, True, (w - 1, 0))
+
+    return fwd, bwd, 4 * d * b * h * (w * n - w * (w - 1) // 2)
+
+
 WINDOW_AB = (256, 1024, 4096)  # W keys: window = (W - 1, 0), causal
 # (tiles chosen by, backward launch): the library's choice first.
 WINDOW_AB_VARIANTS = (("walk", ""), ("seqlen", ""), ("walk", "split"), ("seqlen", "split"))
@@ -569,28 +604,14 @@ def window_ab() -> list[dict]:
     gradients compared with the first variant's (max abs diff)."""
     import dataclasses
 
-    from torch._library.triton import set_wrap_triton_enabled
-
     from attnhub.backends.triton_flash import configs, ops
 
-    b, h, n, d = 2, 16, 16384, 128
-    torch.manual_seed(9)
-    q, k, v, dout = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16) for _ in range(4))
+    b, h, n, d = WINDOW_SHAPE
+    q, k, v, dout = _window_inputs()
     setup = ops._setup
     rows = []
     for w in WINDOW_AB:
-        window = (w - 1, 0)
-        flops = 4 * d * b * h * (w * n - w * (w - 1) // 2)  # kept pairs, as attnhub bench
-
-        def fwd():  # type: ignore[no-untyped-def]
-            with torch.no_grad():
-                return ops.flash_attention(q, k, v, causal=True, window=window)  # noqa: B023
-
-        def bwd(out, lse):  # type: ignore[no-untyped-def]
-            with set_wrap_triton_enabled(False):
-                return ops._bwd_impl(dout, q, k, v, None, None, out, lse, None, True, False,
-                                     w - 1, 0, 0.0, d**-0.5, 0.0)  # fmt: skip  # noqa: B023
-
+        fwd, bwd, flops = _window_calls(q, k, v, dout, w)
         runs: dict[tuple[str, str], list[tuple[float, float]]] = {x: [] for x in WINDOW_AB_VARIANTS}
         results = {}
         for variant in WINDOW_AB_VARIANTS + WINDOW_AB_VARIANTS[::-1]:
@@ -646,26 +667,13 @@ def window_sweep() -> list[dict]:
     H=16, N=16384, D=128, causal, window=(W-1, 0), W 256 and 1024), forward and backward
     alone (the library's launch: one for these D=128 pairs), each compared with the
     table's choice (max abs diff) and timed (do_bench median)."""
-    from torch._library.triton import set_wrap_triton_enabled
+    from attnhub.backends.triton_flash import configs
 
-    from attnhub.backends.triton_flash import configs, ops
-
-    b, h, n, d = 2, 16, 16384, 128
-    torch.manual_seed(9)
-    q, k, v, dout = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16) for _ in range(4))
+    b, h, n, d = WINDOW_SHAPE
+    q, k, v, dout = _window_inputs()
     rows = []
     for w in (256, 1024):
-        flops = 4 * d * b * h * (w * n - w * (w - 1) // 2)
-
-        def fwd():  # type: ignore[no-untyped-def]
-            with torch.no_grad():
-                return ops.flash_attention(q, k, v, causal=True, window=(w - 1, 0))  # noqa: B023
-
-        def bwd(out, lse):  # type: ignore[no-untyped-def]
-            with set_wrap_triton_enabled(False):
-                return ops._bwd_impl(dout, q, k, v, None, None, out, lse, None, True, False,
-                                     w - 1, 0, 0.0, d**-0.5, 0.0)  # fmt: skip  # noqa: B023
-
+        fwd, bwd, flops = _window_calls(q, k, v, dout, w)
         configs.OVERRIDE.clear()
         out, lse = fwd()
         ref = (out, *bwd(out, lse))
