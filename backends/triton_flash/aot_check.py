@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--bwd-table", action="store_true",
-        help="only the merged-vs-split backward register table (bf16, D 64/128, N 1K/4K, GQA)",
+        help="only the merged-vs-split backward register table (bf16, D 64/128, N 1K/4K/16K, GQA)",
     )  # fmt: skip
     parser.add_argument(
         "--registers", action="store_true",
