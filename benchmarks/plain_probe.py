@@ -27,10 +27,11 @@ from attnhub.backends.triton_flash.ops import flash_attention
 
 
 @triton.jit
-def _plain_fwd(Q, K, V, Out, N, qk_scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-               KT: tl.constexpr):  # fmt: skip
-    start_m = tl.program_id(0) * BM
-    base = tl.program_id(1).to(tl.int64) * N * D
+def _plain_tile(Q, K, V, Out, N, qk_scale, start_m, base, BM: tl.constexpr, BN: tl.constexpr,
+                D: tl.constexpr, KT: tl.constexpr, CAUSAL: tl.constexpr, FLATTEN: tl.constexpr):  # fmt: skip
+    """One row block. CAUSAL=1: unmasked keys [0, start_m) in one loop, then the diagonal
+    keys masked in a second (BM a multiple of BN); CAUSAL=2: one loop over [0, start_m +
+    BM) masking every tile (what a single flattenable inner loop costs)."""
     offs_m = start_m + tl.arange(0, BM)
     offs_n = tl.arange(0, BN)
     offs_d = tl.arange(0, D)
@@ -43,11 +44,19 @@ def _plain_fwd(Q, K, V, Out, N, qk_scale, BM: tl.constexpr, BN: tl.constexpr, D:
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
-    for _ in range(0, N, BN):
+    if CAUSAL == 1:
+        hi = start_m
+    elif CAUSAL == 2:
+        hi = start_m + BM
+    else:
+        hi = N
+    for start_n in tl.range(0, hi, BN, flatten=FLATTEN):
         if KT:
             qk = tl.dot(q, tl.load(k_ptrs))
         else:
             qk = tl.dot(q, tl.trans(tl.load(k_ptrs)))
+        if CAUSAL == 2:
+            qk = tl.where(start_n + offs_n[None, :] > offs_m[:, None], float("-inf"), qk)
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         p = tl.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -58,32 +67,100 @@ def _plain_fwd(Q, K, V, Out, N, qk_scale, BM: tl.constexpr, BN: tl.constexpr, D:
         m_i = m_new
         k_ptrs += BN * D
         v_ptrs += BN * D
+    if CAUSAL == 1:
+        for start_n in range(start_m, start_m + BM, BN):
+            if KT:
+                qk = tl.dot(q, tl.load(k_ptrs))
+            else:
+                qk = tl.dot(q, tl.trans(tl.load(k_ptrs)))
+            qk = tl.where(start_n + offs_n[None, :] > offs_m[:, None], float("-inf"), qk)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = tl.load(v_ptrs)
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_new
+            k_ptrs += BN * D
+            v_ptrs += BN * D
     tl.store(
         Out + base + offs_m[:, None] * D + offs_d[None, :],
         (acc / l_i[:, None]).to(Out.dtype.element_ty),
     )
 
 
-def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: tuple, kt: bool) -> torch.Tensor:
+@triton.jit
+def _plain_fwd(Q, K, V, Out, N, qk_scale, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+               KT: tl.constexpr, CAUSAL: tl.constexpr):  # fmt: skip
+    start_m = tl.program_id(0) * BM
+    if CAUSAL:  # heaviest row blocks first
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM
+    base = tl.program_id(1).to(tl.int64) * N * D
+    _plain_tile(Q, K, V, Out, N, qk_scale, start_m, base, BM, BN, D, KT, CAUSAL, False)
+
+
+@triton.jit
+def _plain_persistent(Q, K, V, Out, N, BH, qk_scale, BM: tl.constexpr, BN: tl.constexpr,
+                      D: tl.constexpr, CAUSAL: tl.constexpr, FLATTEN: tl.constexpr):  # fmt: skip
+    """A persistent grid: program p takes tiles p, p + P, ... (P programs), heads-major
+    (one head's row blocks in a row) without causal, heaviest row blocks first (all
+    heads' last row block, then the one before) with it. FLATTEN: one flattened,
+    software-pipelined loop over all of a program's tiles and key steps (tl.range's
+    flatten), so the next tile's first loads can overlap this tile's epilogue."""
+    n_m = N // BM
+    for tile in tl.range(tl.program_id(0), n_m * BH, tl.num_programs(0), flatten=FLATTEN):
+        if CAUSAL:
+            start_m = (n_m - 1 - tile // BH) * BM
+            bh = tile % BH
+        else:
+            start_m = (tile % n_m) * BM
+            bh = tile // n_m
+        _plain_tile(Q, K, V, Out, N, qk_scale, start_m, bh.to(tl.int64) * N * D, BM, BN, D,
+                    False, CAUSAL, FLATTEN)  # fmt: skip
+
+
+LOG2E = 1.4426950408889634
+
+
+def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: tuple, kt: bool,
+          causal: int = 0) -> torch.Tensor:  # fmt: skip
     b, h, n, d = q.shape
     out = torch.empty_like(q)
-    bm, bn, warps, stages = cfg
-    _plain_fwd[(n // bm, b * h)](q, k, v, out, n, d**-0.5 * 1.4426950408889634, BM=bm, BN=bn, D=d,
-                                 KT=kt, num_warps=warps, num_stages=stages)  # fmt: skip
+    bm, bn, warps, stages = cfg[:4]
+    extra = {"maxnreg": cfg[4]} if len(cfg) > 4 else {}
+    _plain_fwd[(n // bm, b * h)](q, k, v, out, n, d**-0.5 * LOG2E, BM=bm, BN=bn, D=d, KT=kt,
+                                 CAUSAL=causal, num_warps=warps, num_stages=stages, **extra)  # fmt: skip
+    return out
+
+
+def persistent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: tuple, programs: int,
+               causal: int, flatten: bool) -> torch.Tensor:  # fmt: skip
+    b, h, n, d = q.shape
+    out = torch.empty_like(q)
+    bm, bn, warps, stages = cfg[:4]
+    _plain_persistent[(min(programs, n // bm * b * h),)](
+        q, k, v, out, n, b * h, d**-0.5 * LOG2E, BM=bm, BN=bn, D=d, CAUSAL=causal,
+        FLATTEN=flatten, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     return out
 
 
 CONFIGS = {64: [(128, 64, 4, 4), (128, 128, 4, 3)], 128: [(128, 64, 8, 3), (128, 128, 8, 3)]}
 
 
-def _sdpa(backend):  # type: ignore[no-untyped-def]
+def _sdpa(backend, causal):  # type: ignore[no-untyped-def]
     from torch.nn.attention import sdpa_kernel
 
     def run(q, k, v):  # type: ignore[no-untyped-def]
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     return run
+
+
+def _sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def main() -> None:
@@ -92,31 +169,52 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output")
     parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--causal", action="store_true")
     args = parser.parse_args()
     rows = []
-    flash, cudnn = _sdpa(SDPBackend.FLASH_ATTENTION), _sdpa(SDPBackend.CUDNN_ATTENTION)
+    causal = args.causal
+    flash, cudnn = (
+        _sdpa(SDPBackend.FLASH_ATTENTION, causal),
+        _sdpa(SDPBackend.CUDNN_ATTENTION, causal),
+    )
     for d in (64, 128):
         n = args.seqlen
         b, h = 16384 // n, 2048 // d
         torch.manual_seed(0)
         q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-        flops = 4 * b * h * n * n * d
-        for cfg in CONFIGS[d]:
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        flops = 4 * b * h * n * n * d // (2 if causal else 1)
+        # Resident programs per SM at these tiles: D=64 (4 warps) fits two, D=128 one.
+        programs = _sms() * (2 if d == 64 else 1)
+        for i, cfg in enumerate(CONFIGS[d]):
             configs.OVERRIDE["fwd"] = configs.LaunchConfig(*cfg)
             trials = {
-                "triton_flash": lambda q=q, k=k, v=v: flash_attention(q, k, v)[0],
-                "plain": lambda q=q, k=k, v=v, cfg=cfg: plain(q, k, v, cfg, False),
-                "plain_kt": lambda q=q, k=k, v=v, cfg=cfg: plain(q, k, v, cfg, True),
-                "torch_sdpa_flash": lambda q=q, k=k, v=v: flash(q, k, v),
-                "torch_sdpa_cudnn": lambda q=q, k=k, v=v: cudnn(q, k, v),
-            }
+                "triton_flash": lambda q=q, k=k, v=v: flash_attention(q, k, v, causal=causal)[0],
+                "plain": lambda q=q, k=k, v=v, cfg=cfg: plain(q, k, v, cfg, False, int(causal)),
+                "persistent": lambda q=q, k=k, v=v, cfg=cfg, p=programs: persistent(
+                    q, k, v, cfg, p, int(causal), False),
+                "persistent_flat": lambda q=q, k=k, v=v, cfg=cfg, p=programs: persistent(
+                    q, k, v, cfg, p, 2 * int(causal), True),
+            }  # fmt: skip
+            if d == 128 and cfg[1] == 64:
+                # Two resident programs per SM: two stages (96 KiB of shared memory each)
+                # and at most 128 registers a thread.
+                two = (*cfg[:3], 2, 128)
+                trials["plain_2cta"] = lambda q=q, k=k, v=v, c=two: plain(q, k, v, c, False,
+                                                                          int(causal))  # fmt: skip
+            if i == 0:
+                trials["torch_sdpa_flash"] = lambda q=q, k=k, v=v: flash(q, k, v)
+                trials["torch_sdpa_cudnn"] = lambda q=q, k=k, v=v: cudnn(q, k, v)
             for name, fn in trials.items():
-                err = (fn().float() - ref.float()).abs().max().item()
-                ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-                row = {"kernel": name, "D": d, "N": n, "B": b, "H": h, "config": cfg,
-                       "max_abs_diff_vs_sdpa": err, "ms": round(ms, 4),
-                       "tflops": round(flops / ms / 1e9, 1)}  # fmt: skip
+                row = {"kernel": name, "D": d, "N": n, "B": b, "H": h, "causal": causal,
+                       "config": cfg}  # fmt: skip
+                try:
+                    err = (fn().float() - ref.float()).abs().max().item()
+                    ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                    row.update(max_abs_diff_vs_sdpa=err, ms=round(ms, 4),
+                               tflops=round(flops / ms / 1e9, 1))  # fmt: skip
+                except Exception as exc:  # a variant that does not compile is a result too
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(row, flush=True)
                 rows.append(row)
             configs.OVERRIDE.clear()

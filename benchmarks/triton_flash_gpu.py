@@ -26,6 +26,9 @@ Usage (on the H200 machine, after ``pip install --no-build-isolation --no-deps -
    window shape.
 10. ``--only window_sweep``: a few forward and backward configurations for W = 256 and
     1024 at that shape, each compared with the table's choice, then timed.
+11. ``--only strides_ab``: row strides as runtime values against compile-time constants
+    (ops.SPECIALIZE_ROW_STRIDES) on the grid, forward and backward alone, and forward
+    configurations that fit more programs per SM.
 
 ``--bwd MODE`` sets ``ATTNHUB_TRITON_BWD`` for the whole run (default: the library's).
 The merged-vs-split A/B in one call::
@@ -565,6 +568,77 @@ def print_bwd_ab(rows: list[dict]) -> None:
         print(f"{d:>4} {n:>6} {causal!s:>6} | {split:>7} | " + " | ".join(cells) + f" | {same}")
 
 
+# Forward candidates that let more programs share an SM (maxnreg caps the registers;
+# aot_check --registers: no spills in the loop, bar (128, 64, 8, 2, 128) with 2/3 STL/LDL),
+# timed beside the table's row with packed row strides. D=64: three programs; D=128: two.
+STRIDES_AB_FWD = {
+    64: ((128, 32, 4, 3, 168), (64, 64, 4, 3)),
+    128: ((128, 64, 8, 2, 128), (128, 32, 8, 2, 128), (128, 32, 8, 3, 128)),
+}
+
+
+def strides_ab(quick: bool) -> list[dict]:
+    """Row strides as runtime values against compile-time constants
+    (ops.SPECIALIZE_ROW_STRIDES), forward and backward alone, on the timing grid (bf16,
+    B = 16384/N, H = 2048/D); then, with constants, the forward at STRIDES_AB_FWD's
+    configurations. Per point the variants run twice, in A B .. B A order (mean of the
+    two runs); outputs and gradients compared with the first variant's (max abs diff)."""
+    from attnhub.backends.triton_flash import configs, ops
+
+    rows = []
+    ns = (1024, 4096) if quick else (1024, 4096, 16384)
+    for d, n, causal in ((d, n, c) for d in (64, 128) for n in ns for c in (False, True)):
+        b, h = 16384 // n, 2048 // d
+        torch.manual_seed(7)
+        q, k, v, dout = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16)
+                         for _ in range(4))  # fmt: skip
+        flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+        variants = [("runtime", None), ("packed", None)]
+        variants += [("packed", c) for c in STRIDES_AB_FWD[d]]
+        runs: dict = {x: [] for x in variants}
+        results: dict = {}
+        for strides, cfg in variants + variants[::-1]:
+            ops.SPECIALIZE_ROW_STRIDES = strides == "packed"
+            if cfg is not None:
+                configs.OVERRIDE["fwd"] = configs.LaunchConfig(*cfg)
+            try:
+                with torch.no_grad():
+                    out, lse = ops.flash_attention(q, k, v, causal=causal)
+                timed = [_fwd_ms(q, k, v, causal)]
+                if cfg is None:
+                    grads = _raw_backward(q, k, v, dout, out, lse, causal)
+                    results.setdefault((strides, cfg), (out, *grads))
+                    timed.append(triton.testing.do_bench(
+                        lambda q=q, k=k, v=v, dout=dout, out=out, lse=lse, causal=causal:
+                        _raw_backward(q, k, v, dout, out, lse, causal),
+                        warmup=25, rep=100, return_mode="median"))  # fmt: skip
+                else:
+                    results.setdefault((strides, cfg), (out,))
+                runs[(strides, cfg)].append(timed)
+            finally:
+                ops.SPECIALIZE_ROW_STRIDES = True
+                configs.OVERRIDE.clear()
+        first = results[variants[0]]
+        for variant, times in runs.items():
+            mean = [sum(x) / len(x) for x in zip(*times)]
+            diff = max((x.float() - y.float()).abs().max().item()
+                       for x, y in zip(results[variant], first))  # fmt: skip
+            row = {"D": d, "N": n, "B": b, "H": h, "causal": causal, "strides": variant[0],
+                   "fwd_config": list(variant[1]) if variant[1] else "table",
+                   "max_abs_diff_vs_first": diff, "fwd_ms": round(mean[0], 4),
+                   "fwd_tflops": round(flops / mean[0] / 1e9, 1),
+                   "runs_ms": [[round(x, 4) for x in r] for r in times]}  # fmt: skip
+            if len(mean) > 1:
+                row.update(
+                    bwd_ms=round(mean[1], 4), bwd_tflops=round(2.5 * flops / mean[1] / 1e9, 1)
+                )
+            print(f"strides_ab {row}", flush=True)
+            rows.append(row)
+        del q, k, v, dout
+        torch.cuda.empty_cache()
+    return rows
+
+
 WINDOW_SHAPE = (2, 16, 16384, 128)  # B, H, N, D: the issue's sliding-window extra
 
 
@@ -761,6 +835,7 @@ def main() -> None:
         ("bwd_ab", lambda: bwd_ab(args.quick)),
         ("window_ab", window_ab),
         ("window_sweep", window_sweep),
+        ("strides_ab", lambda: strides_ab(args.quick)),
     )
     for name, step in steps:
         if name not in sections:

@@ -143,7 +143,7 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict, capability: int) -> A
             signature[param.name] = "fp32"
         else:
             raise TypeError(f"{param.name}={value!r}")
-    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", capability, 64), options=options)
 
@@ -255,7 +255,8 @@ def compile_all(
     registers: bool = False,
 ) -> int:
     """Compile each distinct recorded launch for ``sm_<capability>``; print shared
-    memory and compile time per kernel (and registers/spills with ``registers``);
+    memory and compile time per kernel (with ``registers``: registers, spills, and
+    spill stores/loads inside loops, :func:`loop_spills`);
     return the number of failures (errors or over the limit). ``kernel_filter``: only
     the kernels of these names."""
     count, failures, start = 0, 0, time.time()
@@ -269,7 +270,11 @@ def compile_all(
             continue
         took = time.time() - began
         shared = compiled.metadata.shared
-        usage = f" {ptxas_usage(compiled.asm['ptx'], capability)}" if registers else ""
+        usage = ""
+        if registers:
+            in_loops = loop_spills(compiled.asm["cubin"])
+            loops = "?" if in_loops is None else "{}/{}".format(*in_loops)
+            usage = f" {ptxas_usage(compiled.asm['ptx'], capability)} loop_STL/LDL={loops}"
         over = shared > SHARED_LIMIT
         failures += over
         print(f"{'FAIL' if over else 'ok'} {name} shared={shared}{usage} compile={took:.1f}s",
@@ -349,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--window", help="LEFT,RIGHT (empty side: unbounded)")
     parser.add_argument(
         "--config", type=_config, action="append", default=[],
-        help="force a launch config: fwd|bwd_kv|bwd_q=BLOCK_M,BLOCK_N,WARPS,STAGES (repeatable)",
+        help="force a launch config: fwd|bwd_kv|bwd_q=BLOCK_M,BLOCK_N,WARPS,STAGES[,MAXNREG] (repeatable)",
     )  # fmt: skip
     parser.add_argument("--kernel", choices=sorted(_KERNELS), help="compile only these kernels")
     parser.add_argument(

@@ -29,18 +29,26 @@ from typing import Any
 
 @dataclass(frozen=True)
 class LaunchConfig:
+    """Tiles and launch options of one kernel launch. ``maxnreg``: a cap on registers
+    per thread (ptxas' .maxnreg), or None for the compiler's choice; a cap of 128 with
+    8 warps lets two programs share an SM where shared memory allows it."""
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None
 
     def meta(self) -> dict[str, int]:
-        return {
+        meta = {
             "BLOCK_M": self.block_m,
             "BLOCK_N": self.block_n,
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
         }
+        if self.maxnreg is not None:
+            meta["maxnreg"] = self.maxnreg
+        return meta
 
 
 # Interpreter: tiles of 32 query rows x 16 keys (BLOCK_M != BLOCK_N also tests that the

@@ -338,9 +338,13 @@ def attn_fwd_kernel(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr, MASK_HEAD: tl.constexpr,
-    MASK_TAIL: tl.constexpr,
+    MASK_TAIL: tl.constexpr, STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
 ):  # fmt: skip
     """Out (B, H, NQ, DV) and Lse (B, H, NQ) float32 natural log, for one row block."""
+    if STRIDE_KN != 0:
+        stride_kn = STRIDE_KN
+    if STRIDE_VN != 0:
+        stride_vn = STRIDE_VN
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
     start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -644,9 +648,14 @@ def attn_bwd_dkdv_kernel(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
+    STRIDE_QM: tl.constexpr = 0, STRIDE_DOM: tl.constexpr = 0,
 ):  # fmt: skip
     """dK and dV, one program per (key block, b * HKV + hkv) on grid axes (0, 1): the split
     backward's first launch (see :func:`_bwd_dkdv_program`)."""
+    if STRIDE_QM != 0:
+        stride_qm = STRIDE_QM
+    if STRIDE_DOM != 0:
+        stride_dom = STRIDE_DOM
     _bwd_dkdv_program(
         tl.program_id(0), tl.program_id(1),
         Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV,
@@ -822,9 +831,14 @@ def attn_bwd_dq_kernel(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
+    STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
 ):  # fmt: skip
     """dQ, one program per (row block, b * H + h) on grid axes (0, 1): the split
     backward's second launch (see :func:`_bwd_dq_program`)."""
+    if STRIDE_KN != 0:
+        stride_kn = STRIDE_KN
+    if STRIDE_VN != 0:
+        stride_vn = STRIDE_VN
     _bwd_dq_program(
         tl.program_id(0), tl.program_id(1),
         Q, K, V, Mask, Seed, DO, Lse, Delta, DQ,
@@ -861,6 +875,8 @@ def attn_bwd_kernel(
     INPUT_PRECISION: tl.constexpr, HEAD_MAJOR: tl.constexpr,
     KV_MASK_HEAD: tl.constexpr, KV_MASK_TAIL: tl.constexpr,
     Q_MASK_HEAD: tl.constexpr, Q_MASK_TAIL: tl.constexpr,
+    STRIDE_QM: tl.constexpr = 0, STRIDE_DOM: tl.constexpr = 0,
+    STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
 ):  # fmt: skip
     """dQ, dK and dV in one launch (FlexAttention's backward structure): cdiv(NK, BLOCK_N1)
     dK/dV programs per b * HKV + hkv and cdiv(NQ, BLOCK_M2) dQ programs per b * H + h.
@@ -888,6 +904,14 @@ def attn_bwd_kernel(
     # shared pair made both roles' index arithmetic identical, LLVM hoisted it above
     # the branch, and ptxas spilled 6x more in the dK/dV loop (bf16 D=128, (64,128,8,2):
     # 1656 spill bytes against 392; 264 for attn_bwd_dkdv_kernel alone).
+    if STRIDE_QM != 0:
+        stride_qm = STRIDE_QM
+    if STRIDE_DOM != 0:
+        stride_dom = STRIDE_DOM
+    if STRIDE_KN != 0:
+        stride_kn = STRIDE_KN
+    if STRIDE_VN != 0:
+        stride_vn = STRIDE_VN
     pid = tl.program_id(0)
     kv_tiles = tl.cdiv(NK, BLOCK_N1)
     q_tiles = tl.cdiv(NQ, BLOCK_M2)

@@ -238,6 +238,30 @@ def _edge_segments(
     return {prefix + "MASK_HEAD": head, prefix + "MASK_TAIL": tail}
 
 
+# Whether kernels get the row stride of a tensor they stream (K/V in the forward and dQ
+# kernels, Q/dO in dK/dV) as a compile-time constant where its rows are packed (row
+# stride == head dim, as in a contiguous (B, H, N, D) tensor). A runtime stride gives
+# each thread one 64-bit address per row it loads, kept live across the loop; a constant
+# one folds them into one base plus immediate offsets: ptxas, sm_90, bf16 D=128 forward
+# (128, 64, 8, 3): 172 -> 156 registers. Other layouts ((B, N, H, D) views) keep the
+# runtime stride, so each head dim adds at most one more compiled variant. A switch for
+# A/B runs (benchmarks/triton_flash_gpu.py); True in normal use.
+SPECIALIZE_ROW_STRIDES = True
+_ROW_STRIDE_ARGS = {"Q": "STRIDE_QM", "DO": "STRIDE_DOM", "K": "STRIDE_KN", "V": "STRIDE_VN"}
+
+
+def _row_strides(**streamed: torch.Tensor) -> dict[str, int]:
+    """The kernels' STRIDE_* constexprs for the tensors they stream, by argument name
+    (Q, DO, K, V): the row stride where rows are packed, else 0 (use the runtime
+    stride)."""
+    return {
+        _ROW_STRIDE_ARGS[name]: t.stride(2)
+        if SPECIALIZE_ROW_STRIDES and t.stride(2) == t.shape[-1]
+        else 0
+        for name, t in streamed.items()
+    }
+
+
 def _forward_outputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -321,6 +345,7 @@ def _fwd_impl(
         hq, hq // hkv, nq, nk, d, dv, *c.scalars, **c.meta, **cfg.meta(),
         FOLD_SCALE=c.fold_scale,
         **_edge_segments(True, nq, nk, cfg, causal, window_left, window_right),
+        **_row_strides(K=k, V=v),
     )  # fmt: skip
     return out, lse
 
@@ -380,6 +405,7 @@ def _bwd_impl(
             **c.meta, **merged_meta(kv_cfg, q_cfg, mode),
             **_edge_segments(False, nq, nk, kv_cfg, *band, prefix="KV_"),
             **_edge_segments(True, nq, nk, q_cfg, *band, prefix="Q_"),
+            **_row_strides(Q=q, DO=dout, K=k, V=v),
         )  # fmt: skip
         return dq, dk, dv
     _launcher(kernels.attn_bwd_dkdv_kernel, q)[(cdiv(nk, kv_cfg.block_n), b * hkv)](
@@ -387,12 +413,14 @@ def _bwd_impl(
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dk.stride(),
         *dv.stride(), hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
         **c.meta, **kv_cfg.meta(), **_edge_segments(False, nq, nk, kv_cfg, *band),
+        **_row_strides(Q=q, DO=dout),
     )  # fmt: skip
     _launcher(kernels.attn_bwd_dq_kernel, q)[(cdiv(nq, q_cfg.block_m), b * hq)](
         q, k, v, c.mask, seed_t, dout, lse, delta, dq,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
         hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **c.meta, **q_cfg.meta(),
         **_edge_segments(True, nq, nk, q_cfg, *band),
+        **_row_strides(K=k, V=v),
     )  # fmt: skip
     return dq, dk, dv
 
