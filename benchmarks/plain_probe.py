@@ -123,6 +123,68 @@ def _plain_persistent(Q, K, V, Out, N, BH, qk_scale, BM: tl.constexpr, BN: tl.co
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _plain_tma_step(q, k_desc, v_desc, row, start_n, offs_m, offs_n, m_i, l_i, acc, qk_scale,
+                    MASK: tl.constexpr):  # fmt: skip
+    qk = tl.dot(q, tl.trans(k_desc.load([row, 0])))
+    if MASK:
+        qk = tl.where(start_n + offs_n[None, :] > offs_m[:, None], float("-inf"), qk)
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    v = v_desc.load([row, 0])
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _plain_tma_fwd(Q, k_desc, v_desc, Out, N, qk_scale, BM: tl.constexpr, BN: tl.constexpr,
+                   D: tl.constexpr, CAUSAL: tl.constexpr):  # fmt: skip
+    """The plain loop with K/V read through host-made tensor descriptors (TMA) over the
+    (B * H * N, D) rows: no per-thread addresses for the streamed tiles."""
+    start_m = tl.program_id(0) * BM
+    if CAUSAL:
+        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BM
+    bh = tl.program_id(1)
+    base = bh.to(tl.int64) * N * D
+    offs_m = start_m + tl.arange(0, BM)
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + base + offs_m[:, None] * D + offs_d[None, :])
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    row0 = bh * N
+    hi = start_m if CAUSAL else N
+    for start_n in range(0, hi, BN):
+        m_i, l_i, acc = _plain_tma_step(q, k_desc, v_desc, row0 + start_n, start_n, offs_m,
+                                        offs_n, m_i, l_i, acc, qk_scale, False)  # fmt: skip
+    if CAUSAL:
+        for start_n in range(start_m, start_m + BM, BN):
+            m_i, l_i, acc = _plain_tma_step(q, k_desc, v_desc, row0 + start_n, start_n, offs_m,
+                                            offs_n, m_i, l_i, acc, qk_scale, True)  # fmt: skip
+    tl.store(
+        Out + base + offs_m[:, None] * D + offs_d[None, :],
+        (acc / l_i[:, None]).to(Out.dtype.element_ty),
+    )
+
+
+def plain_tma(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: tuple,
+              causal: int = 0) -> torch.Tensor:  # fmt: skip
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    b, h, n, d = q.shape
+    out = torch.empty_like(q)
+    bm, bn, warps, stages = cfg[:4]
+    k_desc = TensorDescriptor.from_tensor(k.view(b * h * n, d), [bn, d])
+    v_desc = TensorDescriptor.from_tensor(v.view(b * h * n, d), [bn, d])
+    _plain_tma_fwd[(n // bm, b * h)](q, k_desc, v_desc, out, n, d**-0.5 * LOG2E, BM=bm, BN=bn,
+                                     D=d, CAUSAL=causal, num_warps=warps, num_stages=stages)  # fmt: skip
+    return out
+
+
 def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: tuple, kt: bool,
           causal: int = 0) -> torch.Tensor:  # fmt: skip
     b, h, n, d = q.shape
@@ -196,6 +258,9 @@ def main() -> None:
                 "persistent_flat": lambda q=q, k=k, v=v, cfg=cfg, p=programs: persistent(
                     q, k, v, cfg, p, 2 * int(causal), True),
             }  # fmt: skip
+            trials["plain_tma"] = lambda q=q, k=k, v=v, cfg=cfg: plain_tma(
+                q, k, v, cfg, int(causal)
+            )
             if d == 128 and cfg[1] == 64:
                 # Two resident programs per SM: two stages (96 KiB of shared memory each)
                 # and at most 128 registers a thread.
