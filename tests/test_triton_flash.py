@@ -527,8 +527,11 @@ def test_launch_config_lean_entries() -> None:
         return configs.launch_config(direction, d, esize, causal, sm90, False, n, lean)
 
     big = configs.LaunchConfig(128, 128, 8, 3)
+    two_per_sm = configs.LaunchConfig(128, 64, 8, 2, maxnreg=128)
+    assert two_per_sm.meta()["maxnreg"] == 128 and "maxnreg" not in big.meta()
     assert cfg("fwd", 128, False, 4096, True) == big
-    assert cfg("fwd", 128, False, 1024, True) == big
+    assert cfg("fwd", 128, False, 1025, True) == big
+    assert cfg("fwd", 128, False, 1024, True) == two_per_sm
     assert cfg("fwd", 128, False, 4096, False) == configs.LaunchConfig(128, 64, 8, 3)
     assert cfg("fwd", 128, False, 4096, True, esize=4) == cfg("fwd", 128, False, 4096, False, 4)
     three_stage = [configs.LaunchConfig(64, 128, 8, 3), configs.LaunchConfig(128, 64, 8, 3)]
@@ -542,7 +545,7 @@ def test_launch_config_lean_entries() -> None:
     narrow = configs.LaunchConfig(64, 64, 4, 3)
     assert cfg("fwd", 128, True, 256, True) == cfg("fwd", 128, True, 256, False) == narrow
     assert cfg("fwd", 128, True, 257, True) == configs.LaunchConfig(128, 64, 8, 3)
-    assert cfg("fwd", 128, False, 256, True) == big  # non-causal: not measured narrow
+    assert cfg("fwd", 128, False, 256, True) == two_per_sm  # non-causal: no narrow row
     assert cfg("fwd", 128, True, 256, True, esize=4) != narrow
 
 
@@ -607,6 +610,32 @@ def test_tiles_are_chosen_by_the_keys_a_row_walks(causal, window, walk, monkeypa
     out, _ = ops.flash_attention(qg, k, k, causal=causal, window=win)
     out.sum().backward()
     assert seen == [walk] * 3  # forward, dK/dV, dQ
+
+
+def test_row_strides_are_constants_only_for_packed_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A streamed tensor's row stride becomes a kernel constant where its rows are packed
+    (stride == head dim), else 0 (the kernel reads the runtime stride)."""
+    packed = torch.empty(2, 3, 40, 24)
+    view = torch.empty(2, 40, 3, 24).transpose(1, 2)  # (B, N, H, D) storage: stride 72
+    narrow_v = torch.empty(2, 3, 40, 16)
+    assert ops._row_strides(K=packed, V=narrow_v, Q=view) == {
+        "STRIDE_KN": 24, "STRIDE_VN": 16, "STRIDE_QM": 0
+    }  # fmt: skip
+    monkeypatch.setattr(ops, "SPECIALIZE_ROW_STRIDES", False)
+    assert ops._row_strides(K=packed, DO=packed) == {"STRIDE_KN": 0, "STRIDE_DOM": 0}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+def test_packed_and_strided_inputs_in_one_call(dtype: torch.dtype) -> None:
+    """Q (and so dQ's inputs) through a transpose, K/V packed: each kernel mixes a
+    constant row stride with runtime ones (ops._row_strides), forward and backward."""
+    torch.manual_seed(11)
+    case = Case("mixed", 2, 4, 2, 45, 52, 32, causal=True, bottom_right=True)
+    q = _make((case.b, case.hq, case.nq, case.d), dtype, "bnhd")
+    k, v = (_make((case.b, case.hkv, case.nk, case.d), dtype) for _ in range(2))
+    dout = _make((case.b, case.hq, case.nq, case.d), dtype, "bnhd")
+    got = _run_flash(case, q, k, v, None, dout)
+    _check_all(case, dtype, got, q, k, v, None, dout)
 
 
 def test_declarations_and_dispatch() -> None:

@@ -66,6 +66,12 @@ MASK_HEAD, MASK_TAIL  whether the first / last masked segment can be non-empty (
                       D=64 forward, spills at BLOCK_N=128). The merged backward has one
                       pair per role, KV_MASK_HEAD/KV_MASK_TAIL and Q_MASK_HEAD/Q_MASK_TAIL,
                       each the split kernel's pair for that role's tiles
+STRIDE_KN, STRIDE_VN  the row stride of a tensor a kernel streams through its loop (K/V
+STRIDE_QM, STRIDE_DOM in the forward and dQ kernels, Q/dO in dK/dV) as a constant where
+                      its rows are packed, else 0: the kernel then reads the runtime
+                      stride. With a constant, each thread's row addresses are one base
+                      plus immediates instead of a 64-bit register per row, live across
+                      the loop (ops._row_strides has the measurements)
 """
 
 from __future__ import annotations
