@@ -10,7 +10,15 @@ of tiles or machine. KT=1 loads K as a (D, BLOCK_N) tile instead of transposing 
 (BLOCK_N, D) tile. SDPA's flash and cuDNN kernels are timed on the same inputs, for the
 ratios the issue's bars use. Prints one line per trial and writes JSON.
 
-    python3 benchmarks/plain_probe.py OUT.json [--seqlen N]   (default 4096; B = 16384 / N)
+Variants beside the plain loop: causal (two loops, the diagonal masked), a persistent
+grid (with and without ``tl.range(flatten=True)``), K/V through tensor descriptors
+(TMA), and two programs per SM (two stages, registers capped at 128).
+
+    python3 benchmarks/plain_probe.py OUT.json [--seqlen N] [--causal]   (N default 4096;
+        B = 16384 / N)
+    python3 benchmarks/plain_probe.py --registers   (no GPU: ptxas registers and spills of
+        the plain loop at D=128, (128, 64, 8, stages), capped or not; run it without
+        TRITON_INTERPRET)
 """
 
 from __future__ import annotations
@@ -24,6 +32,37 @@ import triton.language as tl
 
 from attnhub.backends.triton_flash import configs
 from attnhub.backends.triton_flash.ops import flash_attention
+
+
+@triton.jit
+def _plain_step(q, kt, v_src, row, start_n, offs_m, offs_n, m_i, l_i, acc, qk_scale,
+                MASK: tl.constexpr, DESC: tl.constexpr):  # fmt: skip
+    """One key tile into the running softmax: kt is the (D, BN) K tile, V comes from
+    pointers (v_src) or a tensor descriptor at row ``row`` (DESC); MASK: causal mask."""
+    qk = tl.dot(q, kt)
+    if MASK:
+        qk = tl.where(start_n + offs_n[None, :] > offs_m[:, None], float("-inf"), qk)
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if DESC:
+        v = v_src.load([row, 0])
+    else:
+        v = tl.load(v_src)
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _plain_kt(k_ptrs, KT: tl.constexpr):
+    """The (D, BN) K tile: loaded as laid out by the pointers (KT) or transposed."""
+    if KT:
+        kt = tl.load(k_ptrs)
+    else:
+        kt = tl.trans(tl.load(k_ptrs))
+    return kt
 
 
 @triton.jit
@@ -51,37 +90,14 @@ def _plain_tile(Q, K, V, Out, N, qk_scale, start_m, base, BM: tl.constexpr, BN: 
     else:
         hi = N
     for start_n in tl.range(0, hi, BN, flatten=FLATTEN):
-        if KT:
-            qk = tl.dot(q, tl.load(k_ptrs))
-        else:
-            qk = tl.dot(q, tl.trans(tl.load(k_ptrs)))
-        if CAUSAL == 2:
-            qk = tl.where(start_n + offs_n[None, :] > offs_m[:, None], float("-inf"), qk)
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = tl.load(v_ptrs)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        m_i, l_i, acc = _plain_step(q, _plain_kt(k_ptrs, KT), v_ptrs, 0, start_n, offs_m, offs_n,
+                                    m_i, l_i, acc, qk_scale, CAUSAL == 2, False)  # fmt: skip
         k_ptrs += BN * D
         v_ptrs += BN * D
     if CAUSAL == 1:
         for start_n in range(start_m, start_m + BM, BN):
-            if KT:
-                qk = tl.dot(q, tl.load(k_ptrs))
-            else:
-                qk = tl.dot(q, tl.trans(tl.load(k_ptrs)))
-            qk = tl.where(start_n + offs_n[None, :] > offs_m[:, None], float("-inf"), qk)
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            v = tl.load(v_ptrs)
-            acc = tl.dot(p.to(v.dtype), v, acc)
-            m_i = m_new
+            m_i, l_i, acc = _plain_step(q, _plain_kt(k_ptrs, KT), v_ptrs, 0, start_n, offs_m,
+                                        offs_n, m_i, l_i, acc, qk_scale, True, False)  # fmt: skip
             k_ptrs += BN * D
             v_ptrs += BN * D
     tl.store(
@@ -124,22 +140,6 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _plain_tma_step(q, k_desc, v_desc, row, start_n, offs_m, offs_n, m_i, l_i, acc, qk_scale,
-                    MASK: tl.constexpr):  # fmt: skip
-    qk = tl.dot(q, tl.trans(k_desc.load([row, 0])))
-    if MASK:
-        qk = tl.where(start_n + offs_n[None, :] > offs_m[:, None], float("-inf"), qk)
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.exp2(qk * qk_scale - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    v = v_desc.load([row, 0])
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _plain_tma_fwd(Q, k_desc, v_desc, Out, N, qk_scale, BM: tl.constexpr, BN: tl.constexpr,
                    D: tl.constexpr, CAUSAL: tl.constexpr):  # fmt: skip
     """The plain loop with K/V read through host-made tensor descriptors (TMA) over the
@@ -159,12 +159,15 @@ def _plain_tma_fwd(Q, k_desc, v_desc, Out, N, qk_scale, BM: tl.constexpr, BN: tl
     row0 = bh * N
     hi = start_m if CAUSAL else N
     for start_n in range(0, hi, BN):
-        m_i, l_i, acc = _plain_tma_step(q, k_desc, v_desc, row0 + start_n, start_n, offs_m,
-                                        offs_n, m_i, l_i, acc, qk_scale, False)  # fmt: skip
+        row = row0 + start_n
+        m_i, l_i, acc = _plain_step(q, tl.trans(k_desc.load([row, 0])), v_desc, row, start_n,
+                                    offs_m, offs_n, m_i, l_i, acc, qk_scale, False, True)  # fmt: skip
     if CAUSAL:
         for start_n in range(start_m, start_m + BM, BN):
-            m_i, l_i, acc = _plain_tma_step(q, k_desc, v_desc, row0 + start_n, start_n, offs_m,
-                                            offs_n, m_i, l_i, acc, qk_scale, True)  # fmt: skip
+            row = row0 + start_n
+            m_i, l_i, acc = _plain_step(q, tl.trans(k_desc.load([row, 0])), v_desc, row,
+                                        start_n, offs_m, offs_n, m_i, l_i, acc, qk_scale, True,
+                                        True)  # fmt: skip
     tl.store(
         Out + base + offs_m[:, None] * D + offs_d[None, :],
         (acc / l_i[:, None]).to(Out.dtype.element_ty),
@@ -225,14 +228,37 @@ def _sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
+def registers() -> None:
+    """ptxas registers, spills and spills inside loops of the plain loop compiled for
+    sm_90 without a GPU (aot_check's ahead-of-time path), at the launches the probe times
+    and the two-programs-per-SM cap."""
+    from attnhub.backends.triton_flash import aot_check
+
+    x = torch.empty(16, 16, 1024, 128, dtype=torch.bfloat16)
+    for causal, stages, cap in ((0, 3, None), (0, 2, 128), (1, 3, None), (1, 2, 128)):
+        kw = dict(BM=128, BN=64, D=128, KT=False, CAUSAL=causal, num_warps=8, num_stages=stages)
+        if cap:
+            kw["maxnreg"] = cap
+        compiled = aot_check.compile_launch(_plain_fwd, (x, x, x, x, 1024, 0.1), kw, 90)
+        in_loops = aot_check.loop_spills(compiled.asm["cubin"])
+        print(f"causal={causal} stages={stages} maxnreg={cap}: "
+              f"{aot_check.ptxas_usage(compiled.asm['ptx'], 90)} loop STL/LDL={in_loops}")  # fmt: skip
+
+
 def main() -> None:
     from torch.nn.attention import SDPBackend
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("output")
+    parser.add_argument("output", nargs="?")
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--registers", action="store_true", help="ptxas registers, no GPU")
     args = parser.parse_args()
+    if args.registers:
+        registers()
+        return
+    if args.output is None:
+        parser.error("OUT.json is required unless --registers")
     rows = []
     causal = args.causal
     flash, cudnn = (
