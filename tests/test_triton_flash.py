@@ -627,8 +627,8 @@ def test_row_strides_are_constants_only_for_packed_rows(monkeypatch: pytest.Monk
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
 def test_packed_and_strided_inputs_in_one_call(dtype: torch.dtype) -> None:
-    """Q (and so dQ's inputs) through a transpose, K/V packed: each kernel mixes a
-    constant row stride with runtime ones (ops._row_strides), forward and backward."""
+    """Q and dO through a transpose, K/V packed: the forward and dQ kernels stream K/V
+    with constant row strides, dK/dV streams Q/dO with runtime ones (ops._row_strides)."""
     torch.manual_seed(11)
     case = Case("mixed", 2, 4, 2, 45, 52, 32, causal=True, bottom_right=True)
     q = _make((case.b, case.hq, case.nq, case.d), dtype, "bnhd")

@@ -248,9 +248,10 @@ def _edge_segments(
 # triton_flash-strides-ab-2026-11-30.json, runtime / constant time) the forward ran
 # 1.4-11.5% faster at 11 of the 12 grid points (D=64 N=4K non-causal -0.5%), the
 # backward 1.6-15.5% faster at 10 (D=64 non-causal N=4K +0.1%, N=16K -1.8%), with
-# bitwise the same outputs and gradients. Other
-# layouts ((B, N, H, D) views) keep the runtime stride, so each head dim adds at most
-# one more compiled variant. A switch for A/B runs (benchmarks/triton_flash_gpu.py
+# bitwise the same outputs and gradients. The constant is the tensor's actual stride,
+# so the addresses are the same either way; packing only decides where to specialize:
+# other layouts ((B, N, H, D) views) keep the runtime stride, so each head dim adds at
+# most one more compiled variant. A switch for A/B runs (benchmarks/triton_flash_gpu.py
 # --only strides_ab); True in normal use.
 SPECIALIZE_ROW_STRIDES = True
 _ROW_STRIDE_ARGS = {"Q": "STRIDE_QM", "DO": "STRIDE_DOM", "K": "STRIDE_KN", "V": "STRIDE_VN"}
