@@ -315,8 +315,8 @@ def test_merged_backward_bitwise_equals_split(
 
 def test_backward_launch_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     """The table (or ATTNHUB_TRITON_BWD over it) picks the launch where the two roles'
-    configurations (the split path's own, lean or not) share warps and stages, and split
-    elsewhere."""
+    configurations (the split path's own, lean or not) share their launch options
+    (warps, stages, register cap), and split elsewhere."""
     from attnhub.backends.triton_flash import configs
 
     sm90 = (9, 0)
@@ -348,6 +348,10 @@ def test_backward_launch_mode(monkeypatch: pytest.MonkeyPatch) -> None:
         assert configs.backward_launch(*pair(256, 2, False)) == "split"
         kv, q = configs.LaunchConfig(32, 64, 4, 3), configs.LaunchConfig(64, 32, 4, 2)
         assert configs.backward_launch(kv, q) == "split"  # stages differ
+        capped = configs.LaunchConfig(64, 32, 4, 3, maxnreg=128)
+        assert configs.backward_launch(kv, capped) == "split"  # one role's register cap
+        assert configs.backward_launch(capped, capped) == mode
+        assert configs.merged_meta(capped, capped, mode)["maxnreg"] == 128
     # The lean D=128 tiles reach the merged kernel as its two roles' tiles.
     merged = configs.merged_meta(*pair(128, 2, False), "merged_heads")
     assert merged == {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,

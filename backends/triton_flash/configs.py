@@ -39,16 +39,16 @@ class LaunchConfig:
     num_stages: int
     maxnreg: int | None = None
 
-    def meta(self) -> dict[str, int]:
-        meta = {
-            "BLOCK_M": self.block_m,
-            "BLOCK_N": self.block_n,
-            "num_warps": self.num_warps,
-            "num_stages": self.num_stages,
-        }
+    def options(self) -> dict[str, int]:
+        """The launch options (num_warps, num_stages, and maxnreg where set)."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
         if self.maxnreg is not None:
-            meta["maxnreg"] = self.maxnreg
-        return meta
+            options["maxnreg"] = self.maxnreg
+        return options
+
+    def meta(self) -> dict[str, int]:
+        """Tiles (BLOCK_M, BLOCK_N) and launch options, as one launch takes them."""
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, **self.options()}
 
 
 # Interpreter: tiles of 32 query rows x 16 keys (BLOCK_M != BLOCK_N also tests that the
@@ -290,16 +290,16 @@ def backward_launch(
     with a 2-byte dtype and padded head dim ``block_d``, else ``BWD_DEFAULT``. The
     variable is read on every backward, so a benchmark can switch it in-process; under
     ``torch.compile`` the value at trace time is baked into the graph. A merged launch
-    is used only where ``kv`` and ``q`` have the same num_warps and num_stages (a
-    launch has one of each; the 2-byte D=256 rows have 4 vs 8 warps); elsewhere the
-    backward is split whatever was asked. An unknown value raises, so that a typo
+    is used only where ``kv`` and ``q`` have the same launch options (num_warps,
+    num_stages, maxnreg: a launch has one of each; the 2-byte D=256 rows have 4 vs 8
+    warps); elsewhere the backward is split whatever was asked. An unknown value raises, so that a typo
     cannot silently time the wrong path.
     """
     table = _LEAN_LAUNCH_2B.get(block_d) if lean and element_size == 2 else None
     mode = os.environ.get(BWD_ENV) or table or BWD_DEFAULT
     if mode not in BWD_MODES:
         raise ValueError(f"{BWD_ENV}={mode!r}: expected one of {', '.join(BWD_MODES)}")
-    if mode != "split" and (kv.num_warps, kv.num_stages) != (q.num_warps, q.num_stages):
+    if mode != "split" and kv.options() != q.options():
         return "split"
     return mode
 
@@ -323,14 +323,13 @@ def backward_mode(mode: str) -> Iterator[None]:
 def merged_meta(kv: LaunchConfig, q: LaunchConfig, mode: str) -> dict[str, int | bool]:
     """The merged kernel's tile constexprs and launch options for ``mode`` ("merged" or
     "merged_heads"): dK/dV tiles as BLOCK_M1/BLOCK_N1, dQ tiles as BLOCK_M2/BLOCK_N2
-    (FlexAttention's names), the program order, and the shared num_warps/num_stages
-    (equal in ``kv`` and ``q``, see :func:`backward_launch`)."""
+    (FlexAttention's names), the program order, and the shared launch options (equal
+    in ``kv`` and ``q``, see :func:`backward_launch`)."""
     return {
         "BLOCK_M1": kv.block_m,
         "BLOCK_N1": kv.block_n,
         "BLOCK_M2": q.block_m,
         "BLOCK_N2": q.block_n,
         "HEAD_MAJOR": mode == "merged_heads",
-        "num_warps": kv.num_warps,
-        "num_stages": kv.num_stages,
+        **kv.options(),
     }

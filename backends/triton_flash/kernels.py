@@ -194,6 +194,17 @@ def _compiled(seg: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexp
 
 
 @triton.jit
+def _row_stride(runtime, PACKED: tl.constexpr):
+    """A streamed tensor's row stride: the compile-time PACKED where ops set it (the
+    STRIDE_* knobs, glossary), else the runtime argument."""
+    if PACKED != 0:
+        stride = PACKED
+    else:
+        stride = runtime
+    return stride
+
+
+@triton.jit
 def _scores(
     qk, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
     mask_rows, stride_mn, qk_scale, sm_scale, softcap,
@@ -347,10 +358,8 @@ def attn_fwd_kernel(
     MASK_TAIL: tl.constexpr, STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
 ):  # fmt: skip
     """Out (B, H, NQ, DV) and Lse (B, H, NQ) float32 natural log, for one row block."""
-    if STRIDE_KN != 0:
-        stride_kn = STRIDE_KN
-    if STRIDE_VN != 0:
-        stride_vn = STRIDE_VN
+    stride_kn = _row_stride(stride_kn, STRIDE_KN)
+    stride_vn = _row_stride(stride_vn, STRIDE_VN)
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
     start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -658,10 +667,8 @@ def attn_bwd_dkdv_kernel(
 ):  # fmt: skip
     """dK and dV, one program per (key block, b * HKV + hkv) on grid axes (0, 1): the split
     backward's first launch (see :func:`_bwd_dkdv_program`)."""
-    if STRIDE_QM != 0:
-        stride_qm = STRIDE_QM
-    if STRIDE_DOM != 0:
-        stride_dom = STRIDE_DOM
+    stride_qm = _row_stride(stride_qm, STRIDE_QM)
+    stride_dom = _row_stride(stride_dom, STRIDE_DOM)
     _bwd_dkdv_program(
         tl.program_id(0), tl.program_id(1),
         Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV,
@@ -841,10 +848,8 @@ def attn_bwd_dq_kernel(
 ):  # fmt: skip
     """dQ, one program per (row block, b * H + h) on grid axes (0, 1): the split
     backward's second launch (see :func:`_bwd_dq_program`)."""
-    if STRIDE_KN != 0:
-        stride_kn = STRIDE_KN
-    if STRIDE_VN != 0:
-        stride_vn = STRIDE_VN
+    stride_kn = _row_stride(stride_kn, STRIDE_KN)
+    stride_vn = _row_stride(stride_vn, STRIDE_VN)
     _bwd_dq_program(
         tl.program_id(0), tl.program_id(1),
         Q, K, V, Mask, Seed, DO, Lse, Delta, DQ,
@@ -891,9 +896,9 @@ def attn_bwd_kernel(
     rows (BLOCK_N2 keys per step), so the gradients are bitwise those of the split
     launches (the same programs summing in the same order; still no atomics). Each role
     has its own edge-segment flags (KV_MASK_*, Q_MASK_*: ops._edge_segments with that
-    role's tiles), as the split kernels have. Both roles share the launch's num_warps and
-    num_stages, and its registers: ptxas allocates the hungrier role's count (or more)
-    to every program.
+    role's tiles), as the split kernels have. Both roles share the launch's options
+    (num_warps, num_stages, maxnreg), and its registers: ptxas allocates the hungrier
+    role's count (or more) to every program.
 
     Grid and program order (the hardware starts blocks in order, axis 0 fastest):
     HEAD_MAJOR=False  1-D: all dK/dV programs (key block fastest, then b * HKV + hkv),
@@ -906,18 +911,14 @@ def attn_bwd_kernel(
                       side by side throughout and read one head's Q/K/V/dO at about the
                       same time (L2 reuse).
     """
+    stride_qm = _row_stride(stride_qm, STRIDE_QM)
+    stride_dom = _row_stride(stride_dom, STRIDE_DOM)
+    stride_kn = _row_stride(stride_kn, STRIDE_KN)
+    stride_vn = _row_stride(stride_vn, STRIDE_VN)
     # Each role's (tile, batch*head) is computed apart, not selected with tl.where: a
     # shared pair made both roles' index arithmetic identical, LLVM hoisted it above
     # the branch, and ptxas spilled 6x more in the dK/dV loop (bf16 D=128, (64,128,8,2):
     # 1656 spill bytes against 392; 264 for attn_bwd_dkdv_kernel alone).
-    if STRIDE_QM != 0:
-        stride_qm = STRIDE_QM
-    if STRIDE_DOM != 0:
-        stride_dom = STRIDE_DOM
-    if STRIDE_KN != 0:
-        stride_kn = STRIDE_KN
-    if STRIDE_VN != 0:
-        stride_vn = STRIDE_VN
     pid = tl.program_id(0)
     kv_tiles = tl.cdiv(NK, BLOCK_N1)
     q_tiles = tl.cdiv(NQ, BLOCK_M2)
