@@ -64,14 +64,15 @@ def _ref(layout, q, k, v, dout, dtype, mask=None, causal=False, bottom_right=Fal
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
-def _check(layout, dtype, b, hq, hkv, nq, nk, d, mask=None, qkv=None, **kw):  # type: ignore[no-untyped-def]
+def _check(layout, dtype, b, hq, hkv, nq, nk, d, mask=None, qkv=None, dout=None, **kw):  # type: ignore[no-untyped-def]
     if qkv is None:
         q = torch.randn(b, hq, nq, d, dtype=dtype, device=DEVICE)
         k = torch.randn(b, hkv, nk, d, dtype=dtype, device=DEVICE)
         v = torch.randn(b, hkv, nk, d, dtype=dtype, device=DEVICE)
     else:
         q, k, v = qkv
-    dout = torch.randn(b, hq, nq, d, dtype=dtype, device=DEVICE)
+    if dout is None:
+        dout = torch.randn(b, hq, nq, d, dtype=dtype, device=DEVICE)
     got = _run(layout, q, k, v, dout, mask, scale=d**-0.5, **kw)
     r64 = _ref(layout, q, k, v, dout, torch.float64, mask, **kw)
     rlp = _ref(layout, q, k, v, dout, dtype, mask, **kw)
@@ -160,6 +161,26 @@ def test_partial_blocks_with_even_lengths_per_head(dtype: torch.dtype) -> None:
     assert n_part.amax() == 2 and (n_part[:, 1::2] == 0).all() and layout.full_mask.any()
     assert not layout.block_mask[:, 3, 1].any()
     _check(layout, dtype, 2, 4, 2, 192, 192, 16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+def test_packed_and_strided_inputs_in_one_call(dtype: torch.dtype) -> None:
+    """Q and dO through a transpose ((B, N, H, D) storage), K/V packed: the forward and dQ
+    kernels stream K/V with constant row strides (STRIDE_KN/STRIDE_VN), dK/dV streams
+    Q/dO with runtime ones (triton_flash.ops._row_strides). Even lengths (the flat loops)
+    and a causal call on ragged ones (the per-block loops)."""
+    from attnhub.backends.triton_flash.ops import _row_strides
+
+    torch.manual_seed(12)
+    for n, kw in ((192, {}), (150, {"causal": True})):
+        q, dout = (torch.randn(1, n, 4, 32, dtype=dtype, device=DEVICE).transpose(1, 2)
+                   for _ in range(2))  # fmt: skip
+        k, v = (torch.randn(1, 2, n, 32, dtype=dtype, device=DEVICE) for _ in range(2))
+        assert _row_strides(Q=q, DO=dout, K=k, V=v) == {
+            "STRIDE_QM": 0, "STRIDE_DOM": 0, "STRIDE_KN": 32, "STRIDE_VN": 32
+        }  # fmt: skip
+        layout = BlockSparseLayout.sliding_window(n, 100, 64)
+        _check(layout, dtype, 1, 4, 2, n, n, 32, qkv=(q, k, v), dout=dout, **kw)
 
 
 def test_mask_mod_per_head_with_window_and_float_mask() -> None:

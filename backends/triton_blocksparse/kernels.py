@@ -42,6 +42,10 @@ EVEN_BLOCKS           no causal/window band and NQ, NK multiples of BQ, BK: ever
                       loop each (what lets Triton pipeline across blocks; the forward
                       steps its pointers, the backward reads each tile's block from the
                       list); otherwise a loop per block decides masked or not.
+STRIDE_KN, STRIDE_VN  as in triton_flash: the row stride of what a kernel streams (K/V in
+STRIDE_QM, STRIDE_DOM the forward and dQ kernels, Q/dO in dK/dV) as a constant where its
+                      rows are packed, else 0 (the runtime stride): fewer 64-bit address
+                      registers live across the block loops (triton_flash.ops._row_strides)
 """
 
 from __future__ import annotations
@@ -120,8 +124,13 @@ def bs_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, HAS_PARTIAL: tl.constexpr,
     BQ: tl.constexpr, BK: tl.constexpr, EVEN_BLOCKS: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
 ):  # fmt: skip
     """Out and Lse for BLOCK_M rows of one query block, visiting only its kept key blocks."""
+    if STRIDE_KN != 0:
+        stride_kn = STRIDE_KN
+    if STRIDE_VN != 0:
+        stride_vn = STRIDE_VN
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
     start_m, pid_bh = _program_tile(Order, n_heavy, NQ, BQ, BLOCK_M)
     if start_m >= NQ:  # a tile of the ragged last block that lies past NQ
@@ -299,8 +308,13 @@ def bs_bwd_dq_kernel(
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, HAS_PARTIAL: tl.constexpr,
     BQ: tl.constexpr, BK: tl.constexpr, EVEN_BLOCKS: tl.constexpr,
+    STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
 ):  # fmt: skip
     """dQ for BLOCK_M rows of one query block over its kept key blocks."""
+    if STRIDE_KN != 0:
+        stride_kn = STRIDE_KN
+    if STRIDE_VN != 0:
+        stride_vn = STRIDE_VN
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
     start_m, pid_bh = _program_tile(Order, n_heavy, NQ, BQ, BLOCK_M)
     if start_m >= NQ:  # a tile of the ragged last block that lies past NQ
@@ -452,9 +466,14 @@ def bs_bwd_dkdv_kernel(
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, HAS_PARTIAL: tl.constexpr,
     BQ: tl.constexpr, BK: tl.constexpr, EVEN_BLOCKS: tl.constexpr,
+    STRIDE_QM: tl.constexpr = 0, STRIDE_DOM: tl.constexpr = 0,
 ):  # fmt: skip
     """dK and dV for BLOCK_N keys of one key block, over the kept query blocks of each of the GROUP query
     heads that read it (the block lists here are the per-key-block "q" direction)."""
+    if STRIDE_QM != 0:
+        stride_qm = STRIDE_QM
+    if STRIDE_DOM != 0:
+        stride_dom = STRIDE_DOM
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
     start_n, pid_bh = _program_tile(Order, n_heavy, NK, BK, BLOCK_N)
     if start_n >= NK:  # a tile of the ragged last block that lies past NK

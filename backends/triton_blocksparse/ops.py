@@ -30,6 +30,7 @@ from attnhub.backends.triton_flash.ops import (
     _forward_outputs,
     _grad_outputs,
     _launcher,
+    _row_strides,
     _setup,
     call_scalars,
     cdiv,
@@ -211,6 +212,7 @@ def _fwd_impl(
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *out.stride(),
         *_index_strides(fnum, fidx), hq, hq // hkv, nq, nk, d, dv, *c.scalars,
         HAS_PARTIAL=has_partial, FOLD_SCALE=c.fold_scale, **c.meta, **launch,
+        **_row_strides(K=k, V=v),
     )  # fmt: skip
     return out, lse
 
@@ -260,6 +262,7 @@ def _bwd_impl(
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dk.stride(), *dv.stride(),
         *_index_strides(fnum, fidx),
         hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **meta, **launch,
+        **_row_strides(Q=q, DO=dout),
     )  # fmt: skip
     fnum, fidx, pnum, pidx, ptile = index[:5]
     block_m, _, launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal)
@@ -269,6 +272,7 @@ def _bwd_impl(
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
         *_index_strides(fnum, fidx),
         hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **meta, **launch,
+        **_row_strides(K=k, V=v),
     )  # fmt: skip
     return dq, dk, dv
 

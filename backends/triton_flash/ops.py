@@ -252,7 +252,7 @@ def _edge_segments(
 # so the addresses are the same either way; packing only decides where to specialize:
 # other layouts ((B, N, H, D) views) keep the runtime stride, so each head dim adds at
 # most one more compiled variant. A switch for A/B runs (benchmarks/triton_flash_gpu.py
-# --only strides_ab); True in normal use.
+# --only strides_ab); True in normal use. triton_blocksparse's launches read it too.
 SPECIALIZE_ROW_STRIDES = True
 _ROW_STRIDE_ARGS = {"Q": "STRIDE_QM", "DO": "STRIDE_DOM", "K": "STRIDE_KN", "V": "STRIDE_VN"}
 
