@@ -66,6 +66,7 @@ from attnhub.backends.triton_flash.kernels import (
     _load_lse2,
     _load_rows,
     _query_ranges,
+    _row_stride,
 )
 
 
@@ -127,10 +128,8 @@ def bs_fwd_kernel(
     STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
 ):  # fmt: skip
     """Out and Lse for BLOCK_M rows of one query block, visiting only its kept key blocks."""
-    if STRIDE_KN != 0:
-        stride_kn = STRIDE_KN
-    if STRIDE_VN != 0:
-        stride_vn = STRIDE_VN
+    stride_kn = _row_stride(stride_kn, STRIDE_KN)
+    stride_vn = _row_stride(stride_vn, STRIDE_VN)
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
     start_m, pid_bh = _program_tile(Order, n_heavy, NQ, BQ, BLOCK_M)
     if start_m >= NQ:  # a tile of the ragged last block that lies past NQ
@@ -311,10 +310,8 @@ def bs_bwd_dq_kernel(
     STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
 ):  # fmt: skip
     """dQ for BLOCK_M rows of one query block over its kept key blocks."""
-    if STRIDE_KN != 0:
-        stride_kn = STRIDE_KN
-    if STRIDE_VN != 0:
-        stride_vn = STRIDE_VN
+    stride_kn = _row_stride(stride_kn, STRIDE_KN)
+    stride_vn = _row_stride(stride_vn, STRIDE_VN)
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
     start_m, pid_bh = _program_tile(Order, n_heavy, NQ, BQ, BLOCK_M)
     if start_m >= NQ:  # a tile of the ragged last block that lies past NQ
@@ -470,10 +467,8 @@ def bs_bwd_dkdv_kernel(
 ):  # fmt: skip
     """dK and dV for BLOCK_N keys of one key block, over the kept query blocks of each of the GROUP query
     heads that read it (the block lists here are the per-key-block "q" direction)."""
-    if STRIDE_QM != 0:
-        stride_qm = STRIDE_QM
-    if STRIDE_DOM != 0:
-        stride_dom = STRIDE_DOM
+    stride_qm = _row_stride(stride_qm, STRIDE_QM)
+    stride_dom = _row_stride(stride_dom, STRIDE_DOM)
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
     start_n, pid_bh = _program_tile(Order, n_heavy, NK, BK, BLOCK_N)
     if start_n >= NK:  # a tile of the ragged last block that lies past NK
