@@ -29,6 +29,8 @@ Usage (on the H200 machine, after ``pip install --no-build-isolation --no-deps -
 11. ``--only strides_ab``: row strides as runtime values against compile-time constants
     (ops.SPECIALIZE_ROW_STRIDES) on the grid, forward and backward alone, and forward
     configurations that fit more programs per SM.
+12. ``--only bs_strides_ab``: the same switch for triton_blocksparse, on flat-loop and
+    per-block-loop calls (BS_STRIDES_AB_CASES), forward and forward+backward.
 
 ``--bwd MODE`` sets ``ATTNHUB_TRITON_BWD`` for the whole run (default: the library's).
 The merged-vs-split A/B in one call::
@@ -639,6 +641,102 @@ def strides_ab(quick: bool) -> list[dict]:
     return rows
 
 
+def _abba(variants: list, run) -> dict:  # type: ignore[no-untyped-def]
+    """Each variant run twice, in A B .. B A order, so that a drift (the clock, the
+    allocator's first large blocks) weighs on every variant alike. ``run(variant)``
+    returns (outputs, [ms, ...]); the result maps each variant to (its first outputs,
+    the mean of each time over its two runs, the runs)."""
+    outputs: dict = {}
+    runs: dict = {x: [] for x in variants}
+    for variant in variants + variants[::-1]:
+        out, times = run(variant)
+        outputs.setdefault(variant, out)
+        runs[variant].append(times)
+    return {x: (outputs[x], [sum(t) / len(t) for t in zip(*runs[x])], runs[x]) for x in variants}
+
+
+def _max_abs_diff(xs, ys) -> float:  # type: ignore[no-untyped-def]
+    return max((x.float() - y.float()).abs().max().item() for x, y in zip(xs, ys))
+
+
+# Block-sparse calls for bs_strides_ab (bf16, B=2, H=16, block 128): at N=8192 a layout
+# without a band runs the flat loops (EVEN_BLOCKS, every layout of the bench extra); a
+# ragged N (8000) or a causal call runs the per-block loops, where ptxas showed the
+# constants cutting registers and spills (NOTES, "Block-sparse row strides").
+BS_STRIDES_AB_CASES = (
+    (8192, ("random", 0.25), False),
+    (8192, ("bigbird", 2), False),
+    (8192, ("sliding_window", 1024), False),
+    (8000, ("sliding_window", 1024), False),
+    (8192, ("causal", 0), True),
+    (8000, ("random", 0.25), True),
+)
+
+
+def bs_strides_ab(quick: bool) -> list[dict]:
+    """triton_blocksparse with row strides as runtime values against compile-time
+    constants (ops.SPECIALIZE_ROW_STRIDES) on BS_STRIDES_AB_CASES, D 64 and 128: the
+    forward (no grad) and forward+backward through autograd, A B B A (``_abba``);
+    outputs and gradients compared with the runtime variant's (max abs diff)."""
+    # quick: one flat-loop call and two per-block ones (ragged N, causal)
+    cases = [BS_STRIDES_AB_CASES[i] for i in (0, 3, 4)] if quick else BS_STRIDES_AB_CASES
+    rows = []
+    for d in (64, 128):
+        for n, spec, causal in cases:
+            rows += _bs_strides_case(d, n, spec, causal)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _bs_strides_case(d: int, n: int, spec: tuple, causal: bool) -> list[dict]:
+    from attnhub.backends.triton_blocksparse.ops import block_sparse_attention
+    from attnhub.backends.triton_flash import ops
+    from attnhub.bench import build_layout, kept_pairs
+
+    b, h = 2, 16
+    torch.manual_seed(8)
+    layout = build_layout(spec, n, 128, seed=0, device=DEV)
+    q, k, v, dout = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16)
+                     for _ in range(4))  # fmt: skip
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+
+    def fwd() -> torch.Tensor:
+        with torch.no_grad():
+            return block_sparse_attention(q, k, v, layout, causal=causal)[0]
+
+    def fwd_bwd() -> tuple[torch.Tensor, ...]:
+        out = block_sparse_attention(qg, kg, vg, layout, causal=causal)[0]
+        out.backward(dout)
+        return out, qg.grad, kg.grad, vg.grad
+
+    def run(strides: str) -> tuple[tuple, list[float]]:
+        ops.SPECIALIZE_ROW_STRIDES = strides == "packed"
+        try:
+            for t in (qg, kg, vg):
+                t.grad = None
+            outs = tuple(x.detach().clone() for x in fwd_bwd())
+            t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+            t_fb = triton.testing.do_bench(fwd_bwd, warmup=25, rep=100,
+                                           grad_to_none=[qg, kg, vg], return_mode="median")  # fmt: skip
+            return outs, [t_f, t_fb]
+        finally:
+            ops.SPECIALIZE_ROW_STRIDES = True
+
+    timed = _abba(["runtime", "packed"], run)
+    flops = 4 * b * h * kept_pairs(layout, n) * d * (0.5 if causal else 1.0)
+    rows = []
+    for strides, (outs, (t_f, t_fb), times) in timed.items():
+        row = {"D": d, "N": n, "B": b, "H": h, "layout": list(spec), "causal": causal,
+               "strides": strides,
+               "max_abs_diff_vs_runtime": _max_abs_diff(outs, timed["runtime"][0]),
+               "fwd_ms": round(t_f, 4), "fwd_bwd_ms": round(t_fb, 4),
+               "approx_fwd_tflops": round(flops / t_f / 1e9, 1),
+               "runs_ms": [[round(x, 4) for x in r] for r in times]}  # fmt: skip
+        print(f"bs_strides_ab {row}", flush=True)
+        rows.append(row)
+    return rows
+
+
 WINDOW_SHAPE = (2, 16, 16384, 128)  # B, H, N, D: the issue's sliding-window extra
 
 
@@ -836,6 +934,7 @@ def main() -> None:
         ("window_ab", window_ab),
         ("window_sweep", window_sweep),
         ("strides_ab", lambda: strides_ab(args.quick)),
+        ("bs_strides_ab", lambda: bs_strides_ab(args.quick)),
     )
     for name, step in steps:
         if name not in sections:

@@ -89,6 +89,33 @@ def test_the_shipped_sm90_table_is_well_formed():
     assert table.device == "sm90" and table.entries
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_the_shipped_sm90_table_covers_the_bench_grid(dtype, cuda_request):
+    """Every point of issue 4's grid (D 64/128, N 1K-16K, causal or not, with and without
+    gradients) finds an entry timing the built-in competitors, in both dtypes: a call
+    the table misses falls back to declared priority, which put triton_flash ahead of a
+    faster cuDNN for every fp16 training call until fp16 was measured."""
+    table = CostTable.load(Path(cost_table.__file__).parent / "data" / "cost_table_sm90.json")
+    policy = CostTablePolicy(table)
+    for d in (64, 128):
+        for n in (1024, 2048, 4096, 8192, 16384):
+            for causal in (False, True):
+                for mode in cost_table.TABLE_MODES:
+                    found = table.lookup(str(dtype).removeprefix("torch."), d, n, causal, mode)
+                    assert found is not None, (dtype, d, n, causal, mode)
+                    key, timings = found
+                    assert abs(key[2] - n) <= n, (key, n)  # within an octave
+                    assert {"triton_flash", "torch_sdpa_flash", "torch_sdpa_cudnn"} <= set(timings)
+                    request = cuda_request(
+                        dtype=dtype, head_dim=d, head_dim_v=d, seqlen_q=n, seqlen_k=n,
+                        causal=causal, needs_grad=mode == "fwd_bwd",
+                    )  # fmt: skip
+                    fastest = min(
+                        (b.name for b in ALL if b.name in timings), key=timings.__getitem__
+                    )
+                    assert names(policy.rank(request, ALL))[0] == fastest, key
+
+
 def names(ranked) -> list[str]:  # type: ignore[no-untyped-def]
     return [b.name for b, _ in ranked]
 
