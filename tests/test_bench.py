@@ -162,6 +162,8 @@ def test_modes_and_flex_lengths_select_subsets_without_compiling():
     assert [(r["backend"], r["mode"]) for r in data["results"]] == [("torch_sdpa", "fwd")]
     (flex,) = data["skipped"]
     assert flex["backend"] == "flex_attention" and "--flex-seqlens" in flex["reason"]
+    text = bench_report.markdown_table(data)
+    assert "| torch_sdpa |" in text and bench_report.AUTO_NOISE not in text  # auto not timed
 
 
 def test_a_backend_that_raises_is_recorded_and_the_run_goes_on():
@@ -260,6 +262,7 @@ def test_report_writes_plots_and_a_table(tmp_path):
     row = dict(zip(header, cells))
     assert row["auto/best"] == "0.90" and row["tf/cudnn"] == "0.75"
     assert row["auto"].endswith("(torch_sdpa_cudnn)")
+    assert bench_report.AUTO_NOISE in table  # auto was timed: say what auto/best can't resolve
     assert "| 256 | fwd | bf16 | 16384 | 0.256 |" in table
 
 

@@ -246,8 +246,8 @@ def test_dropout_full_layout_matches_triton_flash() -> None:
     from attnhub.backends.triton_flash import ops as flash_ops
 
     torch.manual_seed(9)
-    q, k, v = (torch.randn(1, 2, 100, 32) for _ in range(3))
-    dout = torch.randn(1, 2, 100, 32)
+    q, k, v = (torch.randn(1, 2, 100, 32, device=DEVICE) for _ in range(3))
+    dout = torch.randn(1, 2, 100, 32, device=DEVICE)
     layout = BlockSparseLayout.from_block_mask(torch.ones(1, 1, 2, 2, dtype=torch.bool), 64)
     torch.manual_seed(10)
     got = _run(layout, q, k, v, dout, causal=True, dropout_p=0.3)
@@ -261,8 +261,9 @@ def test_dropout_full_layout_matches_triton_flash() -> None:
 
 def test_lse_gradient() -> None:
     torch.manual_seed(11)
-    layout = BlockSparseLayout.causal(96, 64)
-    q, k, v = (torch.randn(1, 1, 96, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    layout = BlockSparseLayout.causal(96, 64, device=DEVICE)
+    q, k, v = (torch.randn(1, 1, 96, 16, dtype=torch.float64, device=DEVICE, requires_grad=True)
+               for _ in range(3))  # fmt: skip
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     out, lse = ops.block_sparse_attention(q32, k32, v32, layout)
     (out.sum() + lse.sum()).backward()
@@ -275,10 +276,10 @@ def test_lse_gradient() -> None:
 
 def test_forward_and_backward_are_bitwise_repeatable() -> None:
     """Declared deterministic: the same call twice gives identical bits, grads included."""
-    layout = _random_layout(1, 2, 100, 90, 32, 0.6, seed=4)
+    layout = _random_layout(1, 2, 100, 90, 32, 0.6, seed=4).to(DEVICE)
     torch.manual_seed(5)
-    q, k, v = (torch.randn(1, 2, n, 32, requires_grad=True) for n in (100, 90, 90))
-    dout = torch.randn(1, 2, 100, 32)
+    q, k, v = (torch.randn(1, 2, n, 32, device=DEVICE, requires_grad=True) for n in (100, 90, 90))
+    dout = torch.randn(1, 2, 100, 32, device=DEVICE)
     runs = []
     for _ in range(2):
         out = attnhub.attention(
@@ -383,7 +384,7 @@ def test_without_interpreter_it_declares_cuda_like_triton_flash() -> None:
 
 def test_unsupported_block_size_is_declined_at_dispatch_and_raises_in_the_op() -> None:
     layout = BlockSparseLayout.from_block_mask(torch.ones(1, 1, 2, 2, dtype=torch.bool), 48)
-    q = torch.randn(1, 1, 96, 16)
+    q = torch.randn(1, 1, 96, 16, device=DEVICE)
     decision = attnhub.explain(q, q, q, block_sparse=layout)
     assert decision.chosen != "triton_blocksparse"
     assert decision.reasons()["triton_blocksparse"] == [
