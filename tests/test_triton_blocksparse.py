@@ -383,7 +383,8 @@ def test_without_interpreter_it_declares_cuda_like_triton_flash() -> None:
 
 
 def test_unsupported_block_size_is_declined_at_dispatch_and_raises_in_the_op() -> None:
-    layout = BlockSparseLayout.from_block_mask(torch.ones(1, 1, 2, 2, dtype=torch.bool), 48)
+    mask = torch.ones(1, 1, 2, 2, dtype=torch.bool, device=DEVICE)
+    layout = BlockSparseLayout.from_block_mask(mask, 48)
     q = torch.randn(1, 1, 96, 16, device=DEVICE)
     decision = attnhub.explain(q, q, q, block_sparse=layout)
     assert decision.chosen != "triton_blocksparse"
