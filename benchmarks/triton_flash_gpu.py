@@ -570,77 +570,6 @@ def print_bwd_ab(rows: list[dict]) -> None:
         print(f"{d:>4} {n:>6} {causal!s:>6} | {split:>7} | " + " | ".join(cells) + f" | {same}")
 
 
-# Forward candidates that let more programs share an SM (maxnreg caps the registers;
-# aot_check --registers: no spills in the loop, bar (128, 64, 8, 2, 128) with 2/3 STL/LDL),
-# timed beside the table's row with packed row strides. D=64: three programs; D=128: two.
-STRIDES_AB_FWD = {
-    64: ((128, 32, 4, 3, 168), (64, 64, 4, 3)),
-    128: ((128, 64, 8, 2, 128), (128, 32, 8, 2, 128), (128, 32, 8, 3, 128)),
-}
-
-
-def strides_ab(quick: bool) -> list[dict]:
-    """Row strides as runtime values against compile-time constants
-    (ops.SPECIALIZE_ROW_STRIDES), forward and backward alone, on the timing grid (bf16,
-    B = 16384/N, H = 2048/D); then, with constants, the forward at STRIDES_AB_FWD's
-    configurations. Per point the variants run twice, in A B .. B A order (mean of the
-    two runs); outputs and gradients compared with the first variant's (max abs diff)."""
-    from attnhub.backends.triton_flash import configs, ops
-
-    rows = []
-    ns = (1024, 4096) if quick else (1024, 4096, 16384)
-    for d, n, causal in ((d, n, c) for d in (64, 128) for n in ns for c in (False, True)):
-        b, h = 16384 // n, 2048 // d
-        torch.manual_seed(7)
-        q, k, v, dout = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16)
-                         for _ in range(4))  # fmt: skip
-        flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
-        variants = [("runtime", None), ("packed", None)]
-        variants += [("packed", c) for c in STRIDES_AB_FWD[d]]
-        runs: dict = {x: [] for x in variants}
-        results: dict = {}
-        for strides, cfg in variants + variants[::-1]:
-            ops.SPECIALIZE_ROW_STRIDES = strides == "packed"
-            if cfg is not None:
-                configs.OVERRIDE["fwd"] = configs.LaunchConfig(*cfg)
-            try:
-                with torch.no_grad():
-                    out, lse = ops.flash_attention(q, k, v, causal=causal)
-                timed = [_fwd_ms(q, k, v, causal)]
-                if cfg is None:
-                    grads = _raw_backward(q, k, v, dout, out, lse, causal)
-                    results.setdefault((strides, cfg), (out, *grads))
-                    timed.append(triton.testing.do_bench(
-                        lambda q=q, k=k, v=v, dout=dout, out=out, lse=lse, causal=causal:
-                        _raw_backward(q, k, v, dout, out, lse, causal),
-                        warmup=25, rep=100, return_mode="median"))  # fmt: skip
-                else:
-                    results.setdefault((strides, cfg), (out,))
-                runs[(strides, cfg)].append(timed)
-            finally:
-                ops.SPECIALIZE_ROW_STRIDES = True
-                configs.OVERRIDE.clear()
-        first = results[variants[0]]
-        for variant, times in runs.items():
-            mean = [sum(x) / len(x) for x in zip(*times)]
-            diff = max((x.float() - y.float()).abs().max().item()
-                       for x, y in zip(results[variant], first))  # fmt: skip
-            row = {"D": d, "N": n, "B": b, "H": h, "causal": causal, "strides": variant[0],
-                   "fwd_config": list(variant[1]) if variant[1] else "table",
-                   "max_abs_diff_vs_first": diff, "fwd_ms": round(mean[0], 4),
-                   "fwd_tflops": round(flops / mean[0] / 1e9, 1),
-                   "runs_ms": [[round(x, 4) for x in r] for r in times]}  # fmt: skip
-            if len(mean) > 1:
-                row.update(
-                    bwd_ms=round(mean[1], 4), bwd_tflops=round(2.5 * flops / mean[1] / 1e9, 1)
-                )
-            print(f"strides_ab {row}", flush=True)
-            rows.append(row)
-        del q, k, v, dout
-        torch.cuda.empty_cache()
-    return rows
-
-
 def _abba(variants: list, run) -> dict:  # type: ignore[no-untyped-def]
     """Each variant run twice, in A B .. B A order, so that a drift (the clock, the
     allocator's first large blocks) weighs on every variant alike. ``run(variant)``
@@ -657,6 +586,76 @@ def _abba(variants: list, run) -> dict:  # type: ignore[no-untyped-def]
 
 def _max_abs_diff(xs, ys) -> float:  # type: ignore[no-untyped-def]
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(xs, ys))
+
+
+# Forward candidates that let more programs share an SM (maxnreg caps the registers;
+# aot_check --registers: no spills in the loop, bar (128, 64, 8, 2, 128) with 2/3 STL/LDL),
+# timed beside the table's row with packed row strides. D=64: three programs; D=128: two.
+STRIDES_AB_FWD = {
+    64: ((128, 32, 4, 3, 168), (64, 64, 4, 3)),
+    128: ((128, 64, 8, 2, 128), (128, 32, 8, 2, 128), (128, 32, 8, 3, 128)),
+}
+
+
+def strides_ab(quick: bool) -> list[dict]:
+    """Row strides as runtime values against compile-time constants
+    (ops.SPECIALIZE_ROW_STRIDES), forward and backward alone, on the timing grid (bf16,
+    B = 16384/N, H = 2048/D); then, with constants, the forward at STRIDES_AB_FWD's
+    configurations. Per point the variants run twice, in A B .. B A order (``_abba``);
+    outputs and gradients compared with the first variant's (max abs diff)."""
+    rows = []
+    ns = (1024, 4096) if quick else (1024, 4096, 16384)
+    for d, n, causal in ((d, n, c) for d in (64, 128) for n in ns for c in (False, True)):
+        rows += _strides_ab_point(d, n, causal)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _strides_ab_point(d: int, n: int, causal: bool) -> list[dict]:
+    from attnhub.backends.triton_flash import configs, ops
+
+    b, h = 16384 // n, 2048 // d
+    torch.manual_seed(7)
+    q, k, v, dout = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16)
+                     for _ in range(4))  # fmt: skip
+    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+
+    def run(variant: tuple) -> tuple[tuple, list[float]]:
+        strides, cfg = variant
+        ops.SPECIALIZE_ROW_STRIDES = strides == "packed"
+        if cfg is not None:
+            configs.OVERRIDE["fwd"] = configs.LaunchConfig(*cfg)
+        try:
+            with torch.no_grad():
+                out, lse = ops.flash_attention(q, k, v, causal=causal)
+            timed = [_fwd_ms(q, k, v, causal)]
+            if cfg is not None:  # a forward candidate: the forward alone
+                return (out,), timed
+            grads = _raw_backward(q, k, v, dout, out, lse, causal)
+            timed.append(triton.testing.do_bench(
+                lambda: _raw_backward(q, k, v, dout, out, lse, causal),
+                warmup=25, rep=100, return_mode="median"))  # fmt: skip
+            return (out, *grads), timed
+        finally:
+            ops.SPECIALIZE_ROW_STRIDES = True
+            configs.OVERRIDE.clear()
+
+    variants = [("runtime", None), ("packed", None)]
+    variants += [("packed", c) for c in STRIDES_AB_FWD[d]]
+    timed = _abba(variants, run)
+    first = timed[variants[0]][0]
+    rows = []
+    for (strides, cfg), (outs, mean, times) in timed.items():
+        row = {"D": d, "N": n, "B": b, "H": h, "causal": causal, "strides": strides,
+               "fwd_config": list(cfg) if cfg else "table",
+               "max_abs_diff_vs_first": _max_abs_diff(outs, first), "fwd_ms": round(mean[0], 4),
+               "fwd_tflops": round(flops / mean[0] / 1e9, 1),
+               "runs_ms": [[round(x, 4) for x in r] for r in times]}  # fmt: skip
+        if len(mean) > 1:
+            row.update(bwd_ms=round(mean[1], 4), bwd_tflops=round(2.5 * flops / mean[1] / 1e9, 1))
+        print(f"strides_ab {row}", flush=True)
+        rows.append(row)
+    return rows
 
 
 # Block-sparse calls for bs_strides_ab (bf16, B=2, H=16, block 128): at N=8192 a layout
@@ -784,29 +783,28 @@ def window_ab() -> list[dict]:
     rows = []
     for w in WINDOW_AB:
         fwd, bwd, flops = _window_calls(q, k, v, dout, w)
-        runs: dict[tuple[str, str], list[tuple[float, float]]] = {x: [] for x in WINDOW_AB_VARIANTS}
-        results = {}
-        for variant in WINDOW_AB_VARIANTS + WINDOW_AB_VARIANTS[::-1]:
+
+        def run(variant: tuple[str, str]) -> tuple[tuple, list[float]]:
             tiles_by, mode = variant
             if tiles_by == "seqlen":
                 ops._setup = lambda *a, **kw: dataclasses.replace(setup(*a, **kw), walk=n)
             try:
                 with configs.backward_mode(mode):
-                    out, lse = fwd()
-                    results.setdefault(variant, (out, lse, *bwd(out, lse)))
-                    t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+                    out, lse = fwd()  # noqa: B023
+                    outs = (out, lse, *bwd(out, lse))  # noqa: B023
+                    t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")  # noqa: B023
                     t_b = triton.testing.do_bench(lambda: bwd(out, lse), warmup=25, rep=100,  # noqa: B023
                                                   return_mode="median")  # fmt: skip
-                runs[variant].append((t_f, t_b))
+                return outs, [t_f, t_b]
             finally:
                 ops._setup = setup
-        first = results[WINDOW_AB_VARIANTS[0]]
-        for variant, times in runs.items():
-            t_f, t_b = (sum(x) / 2 for x in zip(*times))
-            diff = max((x.float() - y.float()).abs().max().item()
-                       for x, y in zip(results[variant], first))  # fmt: skip
+
+        timed = _abba(list(WINDOW_AB_VARIANTS), run)
+        first = timed[WINDOW_AB_VARIANTS[0]][0]
+        for variant, (outs, (t_f, t_b), times) in timed.items():
             row = {"W": w, "B": b, "H": h, "N": n, "D": d, "tiles_by": variant[0],
-                   "bwd_launch": variant[1] or "library", "max_abs_diff_vs_first": diff,
+                   "bwd_launch": variant[1] or "library",
+                   "max_abs_diff_vs_first": _max_abs_diff(outs, first),
                    "fwd_ms": round(t_f, 4), "fwd_tflops": round(flops / t_f / 1e9, 1),
                    "bwd_ms": round(t_b, 4), "bwd_tflops": round(2.5 * flops / t_b / 1e9, 1),
                    "runs_ms": [[round(x, 4) for x in r] for r in times]}  # fmt: skip
@@ -865,7 +863,7 @@ def window_sweep() -> list[dict]:
                     ms = triton.testing.do_bench(lambda: bwd(out, lse), warmup=25, rep=100,  # noqa: B023
                                                  return_mode="median")  # fmt: skip
                 expected = ref[:1] if kind == "fwd" else ref[1:]
-                err = max((a.float() - r.float()).abs().max().item() for a, r in zip(got, expected))
+                err = _max_abs_diff(got, expected)
                 fl = flops if kind == "fwd" else 2.5 * flops
                 row.update(max_abs_diff_vs_table=err, ms=round(ms, 4),
                            tflops=round(fl / ms / 1e9, 1))  # fmt: skip
