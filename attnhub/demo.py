@@ -1,21 +1,39 @@
 """``attnhub demo``: an existing model, stock and then patched, side by side.
 
-Builds a small transformer from a config (a Llama-style Hugging Face model when
-transformers is installed, else a small built-in one; nothing is downloaded), runs
-forward and backward with PyTorch's own attention, then again under
-:func:`attnhub.patch`, and prints which backend served each kind of attention call and
-why, the largest deviation from stock, and the time per step. On a GPU the Triton
-kernels compete; on a CPU the PyTorch backends do.
+Builds a transformer from a config (a Llama-style Hugging Face model when transformers
+is installed, else a built-in one; random weights, nothing is downloaded) and runs one
+training step (forward and backward) four ways on the same weights and tokens:
+
+- **stock**: PyTorch's own ``F.scaled_dot_product_attention``;
+- **patched**: the same under :func:`attnhub.patch`;
+- **r_lp**: attention by ``torch_reference`` (the contract as plain PyTorch
+  operations) in the model's dtype;
+- **reference**: the same in higher precision (float64; float32 for a half-precision
+  model on CUDA, where float64 attention at the GPU size would not fit comfortably).
+
+It prints which backend served each kind of attention call and why, judges stock and
+patched by the contract's tolerance rule applied to the whole step
+(``max|x - reference| <= 2 * max|r_lp - reference| + 1e-5`` for the logits and each
+parameter's gradient), says where stock PyTorch gives NaN and attnhub does not, and
+times stock against patched. The exit code is 0 when attnhub's results are finite and
+within that tolerance, 1 when they are not (speed does not decide it: the report says
+which is faster).
+
+On a CPU the model is small (seconds in all); on a GPU it is large enough that
+attention matters: 4 layers, hidden 2048, 16 query / 4 key-value heads of 128, 4096
+tokens a row, the last row left-padded so that the model builds a padding mask.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +43,34 @@ from . import patching as _patch_module
 from .api import explain
 from .call_stats import ORIGINAL, reset_stats, stats
 from .patching import patch
+
+REFERENCE = "torch_reference"
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """The model's shape: ``heads`` query heads and ``kv_heads`` key/value heads of
+    ``dim // heads`` channels each."""
+
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    seq: int  # default tokens per row
+
+    def label(self) -> str:
+        return (
+            f"{self.layers} layers, hidden {self.dim}, {self.heads} query / {self.kv_heads} "
+            f"key-value heads of {self.dim // self.heads}"
+        )
+
+
+# Small: seconds on a CPU. Large: a GPU step where attention is a large share of the
+# time (at 4096 tokens, attention is about half of a Llama layer's FLOPs).
+SIZES = {
+    "small": ModelSize(dim=128, layers=2, heads=4, kv_heads=2, seq=64),
+    "large": ModelSize(dim=2048, layers=4, heads=16, kv_heads=4, seq=4096),
+}
 
 
 class _Block(torch.nn.Module):
@@ -52,12 +98,13 @@ class _Block(torch.nn.Module):
 class TinyGPT(torch.nn.Module):
     """The built-in model, used when transformers is not installed."""
 
-    def __init__(self, vocab: int = 256, dim: int = 128, layers: int = 2, heads: int = 4,
-                 kv_heads: int = 2) -> None:  # fmt: skip
+    def __init__(self, size: ModelSize, vocab: int = 256) -> None:
         super().__init__()
-        self.embed = torch.nn.Embedding(vocab, dim)
-        self.blocks = torch.nn.ModuleList(_Block(dim, heads, kv_heads) for _ in range(layers))
-        self.head = torch.nn.Linear(dim, vocab)
+        self.embed = torch.nn.Embedding(vocab, size.dim)
+        self.blocks = torch.nn.ModuleList(
+            _Block(size.dim, size.heads, size.kv_heads) for _ in range(size.layers)
+        )
+        self.head = torch.nn.Linear(size.dim, vocab)
 
     def forward(
         self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None
@@ -68,7 +115,7 @@ class TinyGPT(torch.nn.Module):
         return self.head(x)
 
 
-def _build(kind: str, vocab: int) -> tuple[torch.nn.Module, str]:
+def _build(kind: str, size: ModelSize, vocab: int) -> tuple[torch.nn.Module, str]:
     if kind in ("auto", "hf"):
         try:
             from transformers import LlamaConfig, LlamaForCausalLM
@@ -77,32 +124,39 @@ def _build(kind: str, vocab: int) -> tuple[torch.nn.Module, str]:
                 raise
         else:
             config = LlamaConfig(
-                vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                vocab_size=vocab, hidden_size=size.dim, intermediate_size=2 * size.dim,
+                num_hidden_layers=size.layers, num_attention_heads=size.heads,
+                num_key_value_heads=size.kv_heads, max_position_embeddings=max(512, size.seq),
             )  # fmt: skip
             model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
-            return (
-                model,
-                "transformers LlamaForCausalLM (2 layers, hidden 128, 4 query / 2 key-value heads)",
-            )
-    return TinyGPT(vocab), "built-in TinyGPT (2 layers, hidden 128, 4 query / 2 key-value heads)"
+            return model, f"transformers LlamaForCausalLM ({size.label()})"
+    return TinyGPT(size, vocab), f"built-in TinyGPT ({size.label()})"
 
 
-def _logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    out = model(ids, attention_mask=mask)
-    return out.logits if hasattr(out, "logits") else out
+@dataclass
+class StepResult:
+    """One training step's logits (the kept positions) and gradients, by parameter name."""
+
+    logits: torch.Tensor
+    grads: dict[str, torch.Tensor]
 
 
-def _step(
-    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> StepResult:
+    """Forward and backward of the next-token loss over the unpadded positions."""
     model.zero_grad(set_to_none=True)
-    logits = _logits(model, ids, mask)
+    out = model(ids, attention_mask=mask)
+    logits = out.logits if hasattr(out, "logits") else out
     keep = mask.bool()
     loss = F.cross_entropy(logits[:, :-1][keep[:, 1:]].float(), ids[:, 1:][keep[:, 1:]])
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logits.detach()[keep], grads
+    model.zero_grad(set_to_none=True)
+    return StepResult(logits.detach()[keep], grads)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _timed_pair(
@@ -112,19 +166,12 @@ def _timed_pair(
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(steps):
         for fn, out in ((stock, times[0]), (patched, times[1])):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            _synchronize(device)
             start = time.perf_counter()
             fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            _synchronize(device)
             out.append(time.perf_counter() - start)
     return statistics.median(times[0]), statistics.median(times[1])
-
-
-def _patched_step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
-    with patch(aliases=False):
-        _step(model, ids, mask)
 
 
 @contextlib.contextmanager
@@ -139,18 +186,11 @@ def _recording(calls: dict[tuple[Any, ...], list[Any]]) -> Iterator[None]:
             for t in (query, key, attn_mask)
         )
         signature = (meta, dropout_p, is_causal, scale, enable_gqa, torch.is_grad_enabled())
-        if getattr(_patch_module._inside, "active", False):
-            # A backend's own call to PyTorch's function, inside a patched call.
-            return patched(query, key, value, attn_mask, dropout_p, is_causal,
-                           scale=scale, enable_gqa=enable_gqa)  # fmt: skip
-        entry = calls.get(signature)
-        if entry is None:
-            calls[signature] = [
-                1,
-                (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa),
-            ]
-        else:
+        if not getattr(_patch_module._inside, "active", False):
+            # (Inside a patched call, a backend's own call to PyTorch's function.)
+            entry = calls.setdefault(signature, [0, None])
             entry[0] += 1
+            entry[1] = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         return patched(query, key, value, attn_mask, dropout_p, is_causal,
                        scale=scale, enable_gqa=enable_gqa)  # fmt: skip
 
@@ -183,8 +223,66 @@ def _describe_call(count: int, args: tuple[Any, ...]) -> str:
     return "\n".join(lines)
 
 
-def _max_dev(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+# -- judging a step by the contract's tolerance rule ---------------------------------------
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| in float64 (NaN if either holds a NaN or an infinity)."""
+    if not a.numel():
+        return 0.0
+    diff = (a.double() - b.double()).abs()
+    if not bool(torch.isfinite(a).all()) or not bool(torch.isfinite(b).all()):
+        return math.nan
+    return diff.max().item()
+
+
+@dataclass
+class Verdict:
+    """How one way of running the step compares with the reference, tensor by tensor.
+
+    ``worst`` is the largest error / bound over the tensors with finite values
+    (<= 1 passes); ``non_finite`` names the tensors holding a NaN or an infinity.
+    """
+
+    worst: float
+    worst_name: str
+    non_finite: list[str]
+    tensors: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.non_finite and self.worst <= 1.0
+
+
+def _judge(result: StepResult, r_lp: StepResult, ref: StepResult) -> Verdict:
+    """The contract's rule, per tensor: max|x - ref| <= 2 * max|r_lp - ref| + 1e-5."""
+    pairs = [("logits", result.logits, r_lp.logits, ref.logits)]
+    pairs += [(n, g, r_lp.grads[n], ref.grads[n]) for n, g in result.grads.items()]
+    worst, worst_name, non_finite = 0.0, "-", []
+    for name, x, low, high in pairs:
+        error = _max_abs_diff(x, high)
+        if math.isnan(error):
+            non_finite.append(name)
+            continue
+        ratio = error / (2 * _max_abs_diff(low, high) + 1e-5)
+        if ratio > worst:
+            worst, worst_name = ratio, name
+    return Verdict(worst, worst_name, non_finite, len(pairs))
+
+
+def _verdict_line(label: str, verdict: Verdict) -> str:
+    parts = []
+    if len(verdict.non_finite) < verdict.tensors:
+        parts.append(f"worst error {verdict.worst:.2f}x the bound ({verdict.worst_name})")
+    if verdict.non_finite:
+        shown = ", ".join(verdict.non_finite[:3]) + (", ..." if len(verdict.non_finite) > 3 else "")
+        parts.append(
+            f"NaN or inf in {len(verdict.non_finite)} of {verdict.tensors} tensors ({shown})"
+        )
+    return f"  {label:<8} {'PASS' if verdict.ok else 'FAIL'}: " + "; ".join(parts)
+
+
+# -- the command ------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -202,9 +300,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="default: bfloat16 on cuda, float32 on cpu",
     )
+    parser.add_argument(
+        "--size",
+        choices=tuple(SIZES),
+        default=None,
+        help="default: large on cuda (4 layers, hidden 2048, 4096 tokens), small on cpu",
+    )
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps of each (interleaved)")  # fmt: skip
+    parser.add_argument("--seq", type=int, default=None, help="tokens per row (default: the size's)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=None, help="timed steps of each, interleaved (default: 3 on cpu, 10 on cuda)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,32 +318,51 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
+def _device_label(device: torch.device) -> str:
+    if device.type != "cuda":
+        return str(device)
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{device} ({torch.cuda.get_device_name(device)}, sm{major}{minor})"
+
+
+def _reference_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """float64, except for a half-precision model on CUDA: float32 (2^16 times finer than
+    bf16 already, and float64 matmuls of the GPU size would dominate the demo)."""
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return torch.float64
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo with parsed options (see :func:`add_arguments`)."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    on_gpu = device.type == "cuda"
+    dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
+    size = SIZES[args.size or ("large" if on_gpu else "small")]
+    seq = args.seq or size.seq
+    steps = args.steps or (10 if on_gpu else 3)
     torch.manual_seed(0)
     vocab = 256
-    model, label = _build(args.model, vocab)
-    model = model.to(device=device, dtype=dtype)
-    ids = torch.randint(1, vocab, (args.batch, args.seq), device=device)
+    with torch.device(device):  # initialize on the device: fast for the large model
+        model, label = _build(args.model, size, vocab)
+    model = model.to(dtype=dtype)
+    ids = torch.randint(1, vocab, (args.batch, seq), device=device)
     mask = torch.ones_like(ids)
-    if args.batch > 1 and label.startswith("transformers"):
-        mask[-1, : args.seq // 4] = 0  # a left-padded row: transformers builds a mask
+    padded = args.batch > 1 and label.startswith("transformers")
+    if padded:
+        mask[-1, : seq // 4] = 0  # a left-padded row: transformers builds a padding mask
     print(f"attnhub demo: {label}")
-    print(f"device {device}, {str(dtype).removeprefix('torch.')}, batch {args.batch} x {args.seq} tokens"
-          f"{' (last row left-padded)' if not bool(mask.all()) else ''}; forward + backward\n")  # fmt: skip
+    print(f"device {_device_label(device)}, {str(dtype).removeprefix('torch.')}, "
+          f"batch {args.batch} x {seq} tokens"
+          f"{f' (last row left-padded by {seq // 4})' if padded else ''}; "
+          "one training step = forward + backward\n")  # fmt: skip
 
-    stock_logits, stock_grads = _step(model, ids, mask)  # also the warm-up
-
+    stock = _step(model, ids, mask)  # also the warm-up
     calls: dict[tuple[Any, ...], list[Any]] = {}
     reset_stats()
-    with patch(), _recording(calls):
-        patched_logits, patched_grads = _step(model, ids, mask)
+    with patch(aliases=False), _recording(calls):
+        patched = _step(model, ids, mask)
     served = stats()
-    stock_time, patched_time = _timed_pair(
-        lambda: _step(model, ids, mask), lambda: _patched_step(model, ids, mask), args.steps, device
-    )
 
     print("attention calls in one patched step, by kind:")
     for count, call_args in calls.values():
@@ -248,19 +371,87 @@ def run(args: argparse.Namespace) -> int:
     for name, n in served.items():
         print(f"  {name if name != ORIGINAL else name + ' (handed back to PyTorch)'}: {n}")
 
-    logit_dev = _max_dev(patched_logits, stock_logits)
-    grad_dev = max((_max_dev(patched_grads[n], g) for n, g in stock_grads.items()), default=0.0)
-    grad_scale = max((g.float().abs().max().item() for g in stock_grads.values()), default=1.0)
-    print("\nlargest deviation from stock:")
-    print(f"  logits    max |patched - stock| = {logit_dev:.3g}")
-    print(f"  gradients max |patched - stock| = {grad_dev:.3g} (largest gradient {grad_scale:.3g})")
-    print(f"\ntime per step (forward + backward, median of {args.steps}, interleaved): "
-          f"stock {stock_time * 1e3:.1f} ms, patched {patched_time * 1e3:.1f} ms")  # fmt: skip
-    finite = math.isfinite(logit_dev) and math.isfinite(grad_dev)
-    if not finite:
-        print("\nERROR: non-finite deviation")
-        return 1
-    return 0
+    with patch(REFERENCE, aliases=False):
+        r_lp = _step(model, ids, mask)
+        ref_dtype = _reference_dtype(device, dtype)
+        reference = _step(copy.deepcopy(model).to(dtype=ref_dtype), ids, mask)
+    verdicts = {
+        "stock": _judge(stock, r_lp, reference),
+        "patched": _judge(patched, r_lp, reference),
+    }
+    del r_lp, reference
+    low = str(dtype).removeprefix("torch.")
+    print(
+        f"\ncorrectness of the logits and of all {verdicts['patched'].tensors - 1} parameter "
+        f"gradients, each against the reference ({str(ref_dtype).removeprefix('torch.')}, "
+        f"attention by {REFERENCE}), by the contract's rule "
+        f"max|x - ref| <= 2 * max|r_lp - ref| + 1e-5 (r_lp: the same in {low}):"
+    )
+    for name, verdict in verdicts.items():
+        print(_verdict_line(name, verdict))
+
+    stock_time, patched_time = _timed_pair(
+        lambda: _step(model, ids, mask),
+        lambda: _patched_step(model, ids, mask),
+        steps,
+        device,
+    )
+    tokens = int(mask.sum())
+    ratio = stock_time / patched_time
+    print(
+        f"\ntime per training step (median of {steps}, interleaved): "
+        f"stock {stock_time * 1e3:.1f} ms ({tokens / stock_time:,.0f} tokens/s), "
+        f"patched {patched_time * 1e3:.1f} ms ({tokens / patched_time:,.0f} tokens/s): "
+        f"patched runs at {ratio:.2f}x stock's speed"
+        f" ({'faster' if ratio > 1 else 'slower'})"
+    )
+    return _conclude(verdicts["stock"], verdicts["patched"], _rows_without_keys(calls))
+
+
+def _patched_step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    with patch(aliases=False):
+        _step(model, ids, mask)
+
+
+def _rows_without_keys(calls: dict[tuple[Any, ...], list[Any]]) -> int:
+    """How many query positions (over the batch, any head) of the recorded calls see no key."""
+    rows = 0
+    for _, (query, key, _, mask, *_) in calls.values():
+        if mask is not None:
+            visible = mask if mask.dtype == torch.bool else mask > float("-inf")
+            shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+            empty = ~visible.expand(shape).any(dim=-1)  # (B, Hq, Nq)
+            rows += int(empty.any(dim=1).sum())
+    return rows
+
+
+def _conclude(stock: Verdict, patched: Verdict, empty_rows: int) -> int:
+    print()
+    if stock.non_finite and not patched.non_finite:
+        cause = (
+            f" In {empty_rows} query positions of the attention calls every key is masked "
+            "(the left padding): attnhub's contract gives zeros there, where PyTorch's "
+            "fused kernels may give NaN."
+            if empty_rows
+            else ""
+        )
+        print(
+            f"NOTE: stock PyTorch gives NaN or inf in {len(stock.non_finite)} of "
+            f"{stock.tensors} tensors and attnhub in none; the two runs differ only in the "
+            f"attention function.{cause} This is a difference in attnhub's favour, not an "
+            "error."
+        )
+    if patched.ok:
+        print("OK: attnhub's results are finite and within the contract's tolerance.")
+        return 0
+    if patched.non_finite:
+        print(f"ERROR: attnhub's results hold NaN or inf in {', '.join(patched.non_finite)}.")
+    if patched.worst > 1.0:
+        print(
+            f"ERROR: attnhub's {patched.worst_name} deviates {patched.worst:.2f}x the "
+            "contract's tolerance from the reference."
+        )
+    return 1
 
 
 if __name__ == "__main__":  # pragma: no cover
