@@ -43,30 +43,41 @@ def test_demo_reports_backend_verdicts_and_time(model, capsys):
         assert "TinyGPT" in out and "is_causal=True, enable_gqa=True" in out
 
 
-def _nan_on_masked_rows(query, key, value, attn_mask=None, *args, **kwargs):  # type: ignore[no-untyped-def]
-    """PyTorch's function as its CUDA kernels behave: NaN on rows with no visible key.
+def _stock_like_cuda(fill: float):  # type: ignore[no-untyped-def]
+    """PyTorch's function as its CUDA kernels behave: ``fill`` (NaN, or arbitrary finite
+    values as cuDNN gives with a bool mask) on query rows with no visible key.
 
     Calls that attnhub's own backends make inside a patched call get the real function.
     """
-    out = ORIGINAL(query, key, value, attn_mask, *args, **kwargs)
-    if attn_mask is None or getattr(patch_module._inside, "active", False):
-        return out
-    visible = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
-    empty = ~visible.any(dim=-1, keepdim=True).expand(*out.shape[:-1], 1)
-    return out.masked_fill(empty, float("nan"))
+
+    def sdpa(query, key, value, attn_mask=None, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = ORIGINAL(query, key, value, attn_mask, *args, **kwargs)
+        if attn_mask is None or getattr(patch_module._inside, "active", False):
+            return out
+        visible = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+        empty = ~visible.any(dim=-1, keepdim=True).expand(*out.shape[:-1], 1)
+        return out.masked_fill(empty, fill)
+
+    return sdpa
 
 
-def test_demo_says_when_stock_gives_nan_and_attnhub_does_not(monkeypatch, capsys):
+@pytest.mark.parametrize("fill", [float("nan"), 3.0], ids=["nan", "garbage"])
+def test_demo_says_when_stock_is_wrong_and_attnhub_is_not(monkeypatch, capsys, fill):
     pytest.importorskip("transformers")
     # The hf model's last row is left-padded: its first positions see no key at all.
-    # The left-padded rows' own logits are excluded from the loss, but stock's NaN
-    # reaches every gradient through the backward.
-    monkeypatch.setattr(F, "scaled_dot_product_attention", _nan_on_masked_rows)
+    # Their own logits are excluded from the loss, but what stock puts there reaches
+    # the other positions through the next layers and every gradient.
+    monkeypatch.setattr(F, "scaled_dot_product_attention", _stock_like_cuda(fill))
     assert demo.main(["--model", "hf", *SMALL]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"stock +FAIL: .*NaN or inf in \d+ of \d+ tensors", out), out
+    if fill != fill:  # NaN
+        assert re.search(r"stock +FAIL: .*NaN or inf in \d+ of \d+ tensors", out), out
+        assert "NOTE: stock PyTorch's step has NaN or inf in" in out
+    else:
+        assert re.search(r"stock +FAIL: worst error [\d.]+x the bound", out), out
+        assert re.search(r"NOTE: stock PyTorch's step has an error [\d.]+x the contract's", out)
     assert re.search(r"patched +PASS", out), out
-    assert "NOTE: stock PyTorch gives NaN or inf in" in out
+    assert "In 6 query positions of the attention calls every key is masked" in out
     assert "a difference in attnhub's favour, not an error" in out
 
 
