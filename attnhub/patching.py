@@ -42,6 +42,13 @@ Semantics
     with ``ValueError``/``TypeError``. A call no attnhub backend can serve
     (:class:`attnhub.NoBackendError`) goes there too, unless ``strict=True``.
 
+    Overrides: when query, key, value or attn_mask has ``__torch_function__`` (a
+    tensor subclass; the ``CausalBias`` masks of ``torch.nn.attention.bias``) or a
+    ``TorchFunctionMode`` is active, the call is handed to the override as PyTorch's
+    function does (``torch.overrides.handle_torch_function``), with
+    ``torch.nn.functional.scaled_dot_product_attention`` as it is then as ``func``;
+    what the override calls back comes through the patch again.
+
     The one documented difference: a query row whose every key is masked gives zeros
     (PyTorch's fused kernels may give NaN there). Dropout draws from PyTorch's
     generator but not necessarily the same stream as PyTorch's kernels.
@@ -70,6 +77,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import handle_torch_function
 
 from . import dispatch
 from .api import attention
@@ -98,6 +106,9 @@ _inside = threading.local()
 _logged_fallbacks: set[str] = set()
 _STRICT = dispatch.Selection(None, True, "attnhub.patch")
 _LOGGED_LIMIT = 4096
+# One C call over the tensor arguments (about 0.1 us): True when any has
+# __torch_function__ or a TorchFunctionMode is active, as PyTorch's own check.
+_has_torch_function = torch._C._has_torch_function
 
 
 class PatchHandle:
@@ -327,6 +338,19 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
         scale: float | None = None,
         enable_gqa: bool = False,
     ) -> torch.Tensor:
+        if _has_torch_function((query, key, value, attn_mask)):
+            # A tensor subclass or object with __torch_function__ (PyTorch's CausalBias
+            # masks, wrapper subclasses) or an active TorchFunctionMode: dispatch to it
+            # exactly as PyTorch's function does; see _public_function for which
+            # function the override receives. PyTorch passes the arguments as the
+            # caller did, which a Python signature cannot tell: the tensors go
+            # positionally, every option by name (overrides such as CausalBias's bind
+            # them to the signature, so either form reaches them the same way).
+            return handle_torch_function(
+                _public_function(), (query, key, value, attn_mask),
+                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+            )  # fmt: skip
         original = _original
         assert original is not None
         if getattr(_inside, "active", False):
@@ -367,3 +391,18 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
     )
     scaled_dot_product_attention.__attnhub_patch__ = handle  # type: ignore[attr-defined]
     return scaled_dot_product_attention
+
+
+def _public_function() -> Callable[..., Any]:
+    """The function a ``__torch_function__`` override receives as ``func``.
+
+    PyTorch's function passes itself, which is what
+    ``torch.nn.functional.scaled_dot_product_attention`` is when nothing is patched,
+    and overrides compare ``func`` with that attribute (``CausalBias`` does:
+    ``func is torch.nn.functional.scaled_dot_product_attention``). So they receive
+    whatever the attribute holds now: the newest patch's function while patched,
+    PyTorch's own once every patch is undone, also when the call came through a
+    stale reference to an older replacement. An override that re-calls ``func``
+    on unwrapped tensors therefore goes where a fresh call would.
+    """
+    return F.scaled_dot_product_attention

@@ -6,11 +6,13 @@ before patching (or through the saved original).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import subprocess
 import sys
 import threading
 import types
+from typing import ClassVar
 
 import pytest
 import torch
@@ -330,3 +332,131 @@ def test_a_call_only_the_reference_could_serve_goes_to_pytorch_instead():
             F.scaled_dot_product_attention(q, k, v, is_causal=True)
     finally:
         reload_registry()
+
+
+# --- __torch_function__: the replacement dispatches overrides as PyTorch's function does
+
+
+def _causal_bias_case(variant, nq, nk, hq=2, hkv=2):
+    from torch.nn.attention import bias
+
+    make = {"upper_left": bias.causal_upper_left, "lower_right": bias.causal_lower_right}
+    q, k, v = _qkv(b=2, hq=hq, hkv=hkv, nq=nq, nk=nk, d=8, requires_grad=True, seed=nq * 31 + nk)
+    return (q, k, v), (lambda: make[variant](nq, nk)), {"enable_gqa": hq != hkv}
+
+
+@pytest.mark.parametrize(
+    "variant,nq,nk,hq,hkv",
+    [
+        ("upper_left", 5, 7, 2, 2),
+        ("upper_left", 7, 5, 2, 2),
+        ("upper_left", 6, 6, 4, 2),
+        ("lower_right", 5, 7, 2, 2),
+        ("lower_right", 6, 6, 2, 2),
+        ("lower_right", 3, 9, 4, 2),
+    ],
+)
+def test_causal_bias_masks_dispatch_like_pytorch(variant, nq, nk, hq, hkv):
+    """torch.nn.attention.bias masks hold no data: only their __torch_function__ knows them."""
+    (q, k, v), bias, kwargs = _causal_bias_case(variant, nq, nk, hq, hkv)
+    ref = ORIGINAL(q, k, v, attn_mask=bias(), **kwargs)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    with attnhub.patch():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias(), **kwargs)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert type(out) is torch.Tensor
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # The bias turns into is_causal=True or a materialized mask that attnhub serves.
+    assert set(attnhub.stats()) == {"torch_sdpa"}
+    with attnhub.patch(), pytest.raises(ValueError, match="CausalBias should not be used"):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=bias(), is_causal=True)
+
+
+def test_causal_bias_through_a_reference_kept_from_an_undone_patch():
+    (q, k, v), bias, _ = _causal_bias_case("lower_right", 4, 6)
+    ref = ORIGINAL(q, k, v, attn_mask=bias())
+    with attnhub.patch():
+        kept = F.scaled_dot_product_attention
+    torch.testing.assert_close(kept(q, k, v, attn_mask=bias()), ref)  # nothing patched now
+    with attnhub.patch(), attnhub.patch(backend="torch_reference"):  # newer patches
+        torch.testing.assert_close(kept(q, k, v, attn_mask=bias()), ref)
+
+
+class _Recorded(torch.Tensor):
+    """A tensor subclass that records the functions its __torch_function__ sees."""
+
+    seen: ClassVar[list] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _sdpa_signature(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+    enable_gqa=False,
+):  # fmt: skip
+    pass
+
+
+class _Opaque:
+    """Not a tensor, but an override: PyTorch hands the whole call to it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        bound = inspect.signature(_sdpa_signature).bind(*args, **(kwargs or {}))
+        bound.apply_defaults()
+        return "handled", func, {name: id(value) for name, value in bound.arguments.items()}
+
+
+@pytest.mark.parametrize("position", range(4))
+def test_torch_function_overrides_in_any_tensor_argument(position):
+    q, k, v = _qkv(nq=5, nk=5, d=8)
+    mask = torch.rand(5, 5, generator=torch.Generator().manual_seed(3)) > 0.2
+    mask[:, 0] = True
+    args = [q, k, v, mask]
+    args[position] = args[position].as_subclass(_Recorded)
+    _Recorded.seen = []
+    ref = ORIGINAL(*args, is_causal=False)
+    assert _Recorded.seen == [ORIGINAL]
+    with attnhub.patch() as handle:
+        _Recorded.seen = []
+        out = F.scaled_dot_product_attention(*args)
+        # The override sees the function callers reach, as PyTorch's passes itself.
+        assert _Recorded.seen[0] is handle.function
+    assert type(out) is type(ref) is _Recorded
+    torch.testing.assert_close(out.as_subclass(torch.Tensor), ref.as_subclass(torch.Tensor))
+    assert attnhub.stats() == {"torch_sdpa": 1}
+
+    opaque = [q, k, v, mask]
+    opaque[position] = _Opaque()
+    dropout_p, scale = 0.25, 0.5  # the very same objects must reach the override
+    expected = ORIGINAL(*opaque, dropout_p=dropout_p, scale=scale)
+    with attnhub.patch() as handle:
+        got = F.scaled_dot_product_attention(*opaque, dropout_p=dropout_p, scale=scale)
+    assert expected[0] == got[0] == "handled" and expected[2] == got[2]
+    assert expected[1] is ORIGINAL and got[1] is handle.function
+
+
+def test_torch_function_mode_sees_patched_calls():
+    from torch.overrides import TorchFunctionMode
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.funcs = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.funcs.append(func)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _qkv()
+    ref = ORIGINAL(q, k, v, is_causal=True)
+    with attnhub.patch() as handle, Seen() as mode:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert mode.funcs[0] is handle.function
+    torch.testing.assert_close(out, ref)
+    assert attnhub.stats() == {"torch_sdpa": 1}  # the mode's func(...) reached attnhub
