@@ -53,6 +53,11 @@ Semantics
     (PyTorch's fused kernels may give NaN there). Dropout draws from PyTorch's
     generator but not necessarily the same stream as PyTorch's kernels.
 
+TorchScript
+    Each replacement is registered as TorchScript's builtin
+    ``aten::scaled_dot_product_attention``: ``torch.jit.script`` compiles calls to it
+    as PyTorch's op, patched or not (see :func:`_script_as_aten`).
+
 Logging and counting
     The first call of each new signature is logged at INFO (``attnhub`` logger) with
     the backend that serves it; the first call of each kind handed to PyTorch's own
@@ -72,6 +77,7 @@ import logging
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -390,6 +396,7 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
         "(see attnhub.patch).\n\n" + (torch._C._nn.scaled_dot_product_attention.__doc__ or "")
     )
     scaled_dot_product_attention.__attnhub_patch__ = handle  # type: ignore[attr-defined]
+    _script_as_aten(scaled_dot_product_attention)
     return scaled_dot_product_attention
 
 
@@ -406,3 +413,31 @@ def _public_function() -> Callable[..., Any]:
     on unwrapped tensors therefore goes where a fresh call would.
     """
     return F.scaled_dot_product_attention
+
+
+def _script_as_aten(function: Callable[..., Any]) -> None:
+    """Make TorchScript compile calls to ``function`` as PyTorch's own op.
+
+    ``torch.jit.script`` compiles Python functions it reaches, such as
+    ``F.multi_head_attention_forward``, and would try to compile the replacement
+    (which it cannot: keyword-only arguments, dispatch in Python). Registered as a
+    builtin, it compiles to ``aten::scaled_dot_product_attention``: scripted code keeps
+    PyTorch's function, patched or not, and a module scripted while patched is the
+    same one scripted without the patch (TorchScript caches compiled classes for the
+    process, so a failed compile would also have broken scripting after undo).
+
+    TorchScript's table is keyed by ``id(function)``; the entry is removed when the
+    function is collected, so that a later object with the same id is not taken for it.
+    """
+    import torch.jit._builtins as jit_builtins
+
+    jit_builtins._register_builtin(function, "aten::scaled_dot_product_attention")
+    weakref.finalize(function, _unregister_builtin, id(function))
+
+
+def _unregister_builtin(function_id: int) -> None:
+    import torch.jit._builtins as jit_builtins
+
+    table = jit_builtins._builtin_table
+    if table is not None:
+        table.pop(function_id, None)

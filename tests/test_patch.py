@@ -460,3 +460,61 @@ def test_torch_function_mode_sees_patched_calls():
     assert mode.funcs[0] is handle.function
     torch.testing.assert_close(out, ref)
     assert attnhub.stats() == {"torch_sdpa": 1}  # the mode's func(...) reached attnhub
+
+
+# --- TorchScript
+
+
+_SCRIPT_CHECK = """
+import torch, torch.nn.functional as F, attnhub
+
+def check(label):
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    scripted = torch.jit.script(mha)
+    got = scripted(x, x, x, need_weights=False)[0]
+    torch.testing.assert_close(got, mha(x, x, x, need_weights=False)[0])
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+
+    q = torch.randn(1, 2, 4, 8)
+    torch.testing.assert_close(torch.jit.script(f)(q, q, q), f(q, q, q))
+    print(label, "ok")
+
+handle = attnhub.patch()
+check("patched")
+# Scripted code keeps PyTorch's own function: nothing served by attnhub while scripting.
+attnhub.reset_stats()
+torch.jit.script(torch.nn.MultiheadAttention(8, 2))
+assert attnhub.stats() == {}, attnhub.stats()
+handle.undo()
+check("undone")
+with attnhub.patch():
+    check("patched again")
+"""
+
+
+def test_torchscript_while_patched_and_after_undo(tmp_path):
+    """In a fresh process: TorchScript caches compiled classes for the whole process."""
+    script = tmp_path / "script_check.py"  # TorchScript reads the source of f
+    script.write_text(_SCRIPT_CHECK)
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["patched", "ok", "undone", "ok", "patched", "again", "ok"]
+
+
+def test_torchscript_entry_goes_with_the_function():
+    import gc
+
+    import torch.jit._builtins as jit_builtins
+
+    with attnhub.patch() as handle:
+        key = id(handle.function)
+        assert jit_builtins._find_builtin(handle.function) == "aten::scaled_dot_product_attention"
+    del handle
+    gc.collect()
+    assert key not in jit_builtins._get_builtin_table()
