@@ -1,0 +1,392 @@
+"""``attnhub bench --workloads``: the calls real models make, timed as a model pays for them.
+
+The benchmark grid (``attnhub bench``) is MHA, no mask, Nq == Nk, D 64/128. Models
+also make grouped-query calls, decode against long caches (Nq = 1, or 4 for
+speculative decoding), pad batches, slide windows, run head dim 256 and make tiny
+calls. This times that list (:func:`workloads`) on every eligible backend, on ``auto``
+(``attnhub.attention`` with no backend), on ``sdpa`` (``F.scaled_dot_product_attention``
+called as a model calls it: ``enable_gqa``, ``is_causal``, and a materialized bool
+mask for what it cannot say) and on ``patched`` (that same call under
+:func:`attnhub.patch`).
+
+Timing is wall clock per call in a loop after warm-up, host time included (a tiny or
+decode call is often all host time): ``iters`` calls, a device synchronization, the
+elapsed time divided by ``iters``; the median of ``repeats`` such loops. ``fwd_bwd``
+times the forward and ``torch.autograd.grad`` of a fixed output gradient.
+
+Each row also records the largest difference from the ``sdpa`` output on the query
+rows where that output is finite, a sanity check only (the conformance suite is the
+correctness test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .api import attention, explain
+from .bench import environment, parse_dtype, write_json
+from .patching import patch
+from .request import dtype_name
+
+SDPA = "sdpa"
+PATCHED = "patched"
+AUTO = "auto"
+# Materializes (B, H, Nq, Nk) scores: not a competitor at these sizes.
+_NOT_TIMED = frozenset({"torch_reference"})
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One kind of call a model makes.
+
+    Shapes: query (batch, heads_q, nq, head_dim), key/value (batch, heads_kv, nk,
+    head_dim). ``lengths``: per-row valid key counts (right padding); the call then
+    carries a mask. ``train``: a model would also run its backward.
+    """
+
+    name: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    nq: int
+    nk: int
+    head_dim: int
+    causal: bool = False
+    alignment: str = "top_left"
+    window: tuple[int, int] | None = None
+    lengths: tuple[int, ...] | None = None
+    train: bool = False
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return ("fwd", "fwd_bwd") if self.train else ("fwd",)
+
+    def kv_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V: what a decode call must read at least once."""
+        size = torch.tensor([], dtype=dtype).element_size()
+        return 2 * self.batch * self.heads_kv * self.nk * self.head_dim * size
+
+
+def workloads() -> list[Workload]:
+    """The call list of issue 16: prefill, decode, speculative decoding, padding, window, tiny."""
+    calls: list[Workload] = []
+    for d in (64, 128, 256):
+        for hq, hkv in ((16, 16), (32, 8)):
+            tag = f"D{d} {'MHA' if hq == hkv else 'GQA'} {hq}/{hkv}"
+            calls.append(Workload(f"prefill {tag}", 4, hq, hkv, 4096, 4096, d, True, train=True))
+            for nk in (4096, 32768, 131072):
+                calls.append(
+                    Workload(f"decode {nk // 1024}K {tag}", 8, hq, hkv, 1, nk, d, True, "bottom_right")
+                )  # fmt: skip
+            calls.append(
+                Workload(f"spec-decode Nq4 32K {tag}", 8, hq, hkv, 4, 32768, d, True, "bottom_right")
+            )  # fmt: skip
+    lengths = tuple(int(512 + i * (4096 - 512) / 7) for i in range(8))
+    calls.append(
+        Workload("padding B8 512..4096 D128 GQA 32/8", 8, 32, 8, 4096, 4096, 128, True, lengths=lengths, train=True)
+    )  # fmt: skip
+    calls.append(
+        Workload("window 4096 N16K D128 GQA 32/8", 1, 32, 8, 16384, 16384, 128, True, window=(4095, 0), train=True)
+    )  # fmt: skip
+    calls.append(Workload("tiny (1,1,16,64)", 1, 1, 1, 16, 16, 64, train=True))
+    return calls
+
+
+@dataclass
+class _Inputs:
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    grad_out: torch.Tensor
+    key_mask: torch.Tensor | None  # (B, 1, 1, Nk) valid keys, for attnhub's own calls
+    dense_mask: torch.Tensor | None  # (B, 1, Nq, Nk) bool, as a model builds it for SDPA
+
+
+def _dense_mask(w: Workload, key_mask: torch.Tensor | None, device: torch.device) -> Any:
+    """The bool mask a model passes to SDPA for what ``is_causal`` cannot say, or None."""
+    needs = w.window is not None or key_mask is not None or (w.causal and w.nq not in (1, w.nk))
+    if not needs:
+        return None
+    i = torch.arange(w.nq, device=device)[:, None] + (
+        w.nk - w.nq if w.alignment == "bottom_right" else 0
+    )
+    j = torch.arange(w.nk, device=device)[None, :]
+    keep = j <= i if w.causal else torch.ones(w.nq, w.nk, dtype=torch.bool, device=device)
+    if w.window is not None:
+        keep = keep & (j >= i - w.window[0]) & (j <= i + w.window[1])
+    keep = keep[None, None]
+    return keep & key_mask if key_mask is not None else keep
+
+
+def _inputs(w: Workload, dtype: torch.dtype, device: torch.device) -> _Inputs:
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=dtype, device=device)
+
+    q = randn(w.batch, w.heads_q, w.nq, w.head_dim)
+    k = randn(w.batch, w.heads_kv, w.nk, w.head_dim)
+    v = randn(w.batch, w.heads_kv, w.nk, w.head_dim)
+    key_mask = None
+    if w.lengths is not None:
+        lengths = torch.tensor(w.lengths, device=device)
+        key_mask = (torch.arange(w.nk, device=device) < lengths[:, None])[:, None, None, :]
+    grad = randn(w.batch, w.heads_q, w.nq, w.head_dim)
+    return _Inputs(q, k, v, grad, key_mask, _dense_mask(w, key_mask, device))
+
+
+def _attnhub_call(w: Workload, x: _Inputs, backend: str | None) -> Callable[..., torch.Tensor]:
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(q, k, v, x.key_mask, causal=w.causal, alignment=w.alignment,
+                         window=w.window, backend=backend)  # fmt: skip
+
+    return call
+
+
+def _sdpa_call(w: Workload, x: _Inputs) -> Callable[..., torch.Tensor]:
+    # Nq == 1 bottom-right sees every key: no mask and no is_causal, as decoders call it.
+    is_causal = w.causal and x.dense_mask is None and w.nq != 1
+    gqa = w.heads_q != w.heads_kv
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=x.dense_mask, is_causal=is_causal, enable_gqa=gqa
+        )
+
+    return call
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall_ms(fn: Callable[[], Any], device: torch.device, *, budget_s: float, repeats: int) -> float:
+    """Median over ``repeats`` loops of wall-clock ms per call, host time included."""
+    for _ in range(2):  # warm-up: compilation, caches, allocator
+        fn()
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    once = max(time.perf_counter() - start, 1e-6)
+    iters = max(3, min(1000, int(budget_s / repeats / once)))
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) / iters)
+    return statistics.median(times) * 1e3
+
+
+def _runner(call: Callable[..., torch.Tensor], x: _Inputs, mode: str) -> Callable[[], Any]:
+    if mode == "fwd":
+        return lambda: call(x.query, x.key, x.value)
+    leaves = [t.detach().requires_grad_() for t in (x.query, x.key, x.value)]
+
+    def step() -> Any:
+        out = call(*leaves)
+        return torch.autograd.grad(out, leaves, x.grad_out)
+
+    return step
+
+
+def _max_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
+    rows = torch.isfinite(ref).all(dim=-1, keepdim=True)
+    diff = (out.float() - ref.float()).abs().masked_fill(~rows, 0)
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def competitors(
+    w: Workload, x: _Inputs, mode: str
+) -> tuple[dict[str, Callable[..., Any]], dict[str, str]]:
+    """Callables to time, by name, and why each registered backend is not among them."""
+    needs_grad = mode == "fwd_bwd"
+    q = x.query.detach().requires_grad_(needs_grad)
+    decision = explain(q, x.key, x.value, x.key_mask, causal=w.causal, alignment=w.alignment,
+                       window=w.window)  # fmt: skip
+    calls: dict[str, Callable[..., Any]] = {}
+    skipped: dict[str, str] = {}
+    for c in decision.candidates:
+        if c.name in _NOT_TIMED:
+            skipped[c.name] = "quadratic memory: not timed"
+        elif c.reasons:
+            skipped[c.name] = "; ".join(c.reasons)
+        else:
+            calls[c.name] = _attnhub_call(w, x, c.name)
+    calls[AUTO] = _attnhub_call(w, x, None)
+    calls[SDPA] = _sdpa_call(w, x)
+    calls[PATCHED] = _sdpa_call(w, x)  # run under attnhub.patch() by run_workloads
+    return calls, skipped
+
+
+def _patched_if(name: str) -> Any:
+    return patch(aliases=False) if name == PATCHED else contextlib.nullcontext()
+
+
+def _served_by(name: str, call: Callable[..., Any], x: _Inputs) -> str | None:
+    """Which backend ``auto`` or ``patched`` ran (from attnhub.stats())."""
+    if name not in (AUTO, PATCHED):
+        return None
+    from .call_stats import reset_stats, stats
+
+    reset_stats()
+    with torch.no_grad(), _patched_if(name):
+        call(x.query, x.key, x.value)
+    served = stats()
+    return ", ".join(sorted(served)) or None
+
+
+def _rows(
+    w: Workload, dtype: torch.dtype, device: torch.device, budget_s: float, repeats: int
+) -> Iterator[dict[str, Any]]:
+    x = _inputs(w, dtype, device)
+    base = {**asdict(w), "dtype": dtype_name(dtype)}
+    with torch.no_grad():
+        reference = _sdpa_call(w, x)(x.query, x.key, x.value)
+    for mode in w.modes:
+        calls, skipped = competitors(w, x, mode)
+        for name, why in sorted(skipped.items()):
+            yield {**base, "mode": mode, "backend": name, "ms": None, "skipped": why}
+        for name, call in calls.items():
+            row: dict[str, Any] = {**base, "mode": mode, "backend": name}
+            try:
+                with _patched_if(name):
+                    with torch.no_grad():
+                        row["max_abs_vs_sdpa"] = _max_diff(call(x.query, x.key, x.value), reference)
+                    row["ms"] = wall_ms(
+                        _runner(call, x, mode), device, budget_s=budget_s, repeats=repeats
+                    )
+                row["served_by"] = _served_by(name, call, x)
+            except Exception as exc:  # one failing competitor must not end the run
+                row["ms"] = None
+                row["error"] = (
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                )
+            if mode == "fwd" and row.get("ms"):
+                row["kv_tb_s"] = w.kv_bytes(dtype) / (row["ms"] * 1e-3) / 1e12
+            yield row
+    del x
+
+
+def run_workloads(
+    dtypes: tuple[str, ...],
+    device: torch.device,
+    *,
+    only: str | None = None,
+    budget_s: float = 0.15,
+    repeats: int = 3,
+    output: Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Time every workload in every dtype; the results JSON (rewritten as it goes)."""
+    data: dict[str, Any] = {"kind": "workloads", "env": environment(device), "results": []}
+    chosen = [w for w in workloads() if only is None or only in w.name]
+    for dtype_text in dtypes:
+        dtype = parse_dtype(dtype_text)
+        for w in chosen:
+            if progress:
+                print(f"[{dtype_name(dtype)}] {w.name}", file=sys.stderr, flush=True)
+            data["results"].extend(_rows(w, dtype, device, budget_s, repeats))
+            if output is not None:
+                write_json(data, output)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return data
+
+
+def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (workload, dtype, mode): auto against the fastest and against sdpa."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in data["results"]:
+        groups.setdefault((r["name"], r["dtype"], r["mode"]), []).append(r)
+    summary = []
+    for (name, dtype, mode), rows in groups.items():
+        timed = {r["backend"]: r for r in rows if r.get("ms")}
+        backends = {b: r["ms"] for b, r in timed.items() if b not in (AUTO, SDPA, PATCHED)}
+        best = min(backends, key=backends.__getitem__) if backends else None
+        auto = timed.get(AUTO, {}).get("ms")
+        summary.append(
+            {
+                "workload": name,
+                "dtype": dtype,
+                "mode": mode,
+                "auto_ms": auto,
+                "auto_picked": timed.get(AUTO, {}).get("served_by"),
+                "fastest": best,
+                "fastest_ms": backends.get(best) if best else None,
+                "auto_vs_fastest": backends[best] / auto if best and auto else None,
+                "sdpa_ms": timed.get(SDPA, {}).get("ms"),
+                "auto_vs_sdpa": timed[SDPA]["ms"] / auto if auto and SDPA in timed else None,
+                "patched_ms": timed.get(PATCHED, {}).get("ms"),
+                "patched_vs_sdpa": timed[SDPA]["ms"] / timed[PATCHED]["ms"]
+                if SDPA in timed and PATCHED in timed
+                else None,
+            }
+        )
+    return summary
+
+
+def _fmt(value: Any, spec: str = ".3g") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """The summary as a markdown table (ratios > 1: auto / patched is faster)."""
+    env = data["env"]
+    lines = [
+        f"# Workloads: {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+        f"attnhub {env['attnhub_commit']}, {env['date']}",
+        "",
+        "Wall clock per call, host time included (ms). `auto/fastest` = fastest eligible "
+        "backend's time / auto's (>= 0.97 is the bar); `auto/sdpa` and `patched/sdpa` = "
+        "F.scaled_dot_product_attention's time / theirs (>= 1: not slower than stock).",
+        "",
+        "| workload | dtype | mode | auto | auto picked | fastest | fastest ms | auto/fastest | sdpa ms | auto/sdpa | patched ms | patched/sdpa |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summarize(data):
+        lines.append(
+            f"| {s['workload']} | {s['dtype']} | {s['mode']} | {_fmt(s['auto_ms'])} | "
+            f"{s['auto_picked'] or '-'} | {s['fastest'] or '-'} | {_fmt(s['fastest_ms'])} | "
+            f"{_fmt(s['auto_vs_fastest'], '.2f')} | {_fmt(s['sdpa_ms'])} | "
+            f"{_fmt(s['auto_vs_sdpa'], '.2f')} | {_fmt(s['patched_ms'])} | "
+            f"{_fmt(s['patched_vs_sdpa'], '.2f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workloads (--workloads)")
+    g.add_argument("--workloads", action="store_true", help="time the calls real models make (see attnhub.bench_workloads) instead of the grid")  # fmt: skip
+    g.add_argument("--only", help="with --workloads: only workloads whose name contains this")
+    g.add_argument("--budget", type=float, default=0.15, help="with --workloads: seconds of timed calls per competitor (default 0.15)")  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("attnhub bench --workloads: CUDA is not available here", file=sys.stderr)
+        return 2
+    dtypes = tuple(args.dtypes) if args.dtypes else ("bfloat16", "float16")
+    output = Path(args.output or "attnhub-workloads.json")
+    data = run_workloads(dtypes, device, only=args.only, budget_s=args.budget,
+                         output=output, progress=args.progress)  # fmt: skip
+    write_json(data, output)
+    table = markdown(data)
+    output.with_suffix(".md").write_text(table)
+    print(table)
+    print(f"wrote {output} and {output.with_suffix('.md')}", file=sys.stderr)
+    return 0

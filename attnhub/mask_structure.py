@@ -1,0 +1,184 @@
+"""Recognizing the structure of a dense attention mask, so that it runs as that structure.
+
+Models written for ``F.scaled_dot_product_attention`` (Hugging Face's ``sdpa`` path
+among them) materialize causal, sliding-window and padding masks as 4-D bool tensors.
+Run as generic masks they cost a full pass over every (query, key) block; run as what
+they are (``causal``, ``window``, and at most a per-key padding vector) the kernels skip
+the blocks that are masked whole. :func:`recognize` finds that form, exactly:
+
+    keep[b, h, i, j] == key_ok[b, h, j] and structure(i, j)
+
+where ``structure`` is attnhub's causal/window rule (``i`` the query row, ``j`` the key)
+and ``key_ok`` is the set of keys that some query may see (the padding). It is a
+rewrite of the same function, never an approximation: the candidate is built from the
+mask and then compared with it element by element; a mask that is almost a window is
+not a window, and comes back as None (the call runs with the mask as given).
+
+Recognition costs a few passes over the mask and one device synchronization; it is
+cached per mask tensor (identity and version counter), so the layers of one forward
+pass, which share their mask, pay it once. It never runs while ``torch.compile`` traces
+(the answer depends on the mask's values).
+
+Masks recognized: bool (True = may attend) and float masks whose every value is 0 or
+-inf (other float values are scores to add, not a mask, and are left alone).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["MaskPlan", "recognize"]
+
+
+@dataclass(frozen=True)
+class MaskPlan:
+    """What a mask means, in attnhub's terms.
+
+    ``attn_mask`` is None (no mask left) or a bool (mb, mh, 1, Nk) key mask (True = the
+    key may be seen), broadcast like the original; ``causal``, ``alignment`` and
+    ``window`` are :func:`attnhub.attention`'s arguments.
+    """
+
+    attn_mask: torch.Tensor | None
+    causal: bool
+    alignment: str
+    window: tuple[int | None, int | None] | None
+
+    def describe(self) -> str:
+        parts = [f"causal ({self.alignment})"] if self.causal else []
+        if self.window is not None:
+            parts.append(f"window {self.window}")
+        if self.attn_mask is not None:
+            parts.append("key padding")
+        return ", ".join(parts) or "no mask"
+
+
+def _keep(mask: torch.Tensor) -> torch.Tensor | None:
+    """The bool keep-mask of a bool mask, or of a float mask of only 0 and -inf."""
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.dtype.is_floating_point:
+        return None
+    keep = mask == 0
+    if not bool((keep | (mask == float("-inf"))).all()):
+        return None
+    return keep
+
+
+def _structure(
+    nq: int, nk: int, offset: int, left: int | None, device: torch.device
+) -> torch.Tensor:
+    """keep[i, j] = i - left <= j <= i + offset (left None: no lower bound)."""
+    i = torch.arange(nq, device=device).unsqueeze(1)
+    j = torch.arange(nk, device=device).unsqueeze(0)
+    keep = j <= i + offset
+    if left is not None:
+        keep &= j >= i - left
+    return keep
+
+
+def _to_arguments(
+    offset: int, left: int | None, nq: int, nk: int
+) -> tuple[bool, str, tuple[int | None, int | None] | None] | None:
+    """(causal, alignment, window) keeping keys ``i - left <= j <= i + offset``, or None.
+
+    The diagonal of ``causal`` sits at ``i`` (top-left) or ``i + nk - nq`` (bottom-right);
+    other offsets, and the lower bound, become a window around one of them. None where
+    no window with sides >= 0 says it.
+    """
+    if offset >= nk - 1:  # no upper bound within the keys
+        return False, "top_left", None if left is None else (left, None)
+    for alignment, diagonal in (("top_left", 0), ("bottom_right", nk - nq)):
+        # Relative to the diagonal p = i + diagonal: keys p - lower <= j <= p + upper.
+        upper = offset - diagonal
+        lower = None if left is None else left + diagonal
+        if upper < 0 or (lower is not None and lower < 0):
+            continue
+        if upper == 0:
+            return True, alignment, None if lower is None else (lower, None)
+        return False, alignment, (lower, upper)
+    return None
+
+
+def _candidate(keep: torch.Tensor) -> tuple[torch.Tensor, int, int | None] | None:
+    """(key_ok, offset, left) read off the mask; to be verified by the caller."""
+    nq, nk = keep.shape[-2:]
+    key_ok = keep.any(dim=-2)  # (..., nk): keys that some query sees
+    # The structure shows in the union of the rows of every batch and head, where
+    # padding (which differs between them) is least in the way.
+    union = keep.flatten(0, -3).any(dim=0) if keep.dim() > 2 else keep  # (nq, nk)
+    columns = torch.arange(nk, device=keep.device)
+    rows = torch.arange(nq, device=keep.device)
+    seen = union.any(dim=-1)
+    last = torch.where(union, columns, -1).amax(dim=-1)  # (nq,)
+    first = torch.where(union, columns, nk).amin(dim=-1)
+    # The upper bound shows where it is below the last key; the lower where above 0.
+    upper_cut = seen & (last < nk - 1)
+    lower_cut = seen & (first > 0)
+    offset, left, any_seen, bounded_below = torch.stack(
+        [
+            torch.where(upper_cut, last - rows, nk - 1).amin(),
+            torch.where(seen, rows - first, -nk).amax(),
+            seen.any(),
+            lower_cut.any(),
+        ]
+    ).tolist()
+    if not any_seen:
+        return None
+    return key_ok, int(offset), int(left) if bounded_below else None
+
+
+def _recognize(mask: torch.Tensor) -> MaskPlan | None:
+    keep = _keep(mask)
+    if keep is None:
+        return None
+    nq, nk = keep.shape[-2:]
+    if nq == 0 or nk == 0:
+        return None
+    found = _candidate(keep)
+    if found is None:
+        return None
+    key_ok, offset, left = found
+    arguments = _to_arguments(offset, left, nq, nk)
+    if arguments is None:
+        return None
+    structure = _structure(nq, nk, offset, left, keep.device)
+    if not torch.equal(keep, key_ok.unsqueeze(-2) & structure):
+        return None
+    causal, alignment, window = arguments
+    key_mask = None if bool(key_ok.all()) else key_ok.unsqueeze(-2)
+    return MaskPlan(key_mask, causal, alignment, window)
+
+
+# One entry per live mask tensor, keyed by id and checked against a weak reference (an
+# id can be reused once the tensor is gone) and the version counter (an in-place
+# change makes it another mask).
+_cache: dict[int, tuple[Any, int, MaskPlan | None]] = {}
+_cache_lock = threading.Lock()
+_CACHE_LIMIT = 64
+
+
+def recognize(mask: torch.Tensor) -> MaskPlan | None:
+    """The structure of ``mask`` (broadcastable to (B, H, Nq, Nk)), or None.
+
+    None when the mask is not exactly key padding combined with causal or window
+    structure, when it is a float mask with values other than 0 and -inf, or when it
+    requires grad (a gradient is owed to it). See the module docstring.
+    """
+    if mask.requires_grad or mask.dim() < 2:
+        return None
+    key = id(mask)
+    entry = _cache.get(key)
+    if entry is not None and entry[0]() is mask and entry[1] == mask._version:
+        return entry[2]
+    plan = _recognize(mask)
+    with _cache_lock:
+        if len(_cache) >= _CACHE_LIMIT:
+            _cache.clear()
+        _cache[key] = (weakref.ref(mask), mask._version, plan)
+    return plan

@@ -1,0 +1,82 @@
+"""``attnhub bench --workloads``: the call list, timed on every eligible backend, auto,
+stock SDPA and the patched function, with a summary table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnhub import bench_workloads as bw
+from attnhub import cli
+from attnhub.bench_workloads import Workload
+
+# Small CPU versions of each kind of call in the list.
+SMALL = [
+    Workload("prefill", 1, 4, 2, 24, 24, 16, True, train=True),
+    Workload("decode", 2, 4, 2, 1, 40, 16, True, "bottom_right"),
+    Workload("spec-decode", 2, 4, 2, 4, 40, 16, True, "bottom_right"),
+    Workload("padding", 3, 4, 2, 24, 24, 16, True, lengths=(5, 17, 24), train=True),
+    Workload("window", 1, 4, 2, 32, 32, 16, True, window=(7, 0), train=True),
+]
+
+
+def test_the_call_list_covers_the_issue():
+    calls = bw.workloads()
+    names = [w.name for w in calls]
+    assert len(names) == len(set(names))
+    for d in (64, 128, 256):
+        for heads in ("MHA 16/16", "GQA 32/8"):
+            tag = f"D{d} {heads}"
+            assert f"prefill {tag}" in names
+            assert all(f"decode {n}K {tag}" in names for n in (4, 32, 128))
+            assert f"spec-decode Nq4 32K {tag}" in names
+    padding = next(w for w in calls if w.lengths)
+    assert (padding.batch, padding.nq, min(padding.lengths), max(padding.lengths)) == (
+        8,
+        4096,
+        512,
+        4096,
+    )
+    assert any(w.window == (4095, 0) and w.nq == 16384 for w in calls)
+    assert any((w.batch, w.heads_q, w.nq, w.head_dim) == (1, 1, 16, 64) for w in calls)
+
+
+@pytest.mark.parametrize("w", SMALL, ids=lambda w: w.name)
+def test_sdpa_mask_means_what_attnhub_computes(w):
+    """The stock call (materialized mask) and attnhub's call compute the same attention."""
+    x = bw._inputs(w, torch.float64, torch.device("cpu"))
+    ref = bw._sdpa_call(w, x)(x.query, x.key, x.value)
+    out = bw._attnhub_call(w, x, "torch_reference")(x.query, x.key, x.value)
+    assert bw._max_diff(out, ref) < 1e-10
+
+
+def test_rows_summary_and_table(monkeypatch):
+    monkeypatch.setattr(bw, "workloads", lambda: SMALL)
+    data = bw.run_workloads(("float32",), torch.device("cpu"), budget_s=0.005, repeats=1, progress=False)  # fmt: skip
+    rows = data["results"]
+    for w in SMALL:
+        for mode in w.modes:
+            mine = {r["backend"]: r for r in rows if r["name"] == w.name and r["mode"] == mode}
+            assert {bw.AUTO, bw.SDPA, bw.PATCHED} <= set(mine)
+            assert mine["torch_reference"]["skipped"] == "quadratic memory: not timed"
+            for name in (bw.AUTO, bw.SDPA, bw.PATCHED):
+                assert mine[name]["ms"] > 0, mine[name]
+                assert mine[name]["max_abs_vs_sdpa"] < 1e-4
+            assert mine[bw.AUTO]["served_by"]  # what auto ran, from attnhub.stats()
+    summary = {(s["workload"], s["mode"]): s for s in bw.summarize(data)}
+    assert summary[("prefill", "fwd")]["fastest"] == "torch_sdpa"
+    table = bw.markdown(data)
+    assert table.count("\n| ") == len(summary) + 1
+
+
+def test_cli(tmp_path, monkeypatch):
+    monkeypatch.setattr(bw, "workloads", lambda: SMALL)
+    output = tmp_path / "w.json"
+    argv = ["bench", "--workloads", "--only", "decode", "--dtypes", "float32", "--device", "cpu",
+            "--budget", "0.005", "--no-progress", "-o", str(output)]  # fmt: skip
+    assert cli.main(argv) == 0
+    data = json.loads(output.read_text())
+    assert {r["name"] for r in data["results"]} == {"decode", "spec-decode"}
+    assert "| decode | float32 | fwd |" in output.with_suffix(".md").read_text()
