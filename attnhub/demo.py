@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from . import patching as _patch_module
 from .api import explain
 from .call_stats import ORIGINAL, reset_stats, stats
+from .mask_structure import MaskPlan
 from .patching import patch
 
 REFERENCE = "torch_reference"
@@ -215,8 +216,15 @@ def _describe_call(count: int, args: tuple[Any, ...]) -> str:
     why = _patch_module._outside_domain(query, key, value, mask, is_causal, enable_gqa)
     if why is not None:
         return f"{head}\n    -> PyTorch's own function ({why})"
-    decision = explain(query, key, value, mask, causal=is_causal, scale=scale, dropout_p=dropout_p)
-    lines = [f"{head}\n    -> {decision.chosen}: {decision.why}"]
+    served_mask, structure = _patch_module.mask_arguments(query, key, mask, is_causal)
+    decision = explain(
+        query, key, value, served_mask, **structure, scale=scale, dropout_p=dropout_p
+    )
+    lines = [head]
+    if mask is not None and served_mask is not mask:
+        read = MaskPlan(served_mask, **structure).describe()
+        lines.append(f"    the mask is exactly {read}: it runs as that (attnhub.mask_structure)")
+    lines.append(f"    -> {decision.chosen}: {decision.why}")
     for c in decision.candidates:
         if c.name != decision.chosen:
             lines.append(f"       not {c.name}: {'; '.join(c.reasons) or c.note}")

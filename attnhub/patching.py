@@ -90,6 +90,7 @@ from .api import attention
 from .call_stats import ORIGINAL, record
 from .dispatch import normalize_backend_arg
 from .errors import NoBackendError
+from .mask_structure import recognize
 
 log = logging.getLogger("attnhub")
 
@@ -373,9 +374,10 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
             # in force then; context variables cannot be traced.)
             token = None if torch.compiler.is_compiling() else _enter_strict(reference_named)
             try:
+                mask, structure = mask_arguments(query, key, attn_mask, is_causal)
                 return attention(
-                    query, key, value, attn_mask,
-                    causal=is_causal, scale=scale, dropout_p=dropout_p, backend=backend,
+                    query, key, value, mask,
+                    **structure, scale=scale, dropout_p=dropout_p, backend=backend,
                 )  # fmt: skip
             except (ValueError, TypeError) as exc:
                 why = f"attnhub rejects it ({type(exc).__name__}: {exc})"
@@ -398,6 +400,43 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
     scaled_dot_product_attention.__attnhub_patch__ = handle  # type: ignore[attr-defined]
     _script_as_aten(scaled_dot_product_attention)
     return scaled_dot_product_attention
+
+
+# Devices where a mask's structure is worth reading: those with kernels that skip
+# masked blocks (triton_flash).
+STRUCTURED_MASK_DEVICES = frozenset({"cuda"})
+
+
+def mask_arguments(
+    query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool
+) -> tuple[torch.Tensor | None, dict[str, Any]]:
+    """``attn_mask`` and ``is_causal`` as :func:`attnhub.attention`'s arguments.
+
+    A dense mask that is exactly causal, window and key-padding structure (what model
+    code materializes for SDPA, Hugging Face's among them) becomes ``causal``,
+    ``alignment``, ``window`` and at most a (.., 1, Nk) key mask, so that the kernels
+    skip what is masked (:mod:`attnhub.mask_structure`). Only on the devices in
+    ``STRUCTURED_MASK_DEVICES``: on a CPU, PyTorch's kernel (the one that serves there)
+    takes the dense mask as fast as any other form. Only a mask with a row per query
+    and a column per key is read (one broadcast over queries has no diagonal), and
+    never while torch.compile traces (the structure depends on the values).
+    """
+    if (
+        attn_mask is None
+        or attn_mask.device.type not in STRUCTURED_MASK_DEVICES
+        or attn_mask.dim() < 2
+        or attn_mask.shape[-2:] != (query.shape[-2], key.shape[-2])
+        or torch.compiler.is_compiling()
+    ):
+        return attn_mask, {"causal": is_causal}
+    plan = recognize(attn_mask)
+    if plan is None:
+        return attn_mask, {"causal": is_causal}
+    return plan.attn_mask, {
+        "causal": plan.causal,
+        "alignment": plan.alignment,
+        "window": plan.window,
+    }
 
 
 def _public_function() -> Callable[..., Any]:
