@@ -1157,11 +1157,13 @@ def _block_sparse_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .bench_models import add_arguments as add_model_arguments
     from .bench_workloads import add_arguments as add_workload_arguments
 
     add_grid_arguments(parser)
     add_block_sparse_arguments(parser)
     add_workload_arguments(parser)
+    add_model_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("-o", "--output", help="results JSON (default attnhub-bench-<date>.json); plots and a markdown table go beside it")  # fmt: skip
     out.add_argument("--no-plots", dest="plots", action="store_false", help="write no PNG plots")
@@ -1179,6 +1181,10 @@ def main(args: argparse.Namespace) -> int:
         from .bench_workloads import main as workloads_main
 
         return workloads_main(args)
+    if args.models:
+        from .bench_models import main as models_main
+
+        return models_main(args)
     if args.report:
         data = bench_report.merge([bench_report.load(p) for p in args.report])
         target = Path(args.output) if args.output else Path(args.report[0])

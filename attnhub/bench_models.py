@@ -1,0 +1,270 @@
+"""``attnhub bench --models``: Hugging Face models end to end, stock against attnhub.
+
+Llama-, Mistral-, Gemma2- and Qwen2-style causal language models built from configs
+(random weights, nothing downloaded), each run three ways on the same weights and
+tokens:
+
+- ``sdpa``: transformers' ``attn_implementation="sdpa"`` (PyTorch's function);
+- ``patch``: the same model under :func:`attnhub.patch`;
+- ``attnhub``: ``attn_implementation="attnhub"``
+  (:func:`attnhub.integrations.transformers.register`).
+
+Two measurements per way: a training step (forward and backward of the next-token
+loss, no optimizer) in tokens per second, and greedy ``generate`` with the KV cache
+(a batch of prompts, a fixed number of new tokens, ``min_new_tokens`` so that every
+row runs to the end) in new tokens per second; both with peak memory. Timed by wall
+clock after a warm-up step, the median of a few repetitions, the ways interleaved so
+that drift hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .bench import environment, write_json
+from .patching import patch
+
+WAYS = ("sdpa", "patch", "attnhub")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model family at one size, and the shapes it is run at."""
+
+    name: str
+    family: str  # llama, mistral, gemma2, qwen2
+    layers: int = 8
+    hidden: int = 2048
+    heads: int = 16
+    kv_heads: int = 4
+    window: int | None = None
+    softcap: float | None = None
+    train_batch: int = 2
+    train_seq: int = 4096
+    gen_batch: int = 8
+    prompt: int = 512
+    new_tokens: int = 64
+
+
+MODELS = (
+    ModelSpec("llama", "llama"),
+    ModelSpec("mistral-window1024", "mistral", window=1024, train_batch=1, train_seq=8192),
+    ModelSpec("gemma2-window1024-softcap50", "gemma2", window=1024, softcap=50.0, train_batch=1, train_seq=8192),
+    ModelSpec("qwen2", "qwen2"),
+)  # fmt: skip
+
+
+def _config(spec: ModelSpec, vocab: int) -> Any:
+    import transformers
+
+    common = dict(
+        vocab_size=vocab, hidden_size=spec.hidden, intermediate_size=int(2.75 * spec.hidden),
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads, max_position_embeddings=max(spec.train_seq, spec.prompt + spec.new_tokens),
+    )  # fmt: skip
+    if spec.family == "llama":
+        return transformers.LlamaConfig(**common)
+    if spec.family == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=spec.window)
+    if spec.family == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if spec.family == "gemma2":
+        return transformers.Gemma2Config(
+            **common, head_dim=spec.hidden // spec.heads, sliding_window=spec.window,
+            attn_logit_softcapping=spec.softcap, final_logit_softcapping=None,
+        )  # fmt: skip
+    raise ValueError(f"unknown model family {spec.family!r}")
+
+
+def build(
+    spec: ModelSpec, way: str, dtype: torch.dtype, device: torch.device, vocab: int
+) -> tuple[Any, str]:
+    """The model for ``way`` and the attn_implementation it runs, weights seeded alike.
+
+    A family whose transformers version refuses ``sdpa`` (Gemma2 with softcapping, in
+    some versions) runs stock as ``eager``, and so does ``patch`` (which then changes
+    nothing: eager attention does not call SDPA); the row says so.
+    """
+    from transformers import AutoModelForCausalLM
+
+    implementations = ["sdpa", "eager"]
+    if way == "attnhub":
+        from .integrations.transformers import register
+
+        implementations = [register()]
+    for implementation in implementations:
+        torch.manual_seed(0)
+        try:
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(
+                    _config(spec, vocab), attn_implementation=implementation, dtype=dtype
+                )
+        except ValueError:
+            if implementation == implementations[-1]:
+                raise
+            continue
+        return model, implementation
+    raise AssertionError("unreachable")
+
+
+def _context(way: str) -> contextlib.AbstractContextManager[Any]:
+    return patch(aliases=False) if way == "patch" else contextlib.nullcontext()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train_step(model: Any, ids: torch.Tensor) -> None:
+    logits = model(ids).logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _generate(model: Any, prompts: torch.Tensor, mask: torch.Tensor, new: int) -> None:
+    with torch.no_grad():
+        model.generate(
+            input_ids=prompts, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+
+
+@dataclass
+class _Timed:
+    seconds: list[float]
+    peak_mib: float | None
+
+
+def _time(fn: Callable[[], None], device: torch.device) -> tuple[float, float | None]:
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    return time.perf_counter() - start, peak
+
+
+def _inputs(spec: ModelSpec, vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(1, vocab, (spec.train_batch, spec.train_seq), generator=gen)
+    prompts = torch.randint(1, vocab, (spec.gen_batch, spec.prompt), generator=gen)
+    mask = torch.ones_like(prompts)
+    return ids.to(device), prompts.to(device), mask.to(device)
+
+
+def run_model(
+    spec: ModelSpec, dtype: torch.dtype, device: torch.device, repeats: int, vocab: int = 32000
+) -> Iterator[dict[str, Any]]:
+    """Rows for one model: each way, training and generation, interleaved repeats."""
+    ids, prompts, mask = _inputs(spec, vocab, device)
+    work: dict[str, Callable[[Any], None]] = {
+        "train": lambda m: _train_step(m, ids),
+        "generate": lambda m: _generate(m, prompts, mask, spec.new_tokens),
+    }
+    tokens = {"train": ids.numel(), "generate": spec.gen_batch * spec.new_tokens}
+    for task, fn in work.items():
+        timed: dict[str, _Timed] = {}
+        built = {way: build(spec, way, dtype, device, vocab) for way in WAYS}
+        models = {way: model for way, (model, _) in built.items()}
+        for way, model in models.items():  # warm-up: compilation, caches, autotuning
+            with _context(way):
+                fn(model)
+        for _ in range(repeats):
+            for way, model in models.items():
+                with _context(way):
+                    seconds, peak = _time(functools.partial(fn, model), device)
+                entry = timed.setdefault(way, _Timed([], peak))
+                entry.seconds.append(seconds)
+                if peak is not None:
+                    entry.peak_mib = max(entry.peak_mib or 0.0, peak)
+        implementations = {way: implementation for way, (_, implementation) in built.items()}
+        del models, built
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        stock = statistics.median(timed["sdpa"].seconds)
+        for way, t in timed.items():
+            seconds = statistics.median(t.seconds)
+            yield {
+                **asdict(spec), "task": task, "way": way, "implementation": implementations[way],
+                "seconds": seconds,
+                "tokens_per_s": tokens[task] / seconds, "vs_sdpa": stock / seconds,
+                "peak_mib": t.peak_mib, "all_seconds": t.seconds,
+            }  # fmt: skip
+
+
+def markdown(data: dict[str, Any]) -> str:
+    env = data["env"]
+    lines = [
+        f"# Models: {env['gpu']}, torch {env['torch']}, transformers {data.get('transformers')}, "
+        f"attnhub {env['attnhub_commit']}, {env['date']}, {data['dtype']}",
+        "",
+        "Tokens per second (training: tokens in the batch per forward+backward; generate: "
+        "new tokens per second); `x sdpa` = speed relative to stock `sdpa`.",
+        "",
+        "| model | task | sdpa tok/s | patch tok/s | x sdpa | attnhub tok/s | x sdpa | peak MiB sdpa / patch / attnhub |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for r in data["results"]:
+        rows.setdefault((r["name"], r["task"]), {})[r["way"]] = r
+    for (name, task), ways in rows.items():
+
+        def cell(way: str, key: str, spec: str, ways: Any = ways) -> str:
+            value = ways.get(way, {}).get(key)
+            return "-" if value is None else format(value, spec)
+
+        stock_impl = ways.get("sdpa", {}).get("implementation", "sdpa")
+        label = name if stock_impl == "sdpa" else f"{name} (stock runs {stock_impl})"
+        lines.append(
+            f"| {label} | {task} | {cell('sdpa', 'tokens_per_s', ',.0f')} | "
+            f"{cell('patch', 'tokens_per_s', ',.0f')} | {cell('patch', 'vs_sdpa', '.2f')} | "
+            f"{cell('attnhub', 'tokens_per_s', ',.0f')} | {cell('attnhub', 'vs_sdpa', '.2f')} | "
+            f"{' / '.join(cell(w, 'peak_mib', '.0f') for w in WAYS)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("models (--models)")
+    g.add_argument("--models", action="store_true", help="Hugging Face models end to end: stock sdpa vs patch() vs attn_implementation='attnhub'")  # fmt: skip
+    g.add_argument("--model-names", help=f"with --models: comma-separated subset of {','.join(m.name for m in MODELS)}")  # fmt: skip
+    g.add_argument("--repeats", type=int, default=5, help="with --models: timed repetitions per way (default 5)")  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> int:
+    import transformers
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = set(args.model_names.split(",")) if args.model_names else None
+    specs = [m for m in MODELS if names is None or m.name in names]
+    output = Path(args.output or "attnhub-models.json")
+    data: dict[str, Any] = {
+        "kind": "models", "env": environment(device), "transformers": transformers.__version__,
+        "dtype": str(dtype).removeprefix("torch."), "results": [],
+    }  # fmt: skip
+    for spec in specs:
+        if args.progress:
+            print(f"model {spec.name}", file=sys.stderr, flush=True)
+        data["results"].extend(run_model(spec, dtype, device, args.repeats))
+        write_json(data, output)
+    table = markdown(data)
+    output.with_suffix(".md").write_text(table)
+    print(table)
+    return 0

@@ -1,0 +1,58 @@
+"""``attnhub bench --models``: HF models stock, patched and attn_implementation="attnhub"."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnhub import bench_models as bm
+from attnhub import cli
+
+pytest.importorskip("transformers")
+
+TINY = dict(layers=1, hidden=64, heads=4, kv_heads=2, train_batch=2, train_seq=16,
+            gen_batch=2, prompt=6, new_tokens=3)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        bm.ModelSpec("llama", "llama", **TINY),
+        bm.ModelSpec("mistral", "mistral", window=4, **TINY),
+        bm.ModelSpec("gemma2", "gemma2", window=4, softcap=50.0, **TINY),
+        bm.ModelSpec("qwen2", "qwen2", **TINY),
+    ],
+    ids=lambda s: s.name,
+)
+def test_every_way_runs_each_family(spec):
+    rows = list(bm.run_model(spec, torch.float32, torch.device("cpu"), repeats=1, vocab=50))
+    assert {(r["task"], r["way"]) for r in rows} == {
+        (task, way) for task in ("train", "generate") for way in bm.WAYS
+    }
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["seconds"] > 0
+    assert all(r["vs_sdpa"] == 1.0 for r in rows if r["way"] == "sdpa")
+
+
+def test_the_three_ways_compute_the_same_model():
+    spec = bm.ModelSpec("gemma2", "gemma2", window=4, softcap=50.0, **TINY)
+    ids = torch.randint(1, 50, (2, 16))
+    logits = {}
+    for way in bm.WAYS:
+        model, _ = bm.build(spec, way, torch.float64, torch.device("cpu"), vocab=50)
+        with bm._context(way), torch.no_grad():
+            logits[way] = model(ids).logits
+    torch.testing.assert_close(logits["patch"], logits["sdpa"])
+    torch.testing.assert_close(logits["attnhub"], logits["sdpa"])
+
+
+def test_cli(tmp_path, monkeypatch):
+    monkeypatch.setattr(bm, "MODELS", (bm.ModelSpec("llama", "llama", **TINY),))
+    output = tmp_path / "m.json"
+    argv = ["bench", "--models", "--device", "cpu", "--repeats", "1", "--no-progress", "-o", str(output)]  # fmt: skip
+    assert cli.main(argv) == 0
+    data = json.loads(output.read_text())
+    assert data["kind"] == "models" and len(data["results"]) == 6
+    assert "| llama | train |" in output.with_suffix(".md").read_text()
