@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -28,9 +29,13 @@ from attnhub.dispatch import clear_cache
 from attnhub.testing import (
     Case,
     assert_matches_reference,
+    case_problems,
     cases_for,
     check_backend,
     compare,
+    make_inputs,
+    plain_attention,
+    references,
     run_case,
     tolerance_bound,
 )
@@ -227,12 +232,17 @@ def test_forced_backend_that_refuses_a_declared_case_fails() -> None:
         pytest.raises(AssertionError, match="admit no conformance case"),
     ):
         check_backend(name, "cpu")
+    # Forced onto a case its declarations admit, dispatch's refusal is the case's
+    # failure, reported by the kit with the refusal's text.
     case = Case(torch.float32, 1, 2, 2, 5, 5, 8, 8)
     with (
         registered(Refuses) as name,
-        pytest.raises(attnhub.NoBackendError, match="refuses everything"),
+        pytest.raises(
+            AssertionError, match=r"\[fp32-plain-B1H2N5D8\]: raised NoBackendError: "
+        ) as info,
     ):
         run_case(name, case, "cpu")
+    assert "refuses everything" in str(info.value)
 
 
 def test_unknown_and_undeclared_device() -> None:
@@ -354,3 +364,552 @@ def test_reference_dropout_passes_dropout_checks() -> None:
 
     assert dropout_problems("torch_reference", "cpu") == []
     assert dropout_problems("torch_sdpa", "cpu") == []
+
+
+# -- backends that go wrong other than in their numbers -----------------------------
+#
+# Each of these once escaped the kit as a raw exception, or passed: the reference was
+# computed after the backend ran, from the very tensors the backend had changed. Each
+# must now be a line of the kit's report naming the case and what happened.
+
+_PLAIN = Case(torch.float32, 2, 2, 2, 9, 9, 8, 8, seed=1)
+
+
+def _case(**changes: Any) -> Case:
+    return dataclasses.replace(_PLAIN, **changes)
+
+
+def _failure(name: str, case: Case) -> str:
+    """run_case's report for ``case``: the kit's AssertionError, naming backend and case."""
+    with pytest.raises(AssertionError) as info:
+        run_case(name, case, "cpu")
+    text = str(info.value)
+    assert text.startswith(f"{name} [{case.id}]: "), text
+    return text
+
+
+def _report(backend: type[attnhub.Backend], cases: list[Case] | None = None) -> str:
+    """check_backend's report on ``backend``, which must fail."""
+    with registered(backend) as name, pytest.raises(AssertionError) as info:
+        check_backend(name, "cpu", cases=cases, max_reported=1000)
+    text = str(info.value)
+    assert text.startswith(f"{name} failed "), text
+    return text
+
+
+class MutatesInput(Correct):
+    """Changes one input in place before computing with it (so a reference computed
+    afterwards from the same tensors agrees with the output)."""
+
+    name = "kit_mutates"
+    target = "query"
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        t = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}[self.target]
+        with torch.no_grad():
+            t.logical_not_() if t.dtype == torch.bool else t.mul_(1.5)
+        return super().forward(query, key, value, attn_mask, params)
+
+
+@pytest.mark.parametrize(
+    ("target", "case"),
+    [
+        ("query", _case()),
+        ("key", _case(causal=True)),
+        ("value", _case(return_lse=True)),
+        ("attn_mask", _case(mask="bool")),
+        ("attn_mask", _case(mask="float")),
+        ("query", _case(backward=True)),
+        ("value", _case(backward=True, strided=True)),
+    ],
+    ids=lambda x: x if isinstance(x, str) else x.id,
+)
+def test_input_changed_in_place_fails(target: str, case: Case) -> None:
+    backend = type("Mutates", (MutatesInput,), {"target": target})
+    with registered(backend) as name:
+        text = _failure(name, case)
+    assert re.search(
+        rf"{target} modified in place during the call: \d+ of \d+ values changed", text
+    )
+
+
+class ContiguousInPlace(Correct):
+    """Makes its inputs contiguous by rebinding their data: the same values, but the
+    caller's tensors now have other strides and another storage."""
+
+    name = "kit_contiguous_in_place"
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        for t in (query, key, value):
+            t.data = t.data.contiguous()
+        return super().forward(query, key, value, attn_mask, params)
+
+
+class InPlaceNoOp(Correct):
+    """Multiplies the query by 1 in place: values intact, but its version counter moves,
+    which breaks any autograd graph of the caller's that saved it."""
+
+    name = "kit_in_place_no_op"
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            query.mul_(1.0)
+        return super().forward(query, key, value, attn_mask, params)
+
+
+def test_input_metadata_changed_fails() -> None:
+    with registered(ContiguousInPlace) as name:
+        text = _failure(name, _case(strided=True))
+        assert re.search(r"query modified in place during the call: stride \([^)]*\) -> ", text)
+        assert "storage 0x" in text and "key modified" in text and "value modified" in text
+        run_case(name, _case(), "cpu")  # contiguous inputs: .contiguous() is the tensor itself
+    with registered(InPlaceNoOp) as name:
+        text = _failure(name, _case())
+    assert "query modified in place during the call: an in-place operation on it" in text
+
+
+class _HookedBackward(torch.autograd.Function):
+    """The reference, with the backend's ``on_backward(q, k, v, grad_out)`` run at the
+    start of the backward, on the saved inputs and the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, query, key, value, params, backend):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(query, key, value)
+        ctx.params, ctx.backend = params, backend
+        return reference_attention(query, key, value, None, params)[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad_out):  # type: ignore[no-untyped-def]
+        saved = ctx.saved_tensors
+        ctx.backend.on_backward(*saved, grad_out)
+        leaves = [t.detach().requires_grad_() for t in saved]
+        with torch.enable_grad():
+            out = reference_attention(*leaves, None, ctx.params)[0]
+        return (*torch.autograd.grad(out, leaves, grad_out), None, None)
+
+
+class HookedBackward(Correct):
+    name = "kit_hooked_backward"
+    mask_kinds = frozenset({"none"})
+    lse = False
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        return _HookedBackward.apply(query, key, value, params, self)
+
+    def on_backward(self, query, key, value, grad_out):  # type: ignore[no-untyped-def]
+        pass
+
+
+class ScalesGradOut(HookedBackward):
+    """Doubles grad_out in place and differentiates with it (a reference computed
+    afterwards with the same grad_out agrees)."""
+
+    def on_backward(self, query, key, value, grad_out):  # type: ignore[no-untyped-def]
+        grad_out.mul_(2.0)
+
+
+class ScalesSavedKey(HookedBackward):
+    """Scales the key it saved for the backward, in place: the caller's key."""
+
+    def on_backward(self, query, key, value, grad_out):  # type: ignore[no-untyped-def]
+        key.mul_(1.5)
+
+
+@pytest.mark.parametrize(
+    ("backend", "target"), [(ScalesGradOut, "grad_out"), (ScalesSavedKey, "key")], ids=str
+)
+def test_changed_during_backward_fails(backend: type[attnhub.Backend], target: str) -> None:
+    case = _case(backward=True)
+    with registered(HookedBackward) as name:
+        run_case(name, case, "cpu")  # the hook alone changes nothing
+    with registered(backend) as name:
+        text = _failure(name, case)
+    assert re.search(
+        rf"{target} modified in place during backward: \d+ of \d+ values changed", text
+    )
+    assert "during the call" not in text
+
+
+class _NotAnException(BaseException):
+    """Derives from BaseException only."""
+
+
+def _boom() -> BaseException:
+    return RuntimeError("boom")
+
+
+class RaisesInForward(Correct):
+    """Raises ``error()``: a fresh exception each call, as real code does."""
+
+    name = "kit_raises_forward"
+    error = staticmethod(_boom)
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        raise self.error()
+
+
+class RaisesInPrepare(Correct):
+    name = "kit_raises_prepare"
+    error = staticmethod(_boom)
+
+    def prepare(self, request, params):  # type: ignore[no-untyped-def]
+        raise self.error()
+
+
+class RaisesInBackward(HookedBackward):
+    name = "kit_raises_backward"
+    error = staticmethod(_boom)
+
+    def on_backward(self, query, key, value, grad_out):  # type: ignore[no-untyped-def]
+        raise self.error()
+
+
+_ERRORS = [
+    pytest.param(lambda: RuntimeError("boom"), "RuntimeError: boom", id="RuntimeError"),
+    pytest.param(lambda: ValueError("bad head dim"), "ValueError: bad head dim", id="ValueError"),
+    pytest.param(lambda: KeyError("missing"), "KeyError: 'missing'", id="KeyError"),
+    pytest.param(NotImplementedError, "NotImplementedError (no message)", id="NotImplemented"),
+    pytest.param(lambda: AssertionError("assert"), "AssertionError: assert", id="AssertionError"),
+    pytest.param(lambda: torch.cuda.OutOfMemoryError("out of memory"),
+                 "OutOfMemoryError: out of memory", id="OutOfMemoryError"),
+    pytest.param(lambda: SystemExit(3), "SystemExit: 3", id="SystemExit"),
+    pytest.param(lambda: _NotAnException("odd"), "_NotAnException: odd", id="BaseException"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("error", "text"), _ERRORS)
+@pytest.mark.parametrize(
+    ("backend", "prefix", "where", "case"),
+    [
+        (RaisesInForward, "", "forward", _case(mask="bool", return_lse=True)),
+        (RaisesInBackward, "backward ", "on_backward", _case(backward=True)),
+    ],
+    ids=["forward", "backward"],
+)
+def test_exception_becomes_the_case_failure(
+    backend: type[RaisesInForward], prefix: str, where: str, case: Case, error: Any, text: str
+) -> None:
+    raising = type(backend.__name__, (backend,), {"error": staticmethod(error)})
+    with registered(raising) as name:
+        report = _failure(name, case)
+    where_raised = rf"\(at test_testing_kit\.py:\d+ in {where}\)"
+    assert re.search(rf"\]: {prefix}raised {re.escape(text)} {where_raised}$", report), report
+
+
+@pytest.mark.parametrize(("error", "text"), _ERRORS)
+def test_exception_in_prepare_becomes_the_case_failure(error: Any, text: str) -> None:
+    # Dispatch may contain a raising prepare (it disables the backend, with a reason
+    # quoting the exception) or let it through: either way the kit reports it against
+    # the case, with the exception's type and message.
+    raising = type("RaisesInPrepare", (RaisesInPrepare,), {"error": staticmethod(error)})
+    with registered(raising) as name:
+        report = _failure(name, _case())
+    message = re.escape(text).replace(r"\ \(no\ message\)", "(: | \\(no message\\))")
+    assert re.search(rf"\]: raised (NoBackendError: .*)?{message}", report), report
+
+
+def test_exception_reported_by_check_backend_for_every_check() -> None:
+    report = _report(RaisesInForward)
+    cases = cases_for(RaisesInForward(), "cpu")
+    checks = len(cases) + 1 + 2  # the cases, dropout, repeatability of two of them
+    assert f"failed {checks} of {checks} conformance checks on cpu:" in report
+    lines = report.splitlines()[1:]
+    assert len(lines) == checks
+    assert all("raised RuntimeError: boom (at test_testing_kit.py:" in line for line in lines)
+    assert sum("dropout0.2] dropout_p=0.0: raised" in line for line in lines) == 1
+    assert sum("repeatability not checked, the call fails: raised" in line for line in lines) == 2
+
+
+def test_keyboard_interrupt_stops_the_run() -> None:
+    interrupted = type(
+        "Interrupted", (RaisesInForward,), {"error": staticmethod(KeyboardInterrupt)}
+    )
+    with registered(interrupted) as name, pytest.raises(KeyboardInterrupt):
+        check_backend(name, "cpu")
+
+
+class RaisesInExtraReasons(Correct):
+    name = "kit_raises_reasons"
+
+    def extra_reasons(self, request):  # type: ignore[no-untyped-def]
+        raise ZeroDivisionError("no reasons")
+
+
+def test_raising_extra_reasons_is_reported_per_case() -> None:
+    # Case generation does not stop at it; each call reports it, directly or through
+    # dispatch's refusal of the backend, which quotes it.
+    report = _report(RaisesInExtraReasons)
+    lines = report.splitlines()[1:]
+    assert len(lines) == len(cases_for(Correct(), "cpu")) + 1 + 2
+    assert all("ZeroDivisionError: no reasons" in line for line in lines)
+    assert re.search(r"^  \[fp16-plain-[^\]]*\] raised ", report, re.MULTILINE)
+
+
+class BadReturn(Correct):
+    """Computes the right (out, lse), then returns ``mangle(out, lse, query, key, value)``."""
+
+    name = "kit_bad_return"
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        out, lse = reference_attention(query, key, value, attn_mask, params)
+        return self.mangle(out, lse, query, key, value)
+
+    @staticmethod
+    def mangle(out, lse, query, key, value):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+
+def _first_nan(t: torch.Tensor) -> torch.Tensor:
+    flat = t.flatten().clone()
+    flat[0] = float("nan")
+    return flat.view_as(t)
+
+
+def _written_into_query(out, lse, query, key, value):  # type: ignore[no-untyped-def]
+    return query.copy_(out)
+
+
+_LSE = _case(return_lse=True)
+_BAD_RETURNS = [
+    ("shape", lambda o, s, q, k, v: o[..., :-1], _case(backward=True),
+     r"out: shape \(2, 2, 9, 7\), expected \(2, 2, 9, 8\)"),
+    ("dtype", lambda o, s, q, k, v: o.double(), _case(backward=True),
+     r"out: dtype torch.float64, expected torch.float32"),
+    ("device", lambda o, s, q, k, v: o.to("meta"), _case(), r"out: device meta, expected cpu"),
+    ("list", lambda o, s, q, k, v: o.tolist(), _case(), r"out: expected a tensor, got list of 2"),
+    ("none", lambda o, s, q, k, v: None, _case(), r"out: expected a tensor, got NoneType"),
+    ("ndarray", lambda o, s, q, k, v: o.numpy(), _case(), r"out: expected a tensor, got ndarray"),
+    ("tuple", lambda o, s, q, k, v: (o, s), _case(), r"out: expected a tensor, got tuple of 2"),
+    ("no-lse", lambda o, s, q, k, v: o, _LSE,
+     r"return_lse=True must return a tuple \(out, lse\), got Tensor"),
+    ("lse-shape", lambda o, s, q, k, v: (o, s.unsqueeze(-1)), _LSE,
+     r"lse: shape \(2, 2, 9, 1\), expected \(2, 2, 9\)"),
+    ("lse-dtype", lambda o, s, q, k, v: (o, s.half()), _LSE,
+     r"lse: dtype torch.float16, expected torch.float32"),
+    ("lse-none", lambda o, s, q, k, v: (o, None), _LSE, r"lse: expected a tensor, got NoneType"),
+    ("nan-out", lambda o, s, q, k, v: _first_nan(o), _case(), r"out: 1 NaN values"),
+    ("nan-lse", lambda o, s, q, k, v: (o, _first_nan(s)), _LSE, r"lse: 1 NaN values"),
+    ("value-itself", lambda o, s, q, k, v: v, _case(),
+     r"out: shares memory with value \(a view of an input"),
+    ("into-query", _written_into_query, _case(),
+     r"query modified in place during the call: \d+ of \d+ values changed; "
+     r"out: shares memory with query"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mangle", "case", "expected"),
+    [pytest.param(m, c, e, id=i) for i, m, c, e in _BAD_RETURNS],
+)
+def test_bad_return_is_reported(mangle: Any, case: Case, expected: str) -> None:
+    backend = type("Bad", (BadReturn,), {"mangle": staticmethod(mangle)})
+    with registered(backend) as name:
+        text = _failure(name, case)
+    assert re.search(expected, text), text
+
+
+class ValueViewShortcut(Correct):
+    """With a single key every weight is 1 and the output is the value: returned as a
+    view of it instead of a new tensor. Right numbers, aliased memory."""
+
+    name = "kit_value_view"
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        b, hq, nq, _ = query.shape
+        if key.shape[2] == 1 and key.shape[1] == hq and attn_mask is None and not params.return_lse:
+            return value.expand(b, hq, nq, value.shape[-1])
+        return super().forward(query, key, value, attn_mask, params)
+
+
+def test_output_that_is_a_view_of_an_input_fails() -> None:
+    report = _report(ValueViewShortcut)
+    assert re.search(r"\[fp32-plain-B1H2N1D8\] out: shares memory with value", report)
+    assert "failed 2 of" in report  # fp16 and fp32: nothing else
+
+
+class ReusesOutputBuffer(Correct):
+    """Allocates the output once per call signature, in ``prepare``, and writes every
+    call's result into it: the caller's earlier result changes under it."""
+
+    name = "kit_reuses_buffer"
+    backward = False
+
+    def prepare(self, request, params):  # type: ignore[no-untyped-def]
+        buffers: list[torch.Tensor] = []
+
+        def run(query, key, value, attn_mask):  # type: ignore[no-untyped-def]
+            out, lse = reference_attention(query, key, value, attn_mask, params)
+            if not buffers:
+                buffers.append(torch.empty_like(out))
+            buffers[0].copy_(out)
+            return (buffers[0], lse) if params.return_lse else buffers[0]
+
+        return run
+
+
+def test_reused_output_buffer_fails() -> None:
+    report = _report(ReusesOutputBuffer)
+    assert re.search(r"\[fp16-plain-[^\]]*\] the second call's output is written into", report)
+    assert "failed 1 of" in report
+
+
+class LeavesGlobalState(Correct):
+    """Turns grad mode off and float64 on as the default dtype, and leaves them so."""
+
+    name = "kit_leaves_state"
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        result = super().forward(query, key, value, attn_mask, params)
+        torch.set_grad_enabled(False)
+        torch.set_default_dtype(torch.float64)
+        return result
+
+
+def test_changed_global_state_is_reported_and_restored() -> None:
+    with registered(LeavesGlobalState) as name:
+        text = _failure(name, _case())
+    assert "changed grad mode during the call: True -> False (restored)" in text
+    assert (
+        "changed default dtype during the call: torch.float32 -> torch.float64 (restored)" in text
+    )
+    assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32
+
+
+class DropoutNaN(Correct):
+    """Dropped weights come out as NaN instead of 0."""
+
+    name = "kit_dropout_nan"
+    dtypes = frozenset({torch.float32})
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        out = super().forward(query, key, value, attn_mask, params)
+        return out.masked_fill(out == 0, float("nan")) if params.dropout_p else out
+
+
+def test_dropout_nan_is_reported_as_nan() -> None:
+    from attnhub.testing import dropout_problems
+
+    with registered(DropoutNaN) as name:
+        problems = dropout_problems(name, "cpu")
+    assert problems and all("dropout: out has" in p and "NaN values" in p for p in problems[:1])
+
+
+def test_case_with_dropout_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"dropout_p=0\.2 has no deterministic reference"):
+        case_problems("torch_reference", _case(dropout_p=0.2), "cpu")
+
+
+# -- the references -----------------------------------------------------------------
+
+
+def test_r_lp_is_the_kits_own_plain_computation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """r_lp does not follow torch_reference: a reference that accumulates half precision
+    in float32 (as it may) leaves r_lp, and so every bound, as it was."""
+    import attnhub.backends.torch_reference as torch_reference
+
+    case = Case(torch.float16, 1, 4, 2, 33, 77, 64, 64, mask="float", mask_grad=True,
+                causal=True, alignment="bottom_right", backward=True, seed=3)  # fmt: skip
+    inputs = make_inputs(case, "cpu")
+    r_lp, r64 = references(inputs, case)
+    original = torch_reference.reference_attention
+
+    def accumulates_in_float32(query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        if query.dtype != torch.float16:
+            return original(query, key, value, attn_mask, params)
+        up = [None if t is None else t.float() for t in (query, key, value, attn_mask)]
+        out, lse = original(*up, params)
+        return out.half(), lse
+
+    monkeypatch.setattr(torch_reference, "reference_attention", accumulates_in_float32)
+    again_lp, again_64 = references(inputs, case)
+    assert set(r_lp) == {"out", "lse", "dq", "dk", "dv", "dmask"}
+    for name in r_lp:
+        assert torch.equal(r_lp[name], again_lp[name]), name
+        assert torch.equal(r64[name], again_64[name]), name
+        assert r_lp[name].dtype == (torch.float32 if name == "lse" else torch.float16)
+        assert r64[name].dtype == (torch.float32 if name == "lse" else torch.float64)
+
+
+def test_plain_attention_in_float64_is_the_contract() -> None:
+    """The kit's plain computation, run in float64, agrees with torch_reference on every
+    feature of the kit's cases, fully masked rows included."""
+    from attnhub.testing.reference import _reference_attention_64
+
+    for case in cases_for("torch_reference", "cpu", size="tiny"):
+        if case.dropout_p or case.dtype != torch.float32:
+            continue
+        inputs = make_inputs(case, "cpu")
+        tensors = [None if t is None else t.detach().double() if t.is_floating_point() else t
+                   for t in (inputs.query, inputs.key, inputs.value, inputs.attn_mask)]  # fmt: skip
+        out, lse = plain_attention(*tensors, case)
+        expected_out, expected_lse = _reference_attention_64(*tensors, case)
+        torch.testing.assert_close(out, expected_out, rtol=1e-12, atol=1e-12, msg=case.id)
+        torch.testing.assert_close(lse, expected_lse, rtol=1e-6, atol=1e-6, msg=case.id)
+
+
+def test_pytest_plugin_reports_misbehaving_backends(tmp_path: Path) -> None:
+    """Under ``pytest -p attnhub.testing``, a backend that raises, returns the wrong
+    thing or changes its inputs fails its cases with the kit's report: no traceback
+    of the backend's exception, no internal error, and other backends unaffected."""
+    (tmp_path / "conftest.py").write_text(
+        textwrap.dedent(
+            """
+            import attnhub, torch
+            from attnhub.backends.torch_reference import TorchReference
+
+            class Base(TorchReference):
+                dtypes = frozenset({torch.float32})
+                dropout = False
+
+            class Raises(Base):
+                name = "kit_p_raises"
+                def forward(self, query, key, value, attn_mask, params):
+                    raise RuntimeError("boom")
+
+            class Mutates(Base):
+                name = "kit_p_mutates"
+                def forward(self, query, key, value, attn_mask, params):
+                    with torch.no_grad():
+                        value.mul_(2.0)
+                    return super().forward(query, key, value, attn_mask, params)
+
+            class Shape(Base):
+                name = "kit_p_shape"
+                def forward(self, query, key, value, attn_mask, params):
+                    out = super().forward(query, key, value, attn_mask, params)
+                    return out[:, :, :1] if not params.return_lse else out
+
+            class Listed(Base):
+                name = "kit_p_list"
+                def forward(self, query, key, value, attn_mask, params):
+                    return [super().forward(query, key, value, attn_mask, params)]
+
+            def pytest_configure(config):
+                for backend in (Raises, Mutates, Shape, Listed):
+                    attnhub.get_registry().add(backend())
+            """
+        )
+    )
+    env = {**os.environ, "ATTNHUB_DISABLE_PLUGIN_AUTOLOAD": "1", "COLUMNS": "1000"}
+    names = ("kit_p_raises", "kit_p_mutates", "kit_p_shape", "kit_p_list")
+    options = [arg for name in (*names, "torch_sdpa") for arg in ("--attnhub-backend", name)]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "attnhub.testing", "-q", "-rf", "-p", "no:cacheprovider",
+         "-k", "plain or bwd or lse", *options],
+        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    output = run.stdout + run.stderr
+    assert run.returncode == 1, output
+    assert "Traceback" not in output and "INTERNALERROR" not in output, output
+    failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
+    expected = {
+        "kit_p_raises": "raised RuntimeError: boom (at conftest.py:",
+        "kit_p_mutates": "value modified in place during the call:",
+        "kit_p_shape": "out: shape (",
+        "kit_p_list": "out: expected a tensor, got list of 1",
+    }
+    for name, text in expected.items():
+        mine = [line for line in failed if f"attnhub[{name}-" in line]
+        assert mine and any(text in line for line in mine), (name, output)
+    assert sum(f"attnhub[{n}-fp32-plain-" in line for line in failed for n in names) >= 4
+    assert "attnhub[torch_sdpa-" not in "\n".join(failed)

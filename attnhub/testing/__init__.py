@@ -11,21 +11,28 @@ or, as a pytest plugin generating one test per case::
 
 Cases come from the backend's declarations (:func:`cases_for`); results are compared
 with the float64 reference by contract.md's tolerance rule
-(:func:`assert_matches_reference`).
+(:func:`assert_matches_reference`), the bound's width set by the kit's own plain
+computation in the input dtype (:func:`plain_attention`). Whatever a backend raises,
+returns or changes (its inputs, process-wide settings) is a failure of the case in the
+kit's report, never an exception through it (:mod:`attnhub.testing.check`).
 """
 
 from __future__ import annotations
 
 from .cases import Case, Inputs, case_reasons, cases_for, make_inputs
 from .check import (
+    CallResult,
     case_problems,
     check_backend,
     default_device,
     dropout_problems,
     repeatability_problems,
+    run_call,
     run_case,
 )
+from .faults import describe_exception
 from .pytest_plugin import pytest_addoption, pytest_collection_modifyitems, pytest_configure
+from .reference import plain_attention, references
 from .tolerance import (
     assert_matches_reference,
     compare,
@@ -35,6 +42,7 @@ from .tolerance import (
 )
 
 __all__ = [
+    "CallResult",
     "Case",
     "Inputs",
     "assert_matches_reference",
@@ -44,14 +52,18 @@ __all__ = [
     "check_backend",
     "compare",
     "default_device",
+    "describe_exception",
     "dropout_problems",
     "fully_masked_problems",
     "highest_float32_precision",
     "make_inputs",
+    "plain_attention",
     "pytest_addoption",
     "pytest_collection_modifyitems",
     "pytest_configure",
+    "references",
     "repeatability_problems",
+    "run_call",
     "run_case",
     "tolerance_bound",
 ]

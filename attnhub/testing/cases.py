@@ -280,7 +280,8 @@ def case_reasons(backend: Backend, case: Case, device: torch.device | str) -> li
     """Why ``backend`` would not be offered ``case`` on ``device`` (empty: it would).
 
     Builds the request dispatch would build (on meta tensors, so nothing is allocated)
-    and asks the declarations and the backend's ``extra_reasons``.
+    and asks the declarations and the backend's ``extra_reasons`` (one that raises
+    admits the case, so that running it reports the exception).
     """
     device = torch.device(device)
     meta = make_inputs_meta(case)
@@ -292,7 +293,16 @@ def case_reasons(backend: Backend, case: Case, device: torch.device | str) -> li
     cuda = device.type == "cuda" and torch.cuda.is_available()
     capability = device_capability(device) if cuda else None
     request = dataclasses.replace(request, device_type=device.type, capability=capability)
-    return declared_reasons(backend, request) or list(backend.extra_reasons(request))
+    declared = declared_reasons(backend, request)
+    if declared:
+        return declared
+    try:
+        return list(backend.extra_reasons(request))
+    except Exception:
+        # A raising extra_reasons is the backend's defect, not a reason to leave the
+        # case out: the case is kept, and its call (where dispatch asks the same
+        # question) reports the exception against the case.
+        return []
 
 
 def make_inputs_meta(case: Case) -> Inputs:

@@ -3,121 +3,360 @@
 Every call names the backend (``backend=name``), so dispatch is exercised on the way:
 a backend whose declarations admit a case but that dispatch then refuses fails the
 case, and a backend is never silently replaced by another.
+
+The kit does not trust the backend, and nothing a backend does wrong escapes it as a
+raw exception or passes unnoticed. Each of these is a problem of the case, in the
+kit's report with the case id:
+
+- The references (:mod:`attnhub.testing.reference`) are computed first, from copies of
+  the inputs, so a backend that changes its inputs cannot move them.
+- The call and the backward: any exception (``KeyboardInterrupt`` aside) is reported
+  with its type, message and where it was raised (:mod:`attnhub.testing.faults`).
+- The result: a tensor, or with ``return_lse`` a tuple ``(out, lse)``, each of the
+  contract's shape, dtype and device, sharing no memory with an input (a view of an
+  input, or a tensor written over it, changes when the caller's tensor does).
+- The inputs (query, key, value, attn_mask, and grad_out in the backward): neither
+  their values nor their metadata (shape, strides, storage offset, dtype, device,
+  requires_grad, storage) change, and no in-place operation touches them (their
+  version counter stays put: a bump breaks the caller's autograd graph even when the
+  values come back), during the call or during the backward.
+- Process-wide settings (grad mode, default dtype, float32 matmul precision,
+  deterministic algorithms) are as they were; the kit restores them after reporting.
+- Then the numbers: contract.md's tolerance rule (:mod:`attnhub.testing.tolerance`),
+  NaN never passing, fully masked rows exactly zero.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 import attnhub
 from attnhub.backend import Backend
 from attnhub.registry import get_registry
-from attnhub.validation import make_params
 
 from .cases import Case, Inputs, case_reasons, cases_for, make_inputs
+from .faults import describe_exception, passes_through
+from .reference import references
 from .tolerance import compare, fully_masked_problems, highest_float32_precision
 
+_INPUT_NAMES = ("query", "key", "value", "attn_mask", "grad_out")
 
-def _reference(inputs: Inputs, case: Case, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The torch_reference results (out, lse and grads) from the same inputs,
-    computed in ``dtype`` (None: the input dtype)."""
-    from attnhub.backends.torch_reference import reference_attention
+# What "the tensor the caller passed" is besides its values; a backend may change none of it.
+_METADATA: tuple[tuple[str, Callable[[torch.Tensor], object]], ...] = (
+    ("shape", lambda t: tuple(t.shape)),
+    ("stride", lambda t: t.stride()),
+    ("storage offset", lambda t: t.storage_offset()),
+    ("dtype", lambda t: t.dtype),
+    ("device", lambda t: t.device),
+    ("requires_grad", lambda t: t.requires_grad),
+    ("storage", lambda t: hex(t.untyped_storage().data_ptr())),
+)
 
-    def leaf(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        copy = t.detach()
-        if dtype is not None and copy.dtype.is_floating_point:
-            copy = copy.to(dtype)
-        return copy.requires_grad_(t.requires_grad)
+# Process-wide settings a backend must leave as it found them: (label, get, set).
+_GLOBAL_STATE: tuple[tuple[str, Callable[[], Any], Callable[[Any], Any]], ...] = (
+    ("grad mode", torch.is_grad_enabled, torch.set_grad_enabled),
+    ("default dtype", torch.get_default_dtype, torch.set_default_dtype),
+    (
+        "float32 matmul precision",
+        torch.get_float32_matmul_precision,
+        torch.set_float32_matmul_precision,
+    ),
+    (
+        "deterministic algorithms (enabled, warn_only)",
+        lambda: (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        lambda state: torch.use_deterministic_algorithms(state[0], warn_only=state[1]),
+    ),
+)
 
-    q, k, v, mask = (leaf(t) for t in (inputs.query, inputs.key, inputs.value, inputs.attn_mask))
-    assert q is not None and k is not None and v is not None
-    params = make_params(q, **{**case.options(), "scale": _scale(case)}, block_sparse=None)
-    with torch.enable_grad():
-        out, lse = reference_attention(q, k, v, mask, params)
-    result = {"out": out.detach(), "lse": lse.detach()}
-    if case.backward:
-        assert inputs.grad_out is not None
-        grad_out = inputs.grad_out if dtype is None else inputs.grad_out.to(dtype)
-        leaves = [("dq", q), ("dk", k), ("dv", v)]
-        if mask is not None and mask.requires_grad:
-            leaves.append(("dmask", mask))
-        grads = torch.autograd.grad(out, [t for _, t in leaves], grad_out)
-        result.update({name: g for (name, _), g in zip(leaves, grads, strict=True)})
+
+# -- what a call may not change -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _TensorState:
+    """One input tensor as it was before the backend ran."""
+
+    metadata: tuple[object, ...]
+    values: torch.Tensor
+    version: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _TensorState:
+        metadata = tuple(get(t) for _, get in _METADATA)
+        return cls(metadata, t.detach().clone(), t._version)
+
+    def change(self, t: torch.Tensor) -> str | None:
+        """What changed in ``t`` since (None: nothing)."""
+        metadata = tuple(get(t) for _, get in _METADATA)
+        moved = [
+            f"{label} {before} -> {after}"
+            for (label, _), before, after in zip(_METADATA, self.metadata, metadata, strict=True)
+            if before != after
+        ]
+        if moved:  # values are compared only where the tensor still has its layout
+            return ", ".join(moved)
+        now = t.detach()
+        same = now == self.values
+        if now.is_floating_point():
+            same |= now.isnan() & self.values.isnan()
+        if not bool(same.all()):
+            return f"{int((~same).sum())} of {same.numel()} values changed"
+        if t._version != self.version:
+            return (
+                f"an in-place operation on it (version counter {self.version} -> "
+                f"{t._version}), though its values are unchanged"
+            )
+        return None
+
+
+class _Watch:
+    """The inputs and the process-wide settings before a call, to compare with after it."""
+
+    def __init__(self, inputs: Inputs) -> None:
+        self._tensors = {
+            name: _TensorState.of(t)
+            for name in _INPUT_NAMES
+            if (t := getattr(inputs, name)) is not None
+        }
+        self._settings = [get() for _, get, _ in _GLOBAL_STATE]
+
+    def problems(self, inputs: Inputs, during: str) -> list[str]:
+        """What changed during ``during``; changed settings are restored."""
+        problems = [
+            f"{name} modified in place during {during}: {change}"
+            for name, state in self._tensors.items()
+            if (change := state.change(getattr(inputs, name))) is not None
+        ]
+        for (label, get, set_), before in zip(_GLOBAL_STATE, self._settings, strict=True):
+            after = get()
+            if after != before:
+                set_(before)
+                problems.append(f"changed {label} during {during}: {before} -> {after} (restored)")
+        return problems
+
+
+# -- one call -----------------------------------------------------------------------
+
+
+@dataclass
+class CallResult:
+    """One call of a backend through :func:`attnhub.attention`, and its backward, as seen
+    by the kit.
+
+    ``out`` and ``lse``: the results, or None where absent or unusable (not a tensor,
+    or of the wrong shape, dtype or device: a problem says which). ``grads``: the
+    gradients that flowed, by name (``dq``, ``dk``, ``dv``, ``dmask``). ``problems``:
+    everything found wrong without a reference, one line each.
+    """
+
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+_RAISED = object()  # what _watched returns when the code raised
+
+
+def _watched(
+    result: CallResult,
+    inputs: Inputs,
+    during: str,
+    code: Callable[[], Any],
+    prefix: str,
+    backend_name: str,
+) -> Any:
+    """Run backend code; what it raises or changes goes into ``result.problems``."""
+    watch = _Watch(inputs)
+    try:
+        value = code()
+    except BaseException as exc:
+        if passes_through(exc):
+            raise
+        result.problems.append(f"{prefix}raised {describe_exception(exc, backend_name)}")
+        value = _RAISED
+    result.problems += watch.problems(inputs, during)
+    return value
+
+
+def _kind(x: object) -> str:
+    if isinstance(x, tuple | list):
+        return f"{type(x).__name__} of {len(x)}"
+    return type(x).__name__
+
+
+def _storage(t: torch.Tensor) -> tuple[torch.device, int] | None:
+    """Identifies the memory ``t`` lives in (None: it holds none)."""
+    storage = t.untyped_storage()
+    return (t.device, storage.data_ptr()) if storage.nbytes() else None
+
+
+def _tensor_problems(
+    label: str,
+    x: object,
+    expected: tuple[tuple[int, ...], torch.dtype, torch.device],
+    inputs: Inputs,
+) -> tuple[bool, list[str]]:
+    """(usable, problems) for a returned ``x`` that should be a new tensor of ``expected``
+    (shape, dtype, device). Sharing memory with an input is a problem, not unusable."""
+    if not isinstance(x, torch.Tensor):
+        return False, [f"{label}: expected a tensor, got {_kind(x)}"]
+    got = (tuple(x.shape), x.dtype, x.device)
+    wrong = [
+        f"{what} {g}, expected {e}"
+        for what, g, e in zip(("shape", "dtype", "device"), got, expected, strict=True)
+        if g != e
+    ]
+    if wrong:
+        return False, [f"{label}: " + ", ".join(wrong)]
+    memory = _storage(x)
+    shared = [
+        name
+        for name in _INPUT_NAMES
+        if (t := getattr(inputs, name)) is not None and memory is not None and _storage(t) == memory
+    ]
+    if shared:
+        return True, [
+            f"{label}: shares memory with {', '.join(shared)} (a view of an input, not a new tensor)"
+        ]
+    return True, []
+
+
+def _unpack(
+    returned: Any, return_lse: bool, case: Case, inputs: Inputs, problems: list[str]
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The usable (out, lse) of what the call returned; what is wrong goes into ``problems``."""
+    if return_lse and not (isinstance(returned, tuple) and len(returned) == 2):
+        problems.append(f"return_lse=True must return a tuple (out, lse), got {_kind(returned)}")
+        return None, None
+    out, lse = returned if return_lse else (returned, None)
+    device = inputs.query.device
+    rows = (case.B, case.Hq, case.Nq)
+    out_ok, out_problems = _tensor_problems(
+        "out", out, ((*rows, case.Dv), case.dtype, device), inputs
+    )
+    problems += out_problems
+    lse_ok = False
+    if return_lse:
+        lse_ok, lse_problems = _tensor_problems("lse", lse, (rows, torch.float32, device), inputs)
+        problems += lse_problems
+    return (out if out_ok else None), (lse if lse_ok else None)
+
+
+def _backward(result: CallResult, out: torch.Tensor, inputs: Inputs, backend_name: str) -> None:
+    leaves = inputs.differentiable()
+    if not out.requires_grad:
+        result.problems.append("bwd: the output does not require grad")
+        return
+    grads = _watched(
+        result,
+        inputs,
+        "backward",
+        lambda: torch.autograd.grad(
+            out, [t for _, t in leaves], inputs.grad_out, allow_unused=True
+        ),
+        "backward ",
+        backend_name,
+    )
+    if grads is _RAISED:
+        return
+    for (name, _), g in zip(leaves, grads, strict=True):
+        if g is None:
+            result.problems.append(f"{name}: no gradient flowed")
+        else:
+            result.grads[name] = g
+
+
+def run_call(
+    backend_name: str,
+    case: Case,
+    inputs: Inputs,
+    *,
+    options: dict[str, Any] | None = None,
+    backward: bool | None = None,
+) -> CallResult:
+    """Call ``backend_name`` on ``inputs`` (and run the backward), recording what went wrong.
+
+    ``options``: keyword arguments of :func:`attnhub.attention` (default: the case's);
+    ``backward``: take gradients with ``inputs.grad_out`` (default: ``case.backward``).
+    Never raises for what the backend does (see the module doc); compares nothing
+    with a reference.
+    """
+    options = case.options() if options is None else options
+    backward = case.backward if backward is None else backward
+    result = CallResult()
+
+    def call() -> Any:
+        q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.attn_mask
+        return attnhub.attention(q, k, v, mask, **options, backend=backend_name)
+
+    returned = _watched(result, inputs, "the call", call, "", backend_name)
+    if returned is _RAISED:
+        return result
+    result.out, result.lse = _unpack(
+        returned, bool(options.get("return_lse", False)), case, inputs, result.problems
+    )
+    if backward and result.out is not None:
+        _backward(result, result.out, inputs, backend_name)
     return result
 
 
-def _scale(case: Case) -> float:
-    return case.scale if case.scale is not None else 1.0 / math.sqrt(case.D)
+def _guarded(what: str, check: Callable[[], list[str]]) -> list[str]:
+    """``check()``, or one problem naming what it raised: the kit reports, never crashes."""
+    try:
+        return check()
+    except BaseException as exc:
+        if passes_through(exc):
+            raise
+        return [f"the kit could not finish {what}: {describe_exception(exc)}"]
 
 
-def _call(name: str, inputs: Inputs, case: Case) -> tuple[torch.Tensor, torch.Tensor | None]:
-    result = attnhub.attention(
-        inputs.query, inputs.key, inputs.value, inputs.attn_mask, **case.options(), backend=name
-    )
-    if case.return_lse:
-        if not (isinstance(result, tuple) and len(result) == 2):
-            raise AssertionError(
-                f"return_lse=True must return (out, lse), got {type(result).__name__}"
-            )
-        return result[0], result[1]
-    if not isinstance(result, torch.Tensor):
-        raise AssertionError(f"return_lse=False must return a tensor, got {type(result).__name__}")
-    return result, None
+# -- one case -----------------------------------------------------------------------
 
 
 def case_problems(backend_name: str, case: Case, device: torch.device | str = "cpu") -> list[str]:
-    """What differs between ``backend_name`` and the contract on ``case`` (empty: it conforms)."""
-    device = torch.device(device)
+    """What differs between ``backend_name`` and the contract on ``case`` (empty: it conforms).
+
+    Never raises for what the backend does: an exception, a wrong result or a changed
+    input is a problem in the list. ``ValueError`` for a case with ``dropout_p > 0``,
+    which has no deterministic reference (:func:`dropout_problems` checks dropout).
+    """
+    if case.dropout_p:
+        raise ValueError(
+            f"case {case.id}: dropout_p={case.dropout_p} has no deterministic reference; "
+            "dropout is checked by attnhub.testing.dropout_problems"
+        )
+    return _guarded("the case", lambda: _case_problems(backend_name, case, torch.device(device)))
+
+
+def _case_problems(backend_name: str, case: Case, device: torch.device) -> list[str]:
     inputs = make_inputs(case, device)
-    problems: list[str] = []
     with highest_float32_precision():
-        out, lse = _call(backend_name, inputs, case)
-        got: dict[str, torch.Tensor] = {"out": out}
-        if lse is not None:
-            got["lse"] = lse
-        expected_shape = (case.B, case.Hq, case.Nq, case.Dv)
-        if out.dtype != case.dtype or tuple(out.shape) != expected_shape:
-            problems.append(
-                f"out: expected {expected_shape} {case.dtype}, got {tuple(out.shape)} {out.dtype}"
-            )
-        if lse is not None and (lse.dtype != torch.float32 or lse.shape != out.shape[:3]):
-            problems.append(
-                f"lse: expected {tuple(out.shape[:3])} torch.float32, "
-                f"got {tuple(lse.shape)} {lse.dtype}"
-            )
-        if case.backward:
-            leaves = inputs.differentiable()
-            if not out.requires_grad:
-                return [*problems, "bwd: the output does not require grad"]
-            grads = torch.autograd.grad(
-                out, [t for _, t in leaves], inputs.grad_out, allow_unused=True
-            )
-            for (name, _), g in zip(leaves, grads, strict=True):
-                if g is None:
-                    problems.append(f"{name}: no gradient flowed")
-                else:
-                    got[name] = g
-        r_lp = _reference(inputs, case, None)
-        r64 = _reference(inputs, case, torch.float64)
-    if problems:
-        return problems
+        r_lp, r64 = references(inputs, case)  # before the backend touches the inputs
+        run = run_call(backend_name, case, inputs)
+    problems = list(run.problems)
+    got = {"out": run.out, "lse": run.lse, **run.grads}
     for name, x in got.items():
-        problem = compare(name, x, r_lp[name], r64[name])
-        if problem is not None:
+        if x is not None and (problem := compare(name, x, r_lp[name], r64[name])) is not None:
             problems.append(problem)
-    empty_rows = r64["lse"] == float("-inf")
-    problems += fully_masked_problems(empty_rows, out, got.get("dq"))
+    if run.out is not None:
+        empty_rows = r64["lse"] == float("-inf")
+        problems += fully_masked_problems(empty_rows, run.out, run.grads.get("dq"))
     return problems
 
 
 def run_case(backend_name: str, case: Case, device: torch.device | str = "cpu") -> None:
-    """Run one case; ``AssertionError`` naming the case and what differed, if it fails."""
+    """Run one case; ``AssertionError`` naming the backend, the case and what differed
+    (or what the backend raised), if it fails."""
     problems = case_problems(backend_name, case, device)
     if problems:
         raise AssertionError(f"{backend_name} [{case.id}]: " + "; ".join(problems))
@@ -166,25 +405,38 @@ def _dropout_inputs(setup: _DropoutSetup, device: torch.device) -> Inputs:
     return Inputs(q, k, v, None, grad_out if case.backward else None)
 
 
-def _dropout_run(
-    name: str, setup: _DropoutSetup, inputs: Inputs, seed: int | None, p: float
-) -> list[torch.Tensor]:
-    if seed is not None:
-        torch.manual_seed(seed)
-    out = attnhub.attention(inputs.query, inputs.key, inputs.value, dropout_p=p, backend=name)
-    assert isinstance(out, torch.Tensor)
-    results = [out.detach()]
-    if setup.case.backward:
-        leaves = [t for _, t in inputs.differentiable()]
-        results += [g.detach() for g in torch.autograd.grad(out, leaves, inputs.grad_out)]
-    return results
+@dataclass(frozen=True)
+class _DropoutRun:
+    label: str
+    seed: int | None
+    options: dict[str, Any]
+    backward: bool
+
+
+def _dropout_runs(setup: _DropoutSetup) -> tuple[_DropoutRun, ...]:
+    """plain (p = 0 passed), no_arg (dropout_p left out), two runs after one seed, one after another."""
+    p, backward = setup.p, setup.case.backward
+    return (
+        _DropoutRun("dropout_p=0.0", None, {"dropout_p": 0.0}, backward),
+        _DropoutRun("no dropout_p", None, {}, False),
+        _DropoutRun(f"dropout_p={p:g}, seed 1234", 1234, {"dropout_p": p}, backward),
+        _DropoutRun(f"dropout_p={p:g}, seed 1234 again", 1234, {"dropout_p": p}, backward),
+        _DropoutRun(f"dropout_p={p:g}, seed 4321", 4321, {"dropout_p": p}, backward),
+    )
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal, NaN where NaN (a NaN result is reported once, as NaN, not as a difference)."""
+    return a.shape == b.shape and torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
 
 
 def dropout_problems(
     backend_name: str, device: torch.device | str = "cpu", p: float = 0.2
 ) -> list[str]:
     """Dropout as contract.md says: p = 0 exact, seeded, kept fraction 1 - p, kept
-    weights scaled by 1 / (1 - p), and the backward using the forward's mask."""
+    weights scaled by 1 / (1 - p), and the backward using the forward's mask.
+
+    Never raises for what the backend does: it is a problem in the list."""
     device = torch.device(device)
     backend = get_registry().get(backend_name)
     setup = _dropout_setup(backend, device, p)
@@ -192,25 +444,41 @@ def dropout_problems(
         return [
             f"dropout: declared, but no dropout call of the kit's shape is admitted on {device}"
         ]
+    problems = _guarded("the dropout checks", lambda: _dropout_check(backend_name, setup, device))
+    return [f"[{setup.case.id}-dropout{p:g}] {message}" for message in problems]
+
+
+def _dropout_check(backend_name: str, setup: _DropoutSetup, device: torch.device) -> list[str]:
     inputs = _dropout_inputs(setup, device)
-    case = setup.case
-    problems = []
+    case, p = setup.case, setup.p
+    results: list[list[torch.Tensor]] = []
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), highest_float32_precision():
-        plain = _dropout_run(backend_name, setup, inputs, None, 0.0)
-        no_arg = attnhub.attention(inputs.query, inputs.key, inputs.value, backend=backend_name)
-        if not torch.equal(plain[0], no_arg.detach()):
-            problems.append("dropout_p=0.0: output differs from the call without dropout_p")
-        first = _dropout_run(backend_name, setup, inputs, 1234, p)
-        again = _dropout_run(backend_name, setup, inputs, 1234, p)
-        other = _dropout_run(backend_name, setup, inputs, 4321, p)
+        for spec in _dropout_runs(setup):
+            if spec.seed is not None:
+                torch.manual_seed(spec.seed)
+            run = run_call(backend_name, case, inputs, options=spec.options, backward=spec.backward)
+            if run.problems or run.out is None:  # the first run that fails says why
+                return [f"{spec.label}: {problem}" for problem in run.problems]
+            # Clones: a reused output buffer must not make two runs agree.
+            results.append([t.detach().clone() for t in (run.out, *run.grads.values())])
+    plain, no_arg, first, again, other = results
+    problems = []
     labels = ["out", "dq", "dk", "dv"]
-    for label, a, b in zip(labels[: len(first)], first, again, strict=True):
-        if not torch.equal(a, b):
+    for label, result in zip(labels, first, strict=False):
+        nan = int(result.isnan().sum())
+        if nan:
+            problems.append(f"dropout: {label} has {nan} NaN values")
+    if problems:
+        return problems
+    if not _same(plain[0], no_arg[0]):
+        problems.append("dropout_p=0.0: output differs from the call without dropout_p")
+    for label, a, b in zip(labels, first, again, strict=False):
+        if not _same(a, b):
             problems.append(
                 f"dropout: {label} differs between two runs after torch.manual_seed(1234)"
             )
-    if torch.equal(first[0], other[0]):
+    if _same(first[0], other[0]):
         problems.append("dropout: torch.manual_seed(1234) and (4321) give the same output")
     out = first[0].double()
     kept = out != 0
@@ -241,33 +509,49 @@ def dropout_problems(
                 f"dropout: dv = P_dropped^T @ grad_out is off by {error:.3g} (scale {scale:.3g}); "
                 "the backward does not reuse the forward's dropout mask"
             )
-    return [f"[{case.id}-dropout{p:g}] {message}" for message in problems]
+    return problems
 
 
 # -- whole backend ------------------------------------------------------------------
 
 
+def _repeat_problems(backend_name: str, case: Case, device: torch.device) -> list[str]:
+    """Why two identical calls (with their backward) are not bitwise equal (empty: they are)."""
+    first = run_call(backend_name, case, make_inputs(case, device))
+    if first.problems or first.out is None:
+        return ["repeatability not checked, the call fails: " + "; ".join(first.problems)]
+    kept = [t.detach().clone() for t in (first.out, *first.grads.values())]
+    second = run_call(backend_name, case, make_inputs(case, device))
+    if second.problems or second.out is None:
+        return ["the second of two identical calls fails: " + "; ".join(second.problems)]
+    if _storage(first.out) == _storage(second.out) or not _same(first.out, kept[0]):
+        return [
+            "the second call's output is written into the first's memory: the backend "
+            "reuses an output buffer, overwriting a result the caller still holds"
+        ]
+    again = [t.detach() for t in (second.out, *second.grads.values())]
+    if len(again) != len(kept) or not all(_same(a, b) for a, b in zip(kept, again, strict=True)):
+        what = "backward (declared deterministic)" if case.backward else "forward"
+        return [f"{what} is not bitwise repeatable"]
+    return []
+
+
 def repeatability_problems(
     backend_name: str, cases: Iterable[Case], device: torch.device | str
 ) -> list[str]:
-    """The forward is bitwise repeatable; the backward too where declared deterministic."""
+    """The forward is bitwise repeatable; the backward too where declared deterministic;
+    and a second call leaves the first call's output alone."""
     backend = get_registry().get(backend_name)
+    device = torch.device(device)
     problems = []
     for case in cases:
         if case.backward and not backend.deterministic:
             continue
-        runs = []
-        for _ in range(2):
-            inputs = make_inputs(case, device)
-            out, _ = _call(backend_name, inputs, case)
-            results = [out.detach()]
-            if case.backward:
-                leaves = [t for _, t in inputs.differentiable()]
-                results += [g.detach() for g in torch.autograd.grad(out, leaves, inputs.grad_out)]
-            runs.append(results)
-        if not all(torch.equal(a, b) for a, b in zip(*runs, strict=True)):
-            what = "backward (declared deterministic)" if case.backward else "forward"
-            problems.append(f"[{case.id}] {what} is not bitwise repeatable")
+        found = _guarded(
+            "the repeatability check",
+            functools.partial(_repeat_problems, backend_name, case, device),
+        )
+        problems += [f"[{case.id}] {problem}" for problem in found]
     return problems
 
 
@@ -292,7 +576,8 @@ def check_backend(
 
     Every case of :func:`cases_for` (or ``cases``), the dropout checks where dropout is
     declared, and repeatability. Returns the number of cases run; raises
-    ``AssertionError`` naming each failing case id and what differed.
+    ``AssertionError`` naming each failing case id and what differed (what the backend
+    raised, returned or changed is reported the same way, never raised through).
     """
     registry = get_registry()
     backend = registry.get(name)  # ValueError listing the known names
@@ -306,27 +591,25 @@ def check_backend(
             f"{name}: its declarations admit no conformance case on {device.type} "
             f"(devices: {', '.join(sorted(backend.devices))})"
         )
-    failures = []
-    for case in cases:
-        try:
-            problems = case_problems(name, case, device)
-        except Exception as exc:  # a crash is a failure of the case, not of the kit
-            problems = [f"raised {type(exc).__name__}: {exc}"]
-        if problems:
-            failures.append(f"[{case.id}] " + "; ".join(problems))
-    checks = len(cases)
+    # One entry per check: its report lines (empty: it passed).
+    results = [
+        [f"[{case.id}] " + "; ".join(problems)] if (problems := case_problems(name, case, device))
+        else []
+        for case in cases
+    ]  # fmt: skip
     if backend.dropout:
-        failures += dropout_problems(name, device)
-        checks += 1
+        results.append(dropout_problems(name, device))
     sample = [cases[0], *[c for c in cases if c.backward][:1]]
-    failures += repeatability_problems(name, sample, device)
+    results += [repeatability_problems(name, [case], device) for case in sample]
+    failures = [line for lines in results for line in lines]
     if failures:
         shown = failures[:max_reported]
         more = (
             f"\n  ... and {len(failures) - len(shown)} more" if len(failures) > len(shown) else ""
         )
+        failed = sum(1 for lines in results if lines)
         raise AssertionError(
-            f"{name} failed {len(failures)} of {checks} conformance checks on {device}:\n  "
+            f"{name} failed {failed} of {len(results)} conformance checks on {device}:\n  "
             + "\n  ".join(shown)
             + more
         )

@@ -6,7 +6,10 @@
 Inert unless ``--attnhub-backend`` is given (it may be repeated). Test ids read
 ``attnhub[my_backend-fp16-causal_br-B2H3N77x33D96]``; select with ``-k`` as usual.
 Besides the numeric cases, each backend gets a ``repeatable`` test and, where it
-declares dropout, a ``dropout`` test.
+declares dropout, a ``dropout`` test. A backend that raises, returns something wrong or
+changes its inputs fails the case's test with the kit's one-line report (no traceback
+of the backend's exception); one whose cases cannot even be generated gets a single
+failing ``cases`` test, and the other backends' tests still run.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from .cases import Case, cases_for
 from .check import default_device, dropout_problems, repeatability_problems, run_case
+from .faults import describe_exception
 
 SIZES = ("tiny", "small", "large")
 
@@ -50,29 +54,45 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 class ConformanceItem(pytest.Item):
-    """One generated check: a numeric case, the dropout checks or repeatability."""
+    """One generated check of a backend, by ``check``:
+
+    ``"case"``: the numeric case ``cases[0]``; ``"repeatable"``: repeatability over
+    ``cases``; ``"dropout"``: the dropout checks; ``"cases"``: fails with ``error``, why
+    no case could be generated; ``"unavailable"``: skipped.
+    """
 
     def __init__(
-        self, *, backend: str, device: torch.device, check: str, case: Case | None, **kwargs: Any
+        self,
+        *,
+        backend: str,
+        device: torch.device,
+        check: str,
+        cases: tuple[Case, ...] = (),
+        error: str = "",
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.backend = backend
         self.device = device
         self.check = check
-        self.case = case
+        self.cases = cases
+        self.error = error
         self.add_marker(pytest.mark.attnhub_conformance)
+
+    @property
+    def case(self) -> Case | None:
+        return self.cases[0] if self.check == "case" else None
 
     def runtest(self) -> None:
         if self.check == "case":
-            assert self.case is not None
-            run_case(self.backend, self.case, self.device)
+            run_case(self.backend, self.cases[0], self.device)
             return
         if self.check == "dropout":
             problems = dropout_problems(self.backend, self.device)
+        elif self.check == "repeatable":
+            problems = repeatability_problems(self.backend, self.cases, self.device)
         else:
-            cases = cases_for(self.backend, self.device, size=self.config.getoption("attnhub_size"))
-            sample = cases[:1] + [c for c in cases if c.backward][:1]
-            problems = repeatability_problems(self.backend, sample, self.device)
+            problems = [self.error]
         if problems:
             raise AssertionError(f"{self.backend}: " + "; ".join(problems))
 
@@ -85,40 +105,60 @@ class ConformanceItem(pytest.Item):
         return (f"attnhub conformance of {self.backend}", 0, self.name)
 
 
+# One planned item: (check, name suffix, cases, error).
+_Check = tuple[str, str, tuple[Case, ...], str]
+
+
+def _checks_for(name: str, cases: list[Case], dropout: bool) -> list[_Check]:
+    """A test per case, repeatability over the first case and the first backward case,
+    and the dropout checks where dropout is declared."""
+    checks: list[_Check] = [("case", f"{name}-{case.id}", (case,), "") for case in cases]
+    sample = (*cases[:1], *[c for c in cases if c.backward][:1])
+    checks.append(("repeatable", f"{name}-repeatable", sample, ""))
+    if dropout:
+        checks.append(("dropout", f"{name}-dropout", (), ""))
+    return checks
+
+
 def _items_for(session: pytest.Session, name: str) -> list[pytest.Item]:
     from attnhub.registry import get_registry
 
     config = session.config
     registry = get_registry()
-    backend = registry.get(name)  # unknown name: ValueError listing the known ones
+    try:
+        backend = registry.get(name)
+    except ValueError as exc:  # an unknown name: the message lists the known ones
+        raise pytest.UsageError(f"--attnhub-backend {name}: {exc}") from None
     option = config.getoption("attnhub_device")
     device = torch.device(option) if option else default_device(backend)
     unavailable = registry.unavailable_reason(name)
     if unavailable is None and device.type == "cuda" and not torch.cuda.is_available():
         unavailable = "CUDA is not available"
-    checks: list[tuple[str, str, Case | None]] = []
-    if unavailable is None:
-        cases = cases_for(backend, device, size=config.getoption("attnhub_size"))
-        if not cases:
-            raise pytest.UsageError(
-                f"--attnhub-backend {name}: its declarations admit no case on {device.type}"
-            )
-        checks = [("case", f"{name}-{case.id}", case) for case in cases]
-        checks.append(("repeatable", f"{name}-repeatable", None))
-        if backend.dropout:
-            checks.append(("dropout", f"{name}-dropout", None))
+    if unavailable is not None:
+        checks: list[_Check] = [("unavailable", f"{name}-unavailable", (), "")]
     else:
-        checks = [("unavailable", f"{name}-unavailable", None)]
+        try:
+            cases = cases_for(backend, device, size=config.getoption("attnhub_size"))
+        except Exception as exc:  # the backend's fault: the other backends still collect
+            why = f"its conformance cases could not be generated: {describe_exception(exc)}"
+            cases, checks = [], [("cases", f"{name}-cases", (), why)]
+        else:
+            if not cases:
+                raise pytest.UsageError(
+                    f"--attnhub-backend {name}: its declarations admit no case on {device.type}"
+                )
+            checks = _checks_for(name, cases, backend.dropout)
     items: list[pytest.Item] = []
-    for check, item_name, case in checks:
+    for check, suffix, item_cases, error in checks:
         item = ConformanceItem.from_parent(
             session,
-            name=f"attnhub[{item_name}]",
-            nodeid=f"attnhub[{item_name}]",
+            name=f"attnhub[{suffix}]",
+            nodeid=f"attnhub[{suffix}]",
             backend=name,
             device=device,
             check=check,
-            case=case,
+            cases=item_cases,
+            error=error,
         )
         if check == "unavailable":
             item.add_marker(pytest.mark.skip(reason=f"{name} is unavailable here: {unavailable}"))
