@@ -9,6 +9,7 @@ points is the ``plugins`` tox env's job (plugins/*/tests).
 from __future__ import annotations
 
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -149,9 +150,33 @@ def test_plugin_that_raises_while_registering_contributes_nothing(
         ({"head_dims": (128, 64)}, r"head_dims \(128, 64\) must be a \(low, high\) range"),
         ({"devices": frozenset({0})}, r"devices must be device type names"),
         ({"name": "Bad-Name"}, r"name 'Bad-Name' must be a lowercase identifier"),
+        # Every declaration dispatch reads, with its type (issue 18, item 8).
+        ({"priority": "high"}, r"priority must be a finite int or float \(not a bool\), got 'high'"),
+        ({"priority": True}, r"priority must be a finite int or float"),
+        ({"priority": float("nan")}, r"priority must be a finite int or float"),
+        ({"devices": "cuda"}, r"devices must be device type names .*, got 'cuda'"),
+        ({"devices": frozenset()}, r"devices must be device type names such as 'cuda' \(a non-empty set\)"),
+        ({"dtypes": frozenset()}, r"dtypes frozenset\(\) must be floating torch dtypes \(a non-empty set\)"),
+        ({"mask_kinds": "none"}, r"mask_kinds must be within .*, got 'none'"),
+        ({"min_capability": [8, 0]}, r"min_capability must be None or a \(major, minor\) tuple of ints"),
+        ({"min_capability": (8,)}, r"min_capability must be None or a \(major, minor\) tuple"),
+        ({"head_dims": (16.0, 128)}, r"head_dims \(16.0, 128\) must be a \(low, high\) range of ints"),
+        ({"head_dim_multiple": 0}, r"head_dim_multiple must be an int >= 1, got 0"),
+        ({"head_dim_multiple": 8.0}, r"head_dim_multiple must be an int >= 1, got 8.0"),
+        ({"window": "yes"}, r"window must be a bool, got 'yes'"),
+        ({"backward": 1}, r"backward must be a bool, got 1"),
+        ({"description": 5}, r"description must be a str, got 5"),
+        ({"memory_class": "linear"}, r"memory_class must be a method, got 'linear'"),
+        ({"dtypes": property(lambda self: 1 / 0)}, r"reading dtypes raised ZeroDivisionError"),
     ],
-    ids=["dtype", "mask", "alignment", "memory", "head_dims", "devices", "name"],
-)
+    ids=[
+        "dtype", "mask", "alignment", "memory", "head_dims", "devices", "name",
+        "priority_str", "priority_bool", "priority_nan", "devices_str", "devices_empty",
+        "dtypes_empty", "mask_kinds_str", "capability_list", "capability_short",
+        "head_dims_float", "multiple_zero", "multiple_float", "window_str", "backward_int",
+        "description", "memory_class_attr", "property_raises",
+    ],
+)  # fmt: skip
 def test_plugin_that_declares_nonsense(
     clean_env: pytest.MonkeyPatch, declarations: dict[str, Any], error: str
 ) -> None:
@@ -253,7 +278,7 @@ def test_disable_autoload_skips_entry_points_but_not_builtins(
     assert "fake_good" not in registry.names() and set(registry.names()) >= BUILTINS
 
 
-@pytest.mark.parametrize("value", ["0", "", "false"])
+@pytest.mark.parametrize("value", ["0", "", "false", "no", "off", "False", " OFF "])
 def test_disable_autoload_off_values(clean_env: pytest.MonkeyPatch, value: str) -> None:
     clean_env.setenv("ATTNHUB_DISABLE_PLUGIN_AUTOLOAD", value)
     registry = _load(
@@ -371,3 +396,258 @@ def test_import_attnhub_survives_a_broken_real_entry_point(tmp_path: Any) -> Non
     assert (
         run.stdout.strip() == "attnhub-broken | RuntimeError: kernel build failed: nvcc not found"
     )
+
+
+# -- issue 18: rollback, pluggy's checks, environment, re-entry ------------------------
+
+
+def _hook_module(hook: Callable[[BackendRegistry], None], name: str = "fake_plugin") -> Any:
+    module = types.ModuleType(name)
+    module.attnhub_register_backends = hookimpl(hook)  # type: ignore[attr-defined]
+    return module
+
+
+def test_a_failed_plugin_is_rolled_back_completely(clean_env: pytest.MonkeyPatch) -> None:
+    """A hook that removes built-ins (one replaced by its own) and then raises, and a
+    plugin that does the same at import, leave the registry as it was."""
+    loading = BackendRegistry()
+
+    def hook(registry: BackendRegistry) -> None:
+        registry.remove("torch_reference")
+        registry.remove("torch_sdpa")
+        registry.add(_backend("torch_sdpa", description="impostor")())
+        registry.add(_backend("fake_mine")())
+        raise RuntimeError("half-way")
+
+    def import_time() -> Any:
+        loading.remove("torch_sdpa")  # as through attnhub.get_registry() while it loads
+        raise ImportError("needs a newer CUDA")
+
+    clean_env.setattr(registry_module, "metadata", FakeMetadata([
+        FakeEntryPoint("a_hook", "attnhub-hook", lambda: _hook_module(hook)),
+        FakeEntryPoint("b_import", "attnhub-import", import_time),
+    ]))  # fmt: skip
+    loading.load()
+    registry = loading
+    assert {"torch_reference", "torch_sdpa"} <= set(registry.names())
+    assert "fake_mine" not in registry.names()
+    assert registry.origin("torch_sdpa") == BUILTIN
+    assert registry.get("torch_sdpa").description != "impostor"
+    assert [(f.plugin, f.error) for f in registry.failures] == [
+        ("a_hook", "RuntimeError: half-way"),
+        ("b_import", "ImportError: needs a newer CUDA"),
+    ]
+
+
+def test_a_misspelled_hook_is_reported_by_pluggy_check_pending(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    module = types.ModuleType("typo")
+
+    @hookimpl
+    def attnhub_register_backend(registry: BackendRegistry) -> None:  # missing "s"
+        registry.add(_backend("fake_typo")())
+
+    module.attnhub_register_backend = attnhub_register_backend  # type: ignore[attr-defined]
+    registry = _load(
+        clean_env,
+        FakeEntryPoint("typo", "attnhub-typo", lambda: module),
+        FakeEntryPoint("zgood", "attnhub-good", lambda: _plugin(_backend("fake_good"))),
+    )
+    (failure,) = registry.failures
+    assert failure.distribution == "attnhub-typo"
+    assert failure.error.startswith(
+        "PluginValidationError: unknown hook 'attnhub_register_backend'"
+    )
+    assert "attnhub's hooks: attnhub_register_backends" in failure.error
+    assert "fake_good" in registry.names()  # the next plugin is not blamed
+
+
+def test_a_plugin_without_a_marked_hook_is_reported(clean_env: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("unmarked")
+
+    def attnhub_register_backends(registry: BackendRegistry) -> None:  # no @hookimpl
+        registry.add(_backend("fake_unmarked")())
+
+    module.attnhub_register_backends = attnhub_register_backends  # type: ignore[attr-defined]
+    registry = _load(clean_env, FakeEntryPoint("unmarked", "attnhub-unmarked", lambda: module))
+    (failure,) = registry.failures
+    assert "implements no attnhub hook" in failure.error and "@attnhub.hookimpl" in failure.error
+
+
+def test_blocked_names_go_through_pluggy(clean_env: pytest.MonkeyPatch) -> None:
+    import pluggy
+
+    from attnhub import hookspecs
+
+    loaded: list[str] = []
+
+    def plugin(name: str) -> Callable[[], Any]:
+        return lambda: loaded.append(name) or _plugin(_backend(f"fake_{name}"))
+
+    clean_env.setenv("ATTNHUB_DISABLE_PLUGINS", "env_blocked")
+    clean_env.setattr(registry_module, "metadata", FakeMetadata([
+        FakeEntryPoint("env_blocked", "attnhub-a", plugin("env_blocked")),
+        FakeEntryPoint("pm_blocked", "attnhub-b", plugin("pm_blocked")),
+        FakeEntryPoint("free", "attnhub-c", plugin("free")),
+    ]))  # fmt: skip
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.set_blocked("pm_blocked")  # a caller's own block
+    registry = BackendRegistry()
+    registry.load(pm)
+    assert loaded == ["free"]
+    assert pm.is_blocked("env_blocked") and pm.is_blocked("pm_blocked")
+    assert {s.plugin for s in registry.skipped} == {"env_blocked", "pm_blocked"}
+
+
+@pytest.mark.parametrize("variable", ["ATTNHUB_DISABLE_PLUGIN_AUTOLOAD", "ATTNHUB_TRACE_PLUGINS"])
+@pytest.mark.parametrize("value", ["banana", "2", "disable"])
+def test_plugin_flags_reject_garbage_naming_the_variable(
+    clean_env: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    loaded: list[str] = []
+    good = FakeEntryPoint(
+        "good", "attnhub-good", lambda: loaded.append("good") or _plugin(_backend("fake_good"))
+    )
+    with pytest.raises(ValueError, match=rf"{variable}='{value}' is not a boolean: use 1, true"):
+        clean_env.setenv(variable, value)
+        _load(clean_env, good)
+    assert loaded == []  # nothing loaded on a guess
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", "on"])
+def test_disable_autoload_on_values(clean_env: pytest.MonkeyPatch, value: str) -> None:
+    clean_env.setenv("ATTNHUB_DISABLE_PLUGIN_AUTOLOAD", value)
+    registry = _load(
+        clean_env, FakeEntryPoint("good", "attnhub-good", lambda: _plugin(_backend("fake_good")))
+    )
+    assert "fake_good" not in registry.names() and set(registry.names()) >= BUILTINS
+
+
+@pytest.mark.parametrize("value", ["0", "no", "off", "false"])
+def test_trace_off_values_trace_nothing(
+    clean_env: pytest.MonkeyPatch, caplog: Any, value: str
+) -> None:
+    clean_env.setenv("ATTNHUB_TRACE_PLUGINS", value)
+    with caplog.at_level(logging.INFO, logger="attnhub"):
+        _load(clean_env, FakeEntryPoint("good", "attnhub-good", lambda: _plugin(_backend("g"))))
+    assert "loaded plugin" not in caplog.text and "built-in backends" not in caplog.text
+
+
+_REENTRY_SCRIPT = """
+import sys, threading, types
+import attnhub
+import attnhub.registry as r
+from attnhub import hookimpl
+from attnhub.backends.torch_reference import TorchReference
+
+
+def backend(name):
+    return type(name, (TorchReference,), {"name": name})()
+
+
+def module(hook):
+    m = types.ModuleType("m")
+    m.attnhub_register_backends = hookimpl(hook)
+    return m
+
+
+seen = {}
+
+
+def at_import():
+    seen["at_import"] = attnhub.list_backends()  # at import: the built-ins so far
+    return module(lambda registry: registry.add(backend("p_import")))
+
+
+def in_hook(registry):
+    assert attnhub.get_registry() is registry
+    registry.add(backend("p_hook"))
+    seen["in_hook"] = attnhub.list_backends()
+
+
+def in_thread(registry):
+    out = []
+    worker = threading.Thread(target=lambda: out.append(attnhub.list_backends()))
+    worker.start()
+    worker.join()
+    seen["in_thread"] = out[0]
+    registry.add(backend("p_thread"))
+
+
+def reloads(registry):
+    r.reload_registry()
+
+
+class EP:
+    def __init__(self, name, load):
+        self.name, self.value, self._load = name, name, load
+        self.dist = types.SimpleNamespace(name="dist-" + name)
+
+    def load(self):
+        return self._load()
+
+
+eps = [
+    EP("a_import", at_import),
+    EP("b_hook", lambda: module(in_hook)),
+    EP("c_thread", lambda: module(in_thread)),
+    EP("d_reload", lambda: module(reloads)),
+]
+r.metadata = types.SimpleNamespace(entry_points=lambda group: eps)
+names = attnhub.list_backends()
+print(sorted(n for n in names if n.startswith("p_")))
+print("torch_sdpa" in seen["at_import"], "p_hook" in seen["in_hook"], "p_import" in seen["in_thread"])
+print([(f.plugin, f.error.split(":")[0]) for f in attnhub.get_registry().failures])
+"""
+
+
+def test_plugins_that_call_attnhub_while_it_loads_do_not_hang(tmp_path: Any) -> None:
+    """At import, in the hook, from a thread the hook waits for: each gets the registry
+    as loaded so far; reloading from a hook fails that plugin. (A subprocess, with a
+    timeout: before the fix, the first of these hung for ever.)"""
+    script = tmp_path / "reentry.py"
+    script.write_text(_REENTRY_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("ATTNHUB_")},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        "['p_hook', 'p_import', 'p_thread']",
+        "True True True",
+        "[('d_reload', 'RuntimeError')]",
+    ]
+
+
+def test_another_thread_waits_for_the_whole_registry_while_plugins_load(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """Concurrent first use: a thread that was running before loading began does not
+    see a half-loaded registry (only plugin code and its own threads do)."""
+    import threading
+    import time
+
+    asking, seen = threading.Event(), []
+
+    def slow_hook(registry: BackendRegistry) -> None:
+        asking.set()  # the other thread now asks while this plugin is loading
+        time.sleep(0.3)
+        registry.add(_backend("fake_slow")())
+
+    def other_thread() -> None:
+        asking.wait(30)
+        seen.append(attnhub.list_backends())
+
+    clean_env.setattr(registry_module, "metadata", FakeMetadata([
+        FakeEntryPoint("slow", "attnhub-slow", lambda: _hook_module(slow_hook)),
+    ]))  # fmt: skip
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        reload_registry()
+        thread.join(30)
+        assert seen and "fake_slow" in seen[0] and set(seen[0]) >= BUILTINS
+    finally:
+        clean_env.undo()
+        reload_registry()
