@@ -15,26 +15,40 @@ Ranking is explicit and deterministic, independent of registration order:
    (:mod:`attnhub.cost_table`; ``ATTNHUB_RANKING=priority`` turns that off), and any
    policy plugs in through :func:`set_policy`.
 
-Choosing ``torch_reference`` when it was not asked for by name is a *fallback*: it is
-logged once per request at WARNING, and strict mode (``use_backend(strict=True)`` or
-``ATTNHUB_STRICT=1``) raises :class:`NoBackendError` instead.
+``torch_reference`` (O(N^2) memory, the executable contract) is the last resort: where
+the caller did not name it first, it ranks after every other eligible backend, whatever
+the policy says. Choosing it then is a *fallback*: logged once per request at WARNING,
+and strict mode (``use_backend(strict=True)`` or ``ATTNHUB_STRICT=1``) raises
+:class:`NoBackendError` instead; so strict mode refuses exactly the calls that only the
+reference can serve.
+
+Backend code runs contained: a backend whose ``unavailable_reason``, ``extra_reasons``,
+``memory_class`` or ``prepare`` raises or returns the wrong type is disabled for the
+process with that reason (``attnhub info`` and ``explain()`` show it) and dispatch goes
+on without it; a ranking policy that raises or returns something other than the
+eligible backends in some order is replaced, for that decision, by the declared
+priority. Cached decisions are dropped whenever the registry, a backend's availability
+or the policy changes (:func:`attnhub.registry.invalidate_caches`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .backend import Backend, declared_reasons
+from . import env
+from . import registry as registry_module
+from .backend import MEMORY_CLASSES, Backend, Runner, declared_reasons
 from .errors import NoBackendError
 from .registry import BackendRegistry, get_registry
-from .request import AttentionRequest
+from .request import AttentionParams, AttentionRequest
 
 log = logging.getLogger("attnhub")
 
@@ -56,16 +70,13 @@ _context_selection: contextvars.ContextVar[Selection | None] = contextvars.Conte
 )
 
 
-def _parse_names(value: str) -> tuple[str, ...]:
-    return tuple(name.strip() for name in value.split(",") if name.strip())
-
-
 # os.environ.get encodes the key and decodes the value on every call (about 0.7 us);
 # CPython's posix os.environ keeps its raw bytes in ``_data``, which stays in sync
 # with os.environ and monkeypatch.setenv. Read that where it exists: the per-call
-# path looks ``ENVIRONMENT_KEYS`` up with ``environment_get`` (a bound dict.get).
+# path looks ``ENVIRONMENT_KEYS`` up with ``environment_get`` (a bound dict.get) and
+# uses the raw values only as part of its cache key.
 _ENV_DATA: Any = getattr(os.environ, "_data", None)
-ENVIRONMENT_KEYS: tuple[Any, Any] = ("ATTNHUB_BACKEND", "ATTNHUB_STRICT")
+ENVIRONMENT_KEYS: tuple[Any, Any] = (env.BACKEND, env.STRICT)
 if isinstance(_ENV_DATA, dict):
     ENVIRONMENT_KEYS = (
         os.environ.encodekey(ENVIRONMENT_KEYS[0]),
@@ -77,12 +88,22 @@ else:  # pragma: no cover - non-CPython or a platform without _data
 
 
 def environment_selection() -> Selection | None:
-    """``ATTNHUB_BACKEND=a,b`` and ``ATTNHUB_STRICT=1``, read on every call."""
-    names = os.environ.get("ATTNHUB_BACKEND")
-    strict = os.environ.get("ATTNHUB_STRICT", "") not in ("", "0")
-    if not names and not strict:
+    """``ATTNHUB_BACKEND=a,b`` and ``ATTNHUB_STRICT=1`` as they are now (None: neither).
+
+    ``ValueError`` naming the variable for a value that does not parse
+    (:mod:`attnhub.env`); backend names are checked against the registry when a call
+    is decided.
+    """
+    return _environment_selection(os.environ.get(env.BACKEND), os.environ.get(env.STRICT))
+
+
+@functools.lru_cache(maxsize=64)
+def _environment_selection(names: str | None, strict: str | None) -> Selection | None:
+    allowed = env.parse_list(env.BACKEND, names)
+    is_strict = env.parse_flag(env.STRICT, strict)
+    if not allowed and not is_strict:
         return None
-    return Selection(_parse_names(names) if names else None, strict, "ATTNHUB_BACKEND")
+    return Selection(allowed or None, is_strict, env.BACKEND)
 
 
 def normalize_backend_arg(backend: str | Sequence[str] | None) -> tuple[str, ...] | None:
@@ -145,7 +166,13 @@ def use_backend(*names: str | Sequence[str], strict: bool = False) -> Iterator[N
 
 
 class RankingPolicy(Protocol):
-    """Orders eligible backends; returns (backend, why it is placed there) pairs, best first."""
+    """Orders eligible backends; returns (backend, why it is placed there) pairs, best first.
+
+    ``rank`` must return every backend of ``eligible`` exactly once (a list of pairs);
+    anything else, or an exception, makes dispatch rank that decision by the declared
+    priority instead, with a warning. ``torch_reference`` is not passed where the
+    caller did not name it: dispatch ranks it last itself (see the module docstring).
+    """
 
     name: str
 
@@ -258,33 +285,154 @@ class Decision:
         return NoBackendError(headline, self.signature, reasons)
 
 
+# -- backend code, contained ------------------------------------------------------
+
+_BROKEN: Any = object()  # what _contained returns for code that failed
+
+
+def _contained(
+    registry: BackendRegistry,
+    backend: Backend,
+    method: str,
+    call: Callable[[], Any],
+    read: Callable[[Any], Any],
+    expected: str,
+) -> Any:
+    """``read(call())``, where ``call`` runs a backend's own code and ``read`` turns its
+    result into what dispatch uses (None: the wrong type). On an exception or a wrong
+    type the backend is disabled for the process with that reason (``attnhub info``
+    and ``explain()`` show it; caches are invalidated) and ``_BROKEN`` comes back: one
+    broken backend never fails a call that another backend can serve."""
+    try:
+        value = call()
+    except Exception as exc:
+        why = f"{method} raised {type(exc).__name__}: {exc}"
+    else:
+        result = read(value)
+        if result is not None:
+            return result
+        why = f"{method} returned {value!r:.200}, not {expected}"
+    registry.disable(backend.name, why)
+    return _BROKEN
+
+
+def _reason_list(value: Any) -> list[str] | None:
+    """A reasons result (a list, tuple or other iterable of str) as a list; None otherwise."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return None
+    reasons = list(value)
+    return reasons if all(isinstance(r, str) for r in reasons) else None
+
+
+def _memory_ok(value: Any) -> list[str] | None:
+    return [] if isinstance(value, str) and value in MEMORY_CLASSES else None
+
+
+# What dispatch asks a backend about a request, in order, after its availability; the
+# first step with reasons decides. Ranking reads memory_class, so an eligible backend's
+# is checked here, once per decision. (method, call, read, what the result must be)
+_STEPS: tuple[
+    tuple[str, Callable[[Backend, AttentionRequest], Any], Callable[[Any], Any], str], ...
+] = (
+    ("its declarations", declared_reasons, _reason_list, "a list of str"),
+    ("extra_reasons", lambda b, r: b.extra_reasons(r), _reason_list, "a list of str"),
+    ("memory_class", lambda b, r: b.memory_class(r), _memory_ok, f"one of {MEMORY_CLASSES}"),
+)
+
+
 def _reasons(registry: BackendRegistry, backend: Backend, request: AttentionRequest) -> list[str]:
+    """Why ``backend`` cannot serve ``request`` (empty: it can)."""
     why = registry.unavailable_reason(backend.name)
     if why is not None:
         return [f"unavailable: {why}"]
-    reasons = declared_reasons(backend, request)
-    if not reasons:
-        reasons = list(backend.extra_reasons(request))
-    return reasons
+    for method, call, read, expected in _STEPS:
+        reasons = _contained(
+            registry, backend, method, functools.partial(call, backend, request), read, expected
+        )
+        if reasons is _BROKEN:
+            return [f"unavailable: {registry.unavailable_reason(backend.name)}"]
+        if reasons:
+            return reasons
+    return []
+
+
+_DECLARED = DeclaredPriority()
+_policy_warnings: set[str] = set()
+
+
+def _ranking_problem(ranked: Any, eligible: Sequence[Backend]) -> str | None:
+    """What is wrong with a policy's answer (None: a permutation of ``eligible``, with reasons)."""
+    if not isinstance(ranked, list) or not all(
+        isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], str) for pair in ranked
+    ):
+        return (
+            f"returned {type(ranked).__name__} {ranked!r:.200}, not a list of (backend, str) pairs"
+        )
+    got = [id(b) for b, _ in ranked]
+    if sorted(got) != sorted(id(b) for b in eligible):
+        ranked_names = [getattr(b, "name", b) for b, _ in ranked]
+        return f"ranked {ranked_names}, not each of the eligible {[b.name for b in eligible]} once"
+    return None
+
+
+def _rank(
+    policy: RankingPolicy, request: AttentionRequest, eligible: Sequence[Backend]
+) -> tuple[list[tuple[Backend, str]], str]:
+    """The policy's ranking of ``eligible`` and its name; the declared priority, and a
+    name that says why, where the policy raises or answers something else."""
+    policy_name = str(getattr(policy, "name", type(policy).__name__))
+    try:
+        ranked = policy.rank(request, eligible)
+        problem = _ranking_problem(ranked, eligible)
+    except Exception as exc:
+        problem = f"raised {type(exc).__name__}: {exc}"
+    if problem is None:
+        return ranked, policy_name
+    note = f"ranking policy {policy_name!r} {problem}"
+    if note not in _policy_warnings:
+        _policy_warnings.add(note)
+        log.warning("attnhub: %s; ranking by declared priority instead", note)
+    return _DECLARED.rank(request, eligible), f"{_DECLARED.name} ({note})"
+
+
+def _check_names(registry: BackendRegistry, selection: Selection) -> None:
+    """``ValueError`` for a name in the selection that no backend has."""
+    for name in selection.names or ():
+        if name in registry:
+            continue
+        known = ", ".join(registry.names())
+        if selection.source == env.BACKEND:
+            raise ValueError(
+                f"{env.BACKEND}={','.join(selection.names or ())!r} names unknown backend "
+                f"{name!r}; known backends: {known}"
+            )
+        registry.get(name)  # ValueError: unknown backend 'x'; known backends: ...
 
 
 def _decide(registry: BackendRegistry, request: AttentionRequest, selection: Selection) -> Decision:
-    reasons = {b.name: _reasons(registry, b, request) for b in registry.backends()}
+    _check_names(registry, selection)
+    backends = registry.backends()
+    reasons = {b.name: _reasons(registry, b, request) for b in backends}
     allowed = selection.names
     if allowed is not None:
-        for name in allowed:
-            registry.get(name)  # unknown name: ValueError listing the known ones
         for name in reasons:
             if name not in allowed and not reasons[name]:
                 reasons[name] = [f"not selected ({selection.source} allows {', '.join(allowed)})"]
         eligible = [registry.get(n) for n in allowed if not reasons[n]]
         ranked = [(b, f"first eligible in the order given by {selection.source}") for b in eligible]
         policy_name = selection.source
+        # A choice where the caller put the reference first; a fallback where it
+        # serves because the backends named before it cannot.
+        fallback_if_reference = allowed[0] != REFERENCE
     else:
-        eligible = [b for b in registry.backends() if not reasons[b.name]]
-        policy = _active_policy(request)
-        ranked = policy.rank(request, eligible)
-        policy_name = policy.name
+        eligible = [b for b in backends if not reasons[b.name]]
+        others = [b for b in eligible if b.name != REFERENCE]
+        last_resort = [b for b in eligible if b.name == REFERENCE]
+        # (_active_policy reads ATTNHUB_RANKING: a bad value raises, naming it, even
+        # where only the reference is eligible, as every bad variable does.)
+        ranked, policy_name = _rank(_active_policy(request), request, others)
+        ranked += _DECLARED.rank(request, last_resort)
+        fallback_if_reference = True
     rank_of = {b.name: (i + 1, why) for i, (b, why) in enumerate(ranked)}
     candidates = tuple(
         Candidate(
@@ -294,14 +442,14 @@ def _decide(registry: BackendRegistry, request: AttentionRequest, selection: Sel
             rank=rank_of[b.name][0] if b.name in rank_of else None,
             note=rank_of[b.name][1] if b.name in rank_of else "",
         )
-        for b in registry.backends()
+        for b in backends
     )
     if not ranked:
         return Decision(
             request, selection, None, candidates, "nothing eligible", policy=policy_name
         )
     chosen, why = ranked[0]
-    fallback = chosen.name == REFERENCE and (allowed is None or len(allowed) > 1)
+    fallback = chosen.name == REFERENCE and fallback_if_reference
     if len(ranked) > 1:
         why = f"{why}; ranked above {', '.join(b.name for b, _ in ranked[1:])} by {policy_name}"
     else:
@@ -314,13 +462,21 @@ _decisions_lock = threading.Lock()
 
 
 def decide(request: AttentionRequest, selection: Selection = _DEFAULT_SELECTION) -> Decision:
-    """The (cached) decision for a request."""
+    """The (cached) decision for a request.
+
+    Stored only where no cache invalidation happened while it was made (a backend
+    disabled on the way, a registry change in another thread): the next call decides
+    again against what changed.
+    """
     key = (request, selection)
     decision = _decisions.get(key)
     if decision is None:
-        decision = _decide(get_registry(), request, selection)
+        registry = get_registry()
+        generation = registry_module.generation()
+        decision = _decide(registry, request, selection)
         with _decisions_lock:
-            _decisions[key] = decision
+            if generation == registry_module.generation():
+                _decisions[key] = decision
     return decision
 
 
@@ -336,7 +492,8 @@ def announce(decision: Decision) -> None:
         _announced.add(key)
     log.info("attnhub: %s serves %s", decision.chosen, decision.signature)
     if decision.fallback:
-        # The reasons of the backends that can run here: why none of them could.
+        # A fallback means no other backend could serve: say why each could not
+        # (leaving out those that cannot run here at all).
         reasons = "; ".join(
             f"{c.name}: {', '.join(c.reasons)}"
             for c in decision.candidates
@@ -361,11 +518,35 @@ def choose(decision: Decision) -> Backend:
     return get_registry().get(decision.chosen)
 
 
-def clear_cache() -> None:
-    """Forget every cached decision (and the per-call fast path built on them)."""
-    from . import api
+def prepare(decision: Decision, params: AttentionParams) -> tuple[Backend, Runner]:
+    """The backend for a decision and the runner its ``prepare`` made for such calls.
 
+    A ``prepare`` that raises or returns something not callable disables its backend
+    (contained, as every backend method dispatch calls) and the request is decided
+    again without it: the next eligible backend serves, or :class:`NoBackendError`
+    says why none can (a backend asked for by name is never replaced silently).
+    """
+    registry = get_registry()
+    while True:
+        backend = choose(decision)
+        runner = _contained(
+            registry, backend, "prepare",
+            functools.partial(backend.prepare, decision.request, params),
+            lambda r: r if callable(r) else None, "a callable",
+        )  # fmt: skip
+        if runner is not _BROKEN:
+            return backend, runner
+        decision = decide(decision.request, decision.selection)
+
+
+@registry_module.on_invalidate
+def _forget_decisions() -> None:
     with _decisions_lock:
         _decisions.clear()
         _announced.clear()
-    api.clear_call_cache()
+
+
+def clear_cache() -> None:
+    """Forget every cached decision, and everything cached from them (the api's
+    per-call fast path subscribes to the same hook: :func:`attnhub.registry.on_invalidate`)."""
+    registry_module.invalidate_caches()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -432,3 +433,223 @@ def test_info_reports_failed_and_skipped_plugins(fake_registry, capsys):
         "  broken (distribution attnhub-broken): ImportError: No module named 'cuda_kernels'" in out
     )
     assert "  muted (distribution attnhub-muted): blocked by ATTNHUB_DISABLE_PLUGINS" in out
+
+
+# -- issue 18: backend code runs contained; caches follow the registry; environment ------
+
+
+def _raise(message):  # type: ignore[no-untyped-def]
+    def method(self, *args):  # type: ignore[no-untyped-def]
+        raise RuntimeError(message)
+
+    return method
+
+
+def _returning(value):  # type: ignore[no-untyped-def]
+    return lambda self, *args: value
+
+
+@pytest.mark.parametrize(
+    ("method", "impl", "reason"),
+    [
+        ("extra_reasons", _raise("probe exploded"), "extra_reasons raised RuntimeError: probe exploded"),
+        ("extra_reasons", _returning(None), "extra_reasons returned None, not a list of str"),
+        ("extra_reasons", _returning("too long"), "extra_reasons returned 'too long', not a list of str"),
+        ("extra_reasons", _returning([1]), "extra_reasons returned [1], not a list of str"),
+        ("memory_class", _raise("no idea"), "memory_class raised RuntimeError: no idea"),
+        ("memory_class", _returning("constant"), "memory_class returned 'constant', not one of ('linear', 'quadratic')"),
+        ("unavailable_reason", _raise("driver"), "availability probe raised RuntimeError: driver"),
+        ("unavailable_reason", _returning(42), "unavailable_reason returned 42, not a str or None"),
+        ("prepare", _raise("no launch config"), "prepare raised RuntimeError: no launch config"),
+        ("prepare", _returning(None), "prepare returned None, not a callable"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and " " not in v else None,
+)  # fmt: skip
+def test_a_backend_whose_code_fails_is_disabled_and_the_others_serve(
+    fake_registry, capsys, method, impl, reason
+):
+    broken = type("Broken", (_Fake,), {"name": "broken", "priority": 100, method: impl})()
+    fake_registry.add(broken)
+    fake_registry.add(fake("general", priority=1))
+    fake_registry.add(fake("torch_reference", priority=-100, memory="quadratic"))
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    # Default calls, named calls of another backend, and explain all work.
+    torch.testing.assert_close(attnhub.attention(q, k, v), expected)
+    torch.testing.assert_close(attnhub.attention(q, k, v, backend="torch_reference"), expected)
+    decision = attnhub.explain(q, k, v)
+    assert decision.chosen == "general"
+    assert decision.reasons()["broken"] == [f"unavailable: {reason}"]
+    assert broken.calls == 0
+    # Named, the broken backend is refused with its reason, never replaced.
+    with pytest.raises(attnhub.NoBackendError, match=re.escape(reason)):
+        attnhub.attention(q, k, v, backend="broken")
+    # attnhub info says so.
+    from attnhub import cli
+
+    assert cli.main(["info"]) == 0
+    assert f"no: {reason}" in capsys.readouterr().out
+
+
+def test_a_ranking_policy_that_fails_falls_back_to_declared_priority(fake_registry, caplog):
+    fake_registry.add(fake("high", priority=10))
+    fake_registry.add(fake("low", priority=1))
+
+    class Raises:
+        name = "raises"
+
+        def rank(self, request, eligible):  # type: ignore[no-untyped-def]
+            raise KeyError("no table")
+
+    class Drops:
+        name = "drops"
+
+        def rank(self, request, eligible):  # type: ignore[no-untyped-def]
+            return [(b, "kept") for b in eligible if b.name == "low"]
+
+    q = torch.randn(1, 1, 4, 8)
+    try:
+        for policy, problem in ((Raises(), "raised KeyError"), (Drops(), "ranked ['low']")):
+            attnhub.set_policy(policy)
+            decision = attnhub.explain(q, q, q)
+            assert decision.chosen == "high"
+            assert problem in decision.policy and decision.policy.startswith("declared priority")
+            assert any(problem in r.getMessage() for r in caplog.records)
+            attnhub.attention(q, q, q)
+    finally:
+        attnhub.set_policy(None)
+
+
+def test_the_reference_ranks_last_unless_named_and_strict_refuses_only_what_needs_it(
+    fake_registry, caplog
+):
+    # A policy that puts the reference first (a cost table timing it fastest did).
+    class ReferenceFirst:
+        name = "reference first"
+
+        def rank(self, request, eligible):  # type: ignore[no-untyped-def]
+            return sorted(
+                ((b, "fast") for b in eligible), key=lambda p: p[0].name != "torch_reference"
+            )
+
+    fake_registry.add(fake("torch_reference", priority=-100, memory="quadratic", window=True))
+    fake_registry.add(fake("slow_quadratic", priority=-200, memory="quadratic"))
+    q = torch.randn(1, 1, 4, 8)
+    attnhub.set_policy(ReferenceFirst())
+    try:
+        with caplog.at_level(logging.WARNING, logger="attnhub"), attnhub.use_backend(strict=True):
+            decision = attnhub.explain(q, q, q)
+            assert (decision.chosen, decision.fallback) == ("slow_quadratic", False)
+            attnhub.attention(q, q, q)  # servable: strict mode serves it
+            # Only the reference can serve a window: that is what strict refuses.
+            with pytest.raises(attnhub.NoBackendError, match="strict mode"):
+                attnhub.attention(q, q, q, window=(1, 1))
+        assert not any("no other backend" in r.getMessage() for r in caplog.records)
+        # Named first, the reference is a choice, not a fallback, even in strict mode.
+        with attnhub.use_backend("torch_reference", "slow_quadratic", strict=True):
+            assert attnhub.explain(q, q, q).chosen == "torch_reference"
+            attnhub.attention(q, q, q)
+        with (
+            attnhub.use_backend("slow_quadratic", "torch_reference", strict=True),
+            pytest.raises(attnhub.NoBackendError, match="strict mode"),
+        ):
+            attnhub.attention(q, q, q, window=(1, 1))
+    finally:
+        attnhub.set_policy(None)
+
+
+def test_registry_changes_after_first_use_reach_every_cache(fake_registry):
+    first = fake("first", priority=10)
+    fake_registry.add(first)
+    fake_registry.add(fake("second", priority=5))
+    q = torch.randn(1, 2, 33, 8)
+    for _ in range(2):  # decided, then served from the call cache
+        attnhub.attention(q, q, q)
+    assert first.calls == 2
+    fake_registry.remove("first")
+    attnhub.reset_stats()
+    attnhub.attention(q, q, q)  # same signature: the call cache must not serve "first"
+    other = torch.randn(1, 2, 60, 8)  # same length bucket: the decision cache neither
+    attnhub.attention(other, other, other)
+    assert attnhub.stats() == {"second": 2} and first.calls == 2
+    decision = attnhub.explain(q, q, q)
+    assert decision.chosen == "second" and "first" not in decision.reasons()
+    newcomer = fake("newcomer", priority=99)
+    fake_registry.add(newcomer)  # added after use: ranks first at once
+    attnhub.attention(q, q, q)
+    assert newcomer.calls == 1 and attnhub.explain(q, q, q).chosen == "newcomer"
+    with pytest.raises(
+        ValueError, match=r"unknown backend 'first'; known backends: newcomer, second"
+    ):
+        fake_registry.remove("first")
+
+
+@pytest.mark.parametrize("value", ["0", "false", "no", "off", "FALSE", " No ", "Off", ""])
+def test_strict_off_values_keep_the_fallback(fake_registry, monkeypatch, value):
+    fake_registry.add(fake("torch_reference", priority=-100, memory="quadratic", window=True))
+    fake_registry.add(fake("fast", priority=10))
+    monkeypatch.setenv("ATTNHUB_STRICT", value)
+    q = torch.randn(1, 1, 4, 8)
+    attnhub.attention(q, q, q, window=(1, 1))  # served by the reference, not refused
+
+
+@pytest.mark.parametrize("value", ["1", "true", "yes", "on", "TRUE", " Yes "])
+def test_strict_on_values_refuse_the_fallback(fake_registry, monkeypatch, value):
+    fake_registry.add(fake("torch_reference", priority=-100, memory="quadratic", window=True))
+    fake_registry.add(fake("fast", priority=10))
+    monkeypatch.setenv("ATTNHUB_STRICT", value)
+    q = torch.randn(1, 1, 4, 8)
+    attnhub.attention(q, q, q)  # servable without the reference
+    with pytest.raises(attnhub.NoBackendError, match="strict mode"):
+        attnhub.attention(q, q, q, window=(1, 1))
+
+
+@pytest.mark.parametrize("value", ["banana", "2", "enabled", "t"])
+def test_strict_garbage_is_an_error_naming_the_variable(fake_registry, monkeypatch, value):
+    fake_registry.add(fake("fast", priority=10))
+    monkeypatch.setenv("ATTNHUB_STRICT", value)
+    q = torch.randn(1, 1, 4, 8)
+    for _ in range(2):  # never cached as if it parsed
+        with pytest.raises(
+            ValueError,
+            match=rf"ATTNHUB_STRICT='{value}' is not a boolean: use 1, true, yes, on .* 0, false, no, off",
+        ):
+            attnhub.attention(q, q, q)
+
+
+@pytest.mark.parametrize("value", [",,,", " , ", ""])
+def test_backend_variable_naming_nothing_restricts_nothing(fake_registry, monkeypatch, value):
+    fake_registry.add(fake("first", priority=10))
+    monkeypatch.setenv("ATTNHUB_BACKEND", value)
+    q = torch.randn(1, 1, 4, 8)
+    attnhub.attention(q, q, q)
+    assert attnhub.explain(q, q, q).chosen == "first"
+
+
+def test_backend_variable_names_are_stripped_and_unknown_ones_name_the_variable(
+    fake_registry, monkeypatch
+):
+    fake_registry.add(fake("first", priority=10))
+    fake_registry.add(fake("second", priority=5))
+    q = torch.randn(1, 1, 4, 8)
+    monkeypatch.setenv("ATTNHUB_BACKEND", " second ,, first ,")
+    assert attnhub.explain(q, q, q).chosen == "second"
+    monkeypatch.setenv("ATTNHUB_BACKEND", "second,nope")
+    with pytest.raises(
+        ValueError,
+        match=r"ATTNHUB_BACKEND='second,nope' names unknown backend 'nope'; known backends: first, second",
+    ):
+        attnhub.attention(q, q, q)
+
+
+def test_environment_values_are_parsed_once_per_raw_value(fake_registry, monkeypatch):
+    from attnhub import env
+
+    fake_registry.add(fake("first", priority=10))
+    monkeypatch.setenv("ATTNHUB_STRICT", " yES  ")  # a raw value no other test uses
+    q = torch.randn(1, 1, 4, 8)
+    before = env.parse_flag.cache_info().misses
+    for _ in range(3):
+        assert attnhub.explain(q, q, q).selection.strict
+        dispatch.clear_cache()
+    assert env.parse_flag.cache_info().misses == before + 1
