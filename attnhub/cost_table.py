@@ -14,6 +14,14 @@ block-sparse, GQA, Nq != Nk, a head dim or dtype not measured, N more than two o
 from a measured one) or a backend (not timed there), the declared priority ranks:
 measured backends first, by time, then the others by declared priority.
 
+A table never ranks against the memory class: linear-memory backends come before
+quadratic ones whatever their times (a quadratic backend is fast until it runs out of
+memory, and the table was timed at lengths where it did not). Tables are validated
+when they are built or read: a dtype, head dim, N, mode or time that cannot be right
+(N <= 0, a time that is NaN, infinite, zero or negative, ...) rejects the whole table
+with a ``ValueError`` naming the entry, and dispatch then ignores the file with a
+warning and ranks by declared priority.
+
 Where tables come from, first found wins:
 
 1. ``$XDG_CACHE_HOME/attnhub/cost_table_<class>.json`` (``~/.cache`` without
@@ -39,14 +47,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .backend import Backend
+from . import env
+from .backend import FLOAT_DTYPES, MEMORY_CLASSES, Backend
 from .dispatch import DeclaredPriority, RankingPolicy
+from .registry import invalidate_caches
 from .request import AttentionRequest, dtype_name
 
 FORMAT = "attnhub-cost-table/1"
 TABLE_MODES = ("fwd", "fwd_bwd")
 MAX_OCTAVES = 2  # a request's N may be this many powers of two from a measured N
-RANKING_ENV = "ATTNHUB_RANKING"
+RANKING_ENV = env.RANKING
+# ATTNHUB_RANKING's words: the cost table where one exists, or the declared priority.
+RANKING_WORDS = (
+    ("measured", "measured"),
+    ("priority", "priority"),
+    ("declared", "priority"),
+    ("off", "priority"),
+)
+DTYPE_NAMES = frozenset(dtype_name(d) for d in FLOAT_DTYPES)
 _SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 Key = tuple[str, int, int, bool, str]  # (dtype, head_dim, N, causal, mode)
@@ -93,14 +111,74 @@ def describe_key(key: Key) -> str:
     return f"{_SHORT.get(dtype, dtype)} D{d} N~{n} {'causal' if causal else 'non-causal'} {mode}"
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_time(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+# What each part of an entry must be: (field, check, what it must be).
+_ENTRY_FIELDS: tuple[tuple[str, Any, str], ...] = (
+    (
+        "dtype",
+        lambda v: isinstance(v, str) and v in DTYPE_NAMES,
+        f"one of {', '.join(sorted(DTYPE_NAMES))}",
+    ),
+    ("head_dim", lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    ("n", lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    ("causal", lambda v: isinstance(v, bool), "a bool"),
+    ("mode", lambda v: isinstance(v, str) and v in TABLE_MODES, f"one of {', '.join(TABLE_MODES)}"),
+)
+
+
+def entry_problems(key: Any, timings: Any) -> list[str]:
+    """What is wrong with one entry (empty: nothing): its key (dtype, head_dim, n,
+    causal, mode) and its timings, backend name -> milliseconds (finite, > 0)."""
+    if not isinstance(key, tuple) or len(key) != len(_ENTRY_FIELDS):
+        return [f"key {key!r} is not a (dtype, head_dim, n, causal, mode) tuple"]
+    problems = [
+        f"{name} {value!r} must be {what}"
+        for (name, ok, what), value in zip(_ENTRY_FIELDS, key)
+        if not ok(value)
+    ]
+    if not isinstance(timings, Mapping):
+        return [*problems, f"ms {timings!r} must be a mapping of backend name to milliseconds"]
+    problems += [
+        f"ms[{backend!r}] = {ms!r} must be a finite number of milliseconds > 0"
+        for backend, ms in timings.items()
+        if not (isinstance(backend, str) and backend and _is_time(ms))
+    ]
+    return problems
+
+
 @dataclass(frozen=True)
 class CostTable:
-    """Milliseconds per backend, per (dtype, head dim, N, causal, mode), for one device class."""
+    """Milliseconds per backend, per (dtype, head dim, N, causal, mode), for one device class.
+
+    Validated when built: ``ValueError`` naming the first bad entry (see
+    :func:`entry_problems`), so that no lookup or ranking ever meets a time it cannot
+    compare or an N it cannot take the logarithm of.
+    """
 
     device: str
     entries: Mapping[Key, Mapping[str, float]]
     source: str = "(in memory)"  # the file name, quoted in explanations
     meta: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"{self.source}: device {self.device!r} must be a device class name")
+        for key, timings in self.entries.items():
+            problems = entry_problems(key, timings)
+            if problems:
+                raise ValueError(f"{self.source}: entry {key!r}: " + "; ".join(problems))
 
     def lookup(
         self, dtype: str, head_dim: int, n: int, causal: bool, mode: str
@@ -136,20 +214,29 @@ class CostTable:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], source: str) -> CostTable:
-        if data.get("format") != FORMAT:
-            raise ValueError(f"{source}: not an attnhub cost table (format {data.get('format')!r})")
-        entries: dict[Key, dict[str, float]] = {}
-        for e in data["entries"]:
-            key: Key = (
-                str(e["dtype"]),
-                int(e["head_dim"]),
-                int(e["n"]),
-                bool(e["causal"]),
-                str(e["mode"]),
-            )
-            entries[key] = {str(b): float(ms) for b, ms in e["ms"].items()}
+        """A table from its JSON form; ``ValueError`` naming the entry for anything
+        that is not exactly a valid table (values are not coerced: ``"n": "4096"``
+        or ``"causal": "false"`` are errors, not guesses)."""
+        if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+            found = data.get("format") if isinstance(data, Mapping) else type(data).__name__
+            raise ValueError(f"{source}: not an attnhub cost table (format {found!r})")
+        raw_entries = data.get("entries")
+        if not isinstance(raw_entries, list):
+            raise ValueError(f"{source}: 'entries' must be a list, got {raw_entries!r:.100}")
+        entries: dict[Key, Mapping[str, float]] = {}
+        for i, e in enumerate(raw_entries):
+            fields = ("dtype", "head_dim", "n", "causal", "mode", "ms")
+            if not isinstance(e, Mapping) or set(fields) - set(e):
+                raise ValueError(f"{source}: entry #{i} must be an object with keys {fields}")
+            key = tuple(e[f] for f in fields[:-1])
+            problems = entry_problems(key, e["ms"])
+            if problems:
+                raise ValueError(f"{source}: entry #{i}: " + "; ".join(problems))
+            if key in entries:
+                raise ValueError(f"{source}: entry #{i} repeats the key {key!r}")
+            entries[key] = dict(e["ms"])
         meta = {k: v for k, v in data.items() if k not in ("format", "device", "entries")}
-        return cls(str(data["device"]), entries, source, meta)
+        return cls(data.get("device"), entries, source, meta)  # type: ignore[arg-type]
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> CostTable:
@@ -180,15 +267,14 @@ def table_from_results(
             continue
         if r.get("window") is not None or r.get("density") is not None:
             continue
-        if r["Nq"] != r["Nk"] or r["Hq"] != r["Hkv"] or not r["ms"] or r["ms"] <= 0:
-            continue
+        if r["Nq"] != r["Nk"] or r["Hq"] != r["Hkv"] or not _is_time(r["ms"]):
+            continue  # (a failed or skipped timing has no time)
         key: Key = (r["dtype"], int(r["D"]), int(r["Nq"]), bool(r["causal"]), r["mode"])
         timings = entries.setdefault(key, {})
         timings[r["backend"]] = min(float(r["ms"]), timings.get(r["backend"], math.inf))
     if not entries:
         raise ValueError("no dense fwd or fwd_bwd timings in these results")
-    env = results.get("env", {})
-    meta = {"from": source, "env": env}
+    meta = {"from": source, "env": results.get("env", {})}
     return CostTable(device, entries, table_filename(device), meta)
 
 
@@ -254,10 +340,27 @@ class CostTablePolicy:
         where = f"in {self.table.source} [{describe_key(key)}]"
         if key[2] != request.seqlen_q:
             where = where[:-1] + f", nearest to N~{request.seqlen_q}]"
+        ranked: list[tuple[Backend, str]] = []
+        # Memory class first, times only within one: a table never promotes a
+        # quadratic backend (the reference, torch_sdpa materializing a mask) above a
+        # linear one.
+        for memory in MEMORY_CLASSES:
+            group = [b for b in eligible if b.memory_class(request) == memory]
+            ranked += self._rank_by_time(request, group, timings, where)
+        return ranked
+
+    def _rank_by_time(
+        self,
+        request: AttentionRequest,
+        group: Sequence[Backend],
+        timings: Mapping[str, float],
+        where: str,
+    ) -> list[tuple[Backend, str]]:
+        """Backends of one memory class: timed ones by time, then the others by priority."""
         measured = sorted(
-            (b for b in eligible if b.name in timings), key=lambda b: (timings[b.name], b.name)
+            (b for b in group if b.name in timings), key=lambda b: (timings[b.name], b.name)
         )
-        others = [b for b in eligible if b.name not in timings]
+        others = [b for b in group if b.name not in timings]
         ranked: list[tuple[Backend, str]] = []
         for i, b in enumerate(measured):
             ms = timings[b.name]
@@ -281,7 +384,11 @@ _policies: dict[str, RankingPolicy] = {}
 
 
 def ranking_disabled() -> bool:
-    return os.environ.get(RANKING_ENV, "").strip().lower() in ("priority", "declared", "off")
+    """``ATTNHUB_RANKING=priority`` (or ``declared``, ``off``): no cost tables.
+
+    ``ValueError`` naming the variable for a word that is none of :data:`RANKING_WORDS`.
+    """
+    return env.choice(RANKING_ENV, RANKING_WORDS, "measured") == "priority"
 
 
 def policy_for_device(device: str) -> RankingPolicy:
@@ -315,10 +422,8 @@ def default_policy(request: AttentionRequest) -> RankingPolicy:
 
 def forget_tables() -> None:
     """Forget the tables read (and every cached decision): the next decision reads again."""
-    from .dispatch import clear_cache
-
     _policies.clear()
-    clear_cache()
+    invalidate_caches()
 
 
 # -- attnhub tune ------------------------------------------------------------------------

@@ -7,6 +7,7 @@ dispatch reads only the request.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -305,3 +306,115 @@ def test_importing_attnhub_reads_no_table():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
+
+
+# -- issue 18, item 6: memory class first, validated tables, strict mode ------------------
+
+REFERENCE = fake("torch_reference", -100, memory="quadratic")
+QUADRATIC = fake("quadratic_plugin", 60, memory="quadratic")
+
+
+def test_a_table_never_ranks_a_quadratic_backend_above_a_linear_one(sm90):
+    timed_fast = CostTable("sm90", {("bfloat16", 128, 4096, True, "fwd"): {
+        "torch_reference": 0.01, "quadratic_plugin": 0.02, "triton_flash": 1.23, "torch_sdpa_flash": 1.51,
+    }})  # fmt: skip
+    ranked = CostTablePolicy(timed_fast).rank(sm90, [REFERENCE, QUADRATIC, FLASH, TRITON, NEWCOMER])
+    # Linear first (by time, then the untimed by priority), then quadratic by time.
+    assert names(ranked) == [
+        "triton_flash", "torch_sdpa_flash", "newcomer", "torch_reference", "quadratic_plugin",
+    ]  # fmt: skip
+    assert ranked[0][1].startswith("measured 1.23 ms vs 1.51 ms for torch_sdpa_flash")
+
+
+def test_dispatch_serves_what_others_can_even_where_the_table_times_the_reference_fastest(
+    fake_registry, sm90, caplog
+):
+    fake_registry.add(REFERENCE)
+    fake_registry.add(QUADRATIC)
+    table = CostTable("sm90", {("bfloat16", 128, 4096, True, "fwd"): {
+        "torch_reference": 0.01, "quadratic_plugin": 0.5,
+    }})  # fmt: skip
+    attnhub.set_policy(CostTablePolicy(table))
+    strict = dispatch.Selection(None, True, "test")
+    with caplog.at_level(logging.WARNING, logger="attnhub"):
+        # Linear backends eligible: the best of them (untimed: declared priority).
+        decision = dispatch.decide(sm90, strict)
+        assert (dispatch.choose(decision).name, decision.fallback) == ("newcomer", False)
+        # Only quadratic ones: the plugin, though the table times the reference faster;
+        # strict mode serves it (only a call that needs the reference is refused).
+        for b in ALL:
+            fake_registry.remove(b.name)
+        decision = dispatch.decide(sm90, strict)
+        assert (dispatch.choose(decision).name, decision.fallback) == ("quadratic_plugin", False)
+        assert [c.name for c in sorted(decision.candidates, key=lambda c: c.rank or 0)] == [
+            "quadratic_plugin", "torch_reference",
+        ]  # fmt: skip
+    assert not any("falling back" in r.getMessage() for r in caplog.records)
+
+
+def _entry(**changes):  # type: ignore[no-untyped-def]
+    entry = {"dtype": "bfloat16", "head_dim": 128, "n": 1024, "causal": True, "mode": "fwd",
+             "ms": {"triton_flash": 0.1, "torch_sdpa_cudnn": 0.2}}  # fmt: skip
+    return {**entry, **changes}
+
+
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        ({"n": 0}, r"n 0 must be an int >= 1"),
+        ({"n": -4096}, r"n -4096 must be an int >= 1"),
+        ({"n": "4096"}, r"n '4096' must be an int >= 1"),
+        ({"head_dim": 0}, r"head_dim 0 must be an int >= 1"),
+        ({"causal": "false"}, r"causal 'false' must be a bool"),
+        ({"dtype": "fp16"}, r"dtype 'fp16' must be one of bfloat16, float16, float32, float64"),
+        ({"mode": "bwd"}, r"mode 'bwd' must be one of fwd, fwd_bwd"),
+        ({"ms": {"triton_flash": float("nan")}}, r"ms\['triton_flash'\] = nan must be a finite number"),
+        ({"ms": {"triton_flash": float("inf")}}, r"ms\['triton_flash'\] = inf must be a finite"),
+        ({"ms": {"triton_flash": 0}}, r"ms\['triton_flash'\] = 0 must be a finite number of milliseconds > 0"),
+        ({"ms": {"triton_flash": -1.0}}, r"ms\['triton_flash'\] = -1.0 must be"),
+        ({"ms": {"triton_flash": "fast"}}, r"ms\['triton_flash'\] = 'fast' must be"),
+        ({"ms": [1.0]}, r"ms \[1.0\] must be a mapping"),
+        ({"n": 4096}, r"repeats the key \('bfloat16', 128, 4096, True, 'fwd'\)"),
+    ],
+)  # fmt: skip
+def test_a_table_that_cannot_be_right_is_rejected_on_load(changes, error):
+    data = {"format": cost_table.FORMAT, "device": "sm90",
+            "entries": [_entry(n=4096), _entry(**changes)]}  # fmt: skip
+    with pytest.raises(ValueError, match=r"^t\.json: entry #1:? " + error):
+        CostTable.from_json(data, "t.json")
+    with pytest.raises(ValueError, match="must be a finite number"):  # built in memory too
+        CostTable("sm90", {("bfloat16", 128, 4096, True, "fwd"): {"a": float("nan")}})
+
+
+@pytest.mark.parametrize("bad", [{"n": 0}, {"n": -1024}, {"ms": {"newcomer": float("nan")}}])
+def test_dispatch_ignores_a_bad_table_with_a_warning_instead_of_failing_calls(
+    fake_registry, caplog, cuda_request, bad
+):
+    path = cost_table.cache_path("sm90")
+    path.parent.mkdir(parents=True)
+    data = {"format": cost_table.FORMAT, "device": "sm90", "entries": [_entry(**bad)]}
+    path.write_text(json.dumps(data))
+    # N~4096 has no entry of its own: the lookup compares it with the bad entry's N.
+    decision = dispatch.decide(cuda_request())
+    assert decision.chosen == "newcomer" and decision.policy == "declared priority"
+    assert any("ignoring cost table" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("value", ["priority", "PRIORITY", " declared ", "off"])
+def test_ranking_variable_turns_tables_off(fake_registry, monkeypatch, sm90, value):
+    attnhub.set_policy(None)
+    TABLE.write(cost_table.cache_path("sm90"))
+    monkeypatch.setenv("ATTNHUB_RANKING", value)
+    assert dispatch.decide(sm90).chosen == "newcomer"
+    monkeypatch.setenv("ATTNHUB_RANKING", "measured")
+    dispatch.clear_cache()
+    assert dispatch.decide(sm90).chosen == "torch_sdpa_cudnn"
+
+
+def test_ranking_variable_garbage_is_an_error_naming_it(fake_registry, monkeypatch, sm90):
+    monkeypatch.setenv("ATTNHUB_RANKING", "fastest")
+    with pytest.raises(
+        ValueError,
+        match=r"ATTNHUB_RANKING='fastest' is not one of measured, priority, declared, off",
+    ):
+        dispatch.decide(sm90)
