@@ -516,7 +516,9 @@ class ScalesSavedKey(HookedBackward):
 
 
 @pytest.mark.parametrize(
-    ("backend", "target"), [(ScalesGradOut, "grad_out"), (ScalesSavedKey, "key")], ids=str
+    ("backend", "target"),
+    [(ScalesGradOut, "grad_out"), (ScalesSavedKey, "key")],
+    ids=["grad_out", "key"],
 )
 def test_changed_during_backward_fails(backend: type[attnhub.Backend], target: str) -> None:
     case = _case(backward=True)
