@@ -647,6 +647,27 @@ def test_raising_extra_reasons_is_reported_per_case() -> None:
     assert re.search(r"^  \[fp16-plain-[^\]]*\] raised ", report, re.MULTILINE)
 
 
+class ExtraReasonsAsString(Correct):
+    """Returns its one reason as a bare str: not a list of reasons (read as one, its
+    characters would refuse every call)."""
+
+    name = "kit_reasons_str"
+
+    def extra_reasons(self, request):  # type: ignore[no-untyped-def]
+        return "nope" if request.causal else []
+
+
+def test_wrongly_typed_extra_reasons_is_reported_per_case() -> None:
+    # The causal cases are generated (a str is no list of reasons), and their calls
+    # report dispatch's refusal, which names the bad return.
+    cases = cases_for(ExtraReasonsAsString(), "cpu")
+    causal = [c for c in cases if c.causal]
+    assert causal
+    with registered(ExtraReasonsAsString) as name:
+        for case in causal[:3]:
+            assert "'nope'" in _failure(name, case)
+
+
 class BadReturn(Correct):
     """Computes the right (out, lse), then returns ``mangle(out, lse, query, key, value)``."""
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from attnhub.backend import Backend, declared_reasons
-from attnhub.request import device_capability
+from attnhub.request import AttentionRequest, device_capability
 from attnhub.validation import build_request, make_params
 
 MASK_CHOICES = ("none", "bool", "float")
@@ -280,8 +280,8 @@ def case_reasons(backend: Backend, case: Case, device: torch.device | str) -> li
     """Why ``backend`` would not be offered ``case`` on ``device`` (empty: it would).
 
     Builds the request dispatch would build (on meta tensors, so nothing is allocated)
-    and asks the declarations and the backend's ``extra_reasons`` (one that raises
-    admits the case, so that running it reports the exception).
+    and asks the declarations and the backend's ``extra_reasons`` (one that raises or
+    returns the wrong type admits the case, so that running it reports the defect).
     """
     device = torch.device(device)
     meta = make_inputs_meta(case)
@@ -293,16 +293,23 @@ def case_reasons(backend: Backend, case: Case, device: torch.device | str) -> li
     cuda = device.type == "cuda" and torch.cuda.is_available()
     capability = device_capability(device) if cuda else None
     request = dataclasses.replace(request, device_type=device.type, capability=capability)
-    declared = declared_reasons(backend, request)
-    if declared:
-        return declared
+    return declared_reasons(backend, request) or _extra_reasons(backend, request)
+
+
+def _extra_reasons(backend: Backend, request: AttentionRequest) -> list[str]:
+    """The backend's ``extra_reasons``, where they are a list (or tuple) of str.
+
+    One that raises or returns anything else (None, a bare str) is the backend's
+    defect, not a reason to leave the case out: the case is kept, and its call, where
+    dispatch asks the same question, reports the defect against the case.
+    """
     try:
-        return list(backend.extra_reasons(request))
+        reasons = backend.extra_reasons(request)
     except Exception:
-        # A raising extra_reasons is the backend's defect, not a reason to leave the
-        # case out: the case is kept, and its call (where dispatch asks the same
-        # question) reports the exception against the case.
         return []
+    if isinstance(reasons, list | tuple) and all(isinstance(r, str) for r in reasons):
+        return list(reasons)
+    return []
 
 
 def make_inputs_meta(case: Case) -> Inputs:
