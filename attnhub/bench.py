@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -59,6 +58,7 @@ from typing import Any
 
 import torch
 
+from .jsonfile import write_json
 from .request import dtype_name
 
 MODES = ("fwd", "bwd", "fwd_bwd")
@@ -786,16 +786,6 @@ def device_class_of(device: torch.device) -> str:
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
     return device_class(device.type, capability)
-
-
-def write_json(data: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Write ``data`` atomically (a temporary file, then a rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
 
 
 @contextlib.contextmanager

@@ -69,7 +69,7 @@ MODELS = (
 def _config(spec: ModelSpec, vocab: int) -> Any:
     import transformers
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab, hidden_size=spec.hidden, intermediate_size=int(2.75 * spec.hidden),
         num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads, max_position_embeddings=max(spec.train_seq, spec.prompt + spec.new_tokens),

@@ -161,13 +161,13 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """Measure this machine (or read bench results) into the cost table dispatch ranks by."""
-    from .cost_table import main as tune_main
+    from .tune import main as tune_main
 
     return tune_main(args)
 
 
 def _add_tune_arguments(parser: argparse.ArgumentParser) -> None:
-    from .cost_table import add_arguments
+    from .tune import add_arguments
 
     add_arguments(parser)
 

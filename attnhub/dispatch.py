@@ -41,12 +41,14 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from . import env
 from . import registry as registry_module
 from .backend import MEMORY_CLASSES, Backend, Runner, declared_reasons
+from .cost_table import default_policy
 from .errors import NoBackendError
+from .ranking import DeclaredPriority, RankingPolicy
 from .registry import BackendRegistry, get_registry
 from .request import AttentionParams, AttentionRequest
 
@@ -165,36 +167,8 @@ def use_backend(*names: str | Sequence[str], strict: bool = False) -> Iterator[N
 # -- ranking -------------------------------------------------------------------
 
 
-class RankingPolicy(Protocol):
-    """Orders eligible backends; returns (backend, why it is placed there) pairs, best first.
-
-    ``rank`` must return every backend of ``eligible`` exactly once (a list of pairs);
-    anything else, or an exception, makes dispatch rank that decision by the declared
-    priority instead, with a warning. ``torch_reference`` is not passed where the
-    caller did not name it: dispatch ranks it last itself (see the module docstring).
-    """
-
-    name: str
-
-    def rank(
-        self, request: AttentionRequest, eligible: Sequence[Backend]
-    ) -> list[tuple[Backend, str]]: ...
-
-
-class DeclaredPriority:
-    """Linear memory before quadratic, then higher ``priority``, then name: deterministic."""
-
-    name = "declared priority"
-
-    def rank(
-        self, request: AttentionRequest, eligible: Sequence[Backend]
-    ) -> list[tuple[Backend, str]]:
-        ordered = sorted(
-            eligible,
-            key=lambda b: (b.memory_class(request) != "linear", -b.priority, b.name),
-        )
-        return [(b, f"{b.memory_class(request)} memory, priority {b.priority}") for b in ordered]
-
+# RankingPolicy and DeclaredPriority live in attnhub.ranking (below this module); they
+# are re-exported here, where users have always found them.
 
 _policy: RankingPolicy | None = None  # None: the default, per device class
 
@@ -214,8 +188,6 @@ def set_policy(policy: RankingPolicy | None) -> None:
 def _active_policy(request: AttentionRequest) -> RankingPolicy:
     if _policy is not None:
         return _policy
-    from .cost_table import default_policy  # imported at the first decision, not at import
-
     return default_policy(request)
 
 

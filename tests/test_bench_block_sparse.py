@@ -24,7 +24,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     with contextlib.suppress(ImportError):
         import triton  # noqa: F401
 
-from attnhub import BlockSparseLayout, bench, bench_report, cli, cost_table
+from attnhub import BlockSparseLayout, bench, bench_report, cli, cost_table, tune
 from attnhub.bench import BenchConfig, Point
 from attnhub.registry import reload_registry
 
@@ -308,7 +308,7 @@ def test_options_turn_the_extra_on_and_leave_the_default_alone():
 
 def test_tune_parser_has_no_block_sparse_options():
     parser = argparse.ArgumentParser()
-    cost_table.add_arguments(parser)
+    tune.add_arguments(parser)
     args = parser.parse_args(["--device", "cpu"])
     assert bench.config_from_args(args).block_sparse_layouts == ()
     help_text = argparse.ArgumentParser()
@@ -391,4 +391,4 @@ def test_report_ratios_against_dense_and_flex(tmp_path):
     # Densities fall within a shape: random 1, 0.5, 0.25, then the other layouts.
     order = [ln.split("|")[2].strip() for ln in lines if ln.startswith(shape) and "| fwd |" in ln]
     assert order == ["dense", "random 1", "random 0.5", "random 0.25", "sliding_window 1024"]
-    assert cost_table.table_from_results(data).entries  # the dense baseline feeds tune
+    assert tune.table_from_results(data).entries  # the dense baseline feeds tune

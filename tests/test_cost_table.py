@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import attnhub
-from attnhub import cli, cost_table, dispatch
+from attnhub import cli, cost_table, dispatch, tune
 from attnhub import registry as registry_module
 from attnhub.backend import Backend
 from attnhub.cost_table import CostTable, CostTablePolicy
@@ -254,7 +254,7 @@ def _results() -> dict:  # type: ignore[type-arg]
 
 
 def test_table_from_results_keeps_dense_fwd_and_fwd_bwd_and_round_trips(tmp_path):
-    table = cost_table.table_from_results(_results(), source="h200.json")
+    table = tune.table_from_results(_results(), source="h200.json")
     assert dict(table.entries) == {
         ("bfloat16", 128, 4096, True, "fwd"): {"torch_sdpa_cudnn": 1.0, "triton_flash": 1.1, "torch_sdpa_flash": 1.51},
         ("bfloat16", 128, 4096, True, "fwd_bwd"): {"torch_sdpa_cudnn": 4.0, "triton_flash": 3.5},
@@ -263,7 +263,7 @@ def test_table_from_results_keeps_dense_fwd_and_fwd_bwd_and_round_trips(tmp_path
     assert loaded.device == "sm90" and dict(loaded.entries) == dict(table.entries)
     assert loaded.source == "t.json" and loaded.meta and loaded.meta["from"] == "h200.json"
     with pytest.raises(ValueError, match="no device class"):
-        cost_table.table_from_results({**_results(), "device_class": None})
+        tune.table_from_results({**_results(), "device_class": None})
 
 
 def test_tune_from_results_writes_the_cache_table_dispatch_then_uses(fake_registry, tmp_path, capsys, sm90, cuda_request):  # fmt: skip
@@ -301,11 +301,15 @@ def test_tune_measures_this_machine_into_the_cache(tmp_path, capsys):
     assert "in cost_table_cpu.json [fp32 D16 N~32 non-causal fwd]" in decision.why
 
 
-def test_importing_attnhub_reads_no_table():
-    code = "import sys, attnhub; print('attnhub.cost_table' in sys.modules)"
+def test_importing_attnhub_reads_no_table_and_imports_no_tooling():
+    code = (
+        "import sys, attnhub, attnhub.cost_table as c; "
+        "print(bool(c._policies), sorted(m for m in sys.modules if m.startswith('attnhub.') "
+        "and m.split('.')[1] in ('bench', 'bench_report', 'tune', 'cli', 'demo')))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "False"
+    assert proc.stdout.strip() == "False []"
 
 
 # -- issue 18, item 6: memory class first, validated tables, strict mode ------------------

@@ -1,0 +1,109 @@
+"""``attnhub tune``: measure this machine (or read bench results) into a cost table.
+
+Tooling on top of the runtime: it imports :mod:`attnhub.bench` to time and
+:mod:`attnhub.cost_table` for the table it writes; nothing in the runtime imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from . import bench, bench_report
+from .bench import add_grid_arguments
+from .cost_table import (
+    RANKING_ENV,
+    TABLE_MODES,
+    CostTable,
+    Key,
+    cache_path,
+    forget_tables,
+    is_time,
+    ranking_disabled,
+    table_filename,
+)
+from .registry import get_registry
+
+
+def table_from_results(
+    results: Mapping[str, Any], device: str | None = None, source: str = "(in memory)"
+) -> CostTable:
+    """A cost table from ``attnhub bench`` results: dense rows of fwd and fwd_bwd.
+
+    ``auto`` rows are left out (auto is dispatch itself); so are windowed and
+    block-sparse rows (the table covers plain attention). Where a key was timed more
+    than once, the fastest time is kept.
+    """
+    device = device or results.get("device_class")
+    if not device:
+        raise ValueError("the results name no device class; pass device= (e.g. 'sm90')")
+    entries: dict[Key, dict[str, float]] = {}
+    for r in results["results"]:
+        if r["backend"] == "auto" or r["mode"] not in TABLE_MODES:
+            continue
+        if r.get("window") is not None or r.get("density") is not None:
+            continue
+        if r["Nq"] != r["Nk"] or r["Hq"] != r["Hkv"] or not is_time(r["ms"]):
+            continue  # (a failed or skipped timing has no time)
+        key: Key = (r["dtype"], int(r["D"]), int(r["Nq"]), bool(r["causal"]), r["mode"])
+        timings = entries.setdefault(key, {})
+        timings[r["backend"]] = min(float(r["ms"]), timings.get(r["backend"], math.inf))
+    if not entries:
+        raise ValueError("no dense fwd or fwd_bwd timings in these results")
+    meta = {"from": source, "env": results.get("env", {})}
+    return CostTable(device, entries, table_filename(device), meta)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from-results", nargs="+", metavar="RESULTS", help="build the table from bench results JSON (merged) instead of measuring")  # fmt: skip
+    parser.add_argument("--device-class", help="device class of the table (default: from the results, or this machine)")  # fmt: skip
+    parser.add_argument("-o", "--output", help="where to write the table (default: the user cache, ~/.cache/attnhub/cost_table_<class>.json)")  # fmt: skip
+    parser.add_argument("--results", help="also write the raw bench results here (when measuring)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    add_grid_arguments(parser)
+
+
+def _tune_backends() -> tuple[str, ...]:
+    # The reference is the slow fallback: never worth timing for speed.
+    return tuple(n for n in get_registry().names() if n != "torch_reference")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.from_results:
+        results = bench_report.merge([bench_report.load(p) for p in args.from_results])
+        source = ", ".join(Path(p).name for p in args.from_results)
+    else:
+        overrides: dict[str, Any] = {}
+        if args.backends is None:
+            overrides["backends"] = _tune_backends()
+        if args.modes is None:
+            overrides["modes"] = TABLE_MODES
+        try:
+            config = bench.config_from_args(args, **overrides)
+        except ValueError as exc:
+            print(f"attnhub tune: {exc}", file=sys.stderr)
+            return 2
+        results = bench.run_bench(config, output=args.results, progress=args.progress)
+        source = args.results or "attnhub tune"
+        print(bench_report.skipped_summary(results), file=sys.stderr)
+    try:
+        table = table_from_results(results, args.device_class, source)
+    except ValueError as exc:
+        print(f"attnhub tune: {exc}", file=sys.stderr)
+        return 1
+    path = table.write(args.output or cache_path(table.device))
+    forget_tables()
+    print(f"wrote {path}: {len(table.entries)} entries for {table.device}, backends "
+          f"{', '.join(sorted(_backends(table.entries.values())))}")  # fmt: skip
+    if ranking_disabled():
+        print(f"note: {RANKING_ENV}={os.environ.get(RANKING_ENV)} is set, so dispatch ignores it")
+    return 0
+
+
+def _backends(timings: Iterable[Mapping[str, float]]) -> set[str]:
+    return {b for t in timings for b in t}
