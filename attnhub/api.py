@@ -13,6 +13,7 @@ benchmarks/overhead.py measures it.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Sequence
 from typing import Any, Literal, overload
@@ -21,14 +22,16 @@ import torch
 
 from . import call_stats, dispatch
 from .backend import Runner
-from .registry import get_registry
-from .request import AttentionParams
+from .registry import get_registry, on_invalidate
+from .request import AttentionParams, AttentionRequest
 from .validation import (
-    TensorMeta,
+    RequestFacts,
     build_request,
     check_block_sparse,
     check_tensors,
+    complete_request,
     make_params,
+    request_facts,
 )
 
 _CallKey = tuple[Any, ...]
@@ -71,11 +74,32 @@ _NO_ENTRY: _Entry = ("", _no_runner, _NO_GUARDS, _NO_CONTEXT, None)
 _last: _Entry = _NO_ENTRY
 
 
+@on_invalidate  # any registry, policy or cost-table change: decided calls are stale
 def clear_call_cache() -> None:
     global _last
     with _call_cache_lock:
         _call_cache.clear()
         _last = _NO_ENTRY
+
+
+def _validate(
+    query: Any, key: Any, value: Any, attn_mask: Any, options: dict[str, Any]
+) -> AttentionParams:
+    """Check a call (raising what contract.md says) and resolve its options."""
+    check_tensors(query, key, value, attn_mask)
+    params = make_params(query, **options)
+    check_block_sparse(params, query, key)
+    return params
+
+
+def _decide(request: AttentionRequest, backend: Any) -> dispatch.Decision:
+    """The decision for a request under the selection in force (and ``backend=``)."""
+    selection = dispatch.current_selection(backend)
+    if request.empty:
+        # Empty inputs: the reference returns what the contract says (empty, or
+        # zeros with a log-sum-exp of -inf when there are no keys), whatever was asked.
+        selection = dispatch.Selection((dispatch.REFERENCE,), False, "empty input")
+    return dispatch.decide(request, selection)
 
 
 def _prepare(
@@ -87,16 +111,8 @@ def _prepare(
     backend: Any,
 ) -> tuple[dispatch.Decision, AttentionParams]:
     """Validate a call and decide it (the slow path)."""
-    check_tensors(query, key, value, attn_mask)
-    params = make_params(query, **options)
-    check_block_sparse(params, query, key)
-    request = build_request(query, key, value, attn_mask, params)
-    selection = dispatch.current_selection(backend)
-    if query.numel() == 0 or key.numel() == 0:
-        # Empty inputs: the reference returns what the contract says (empty, or
-        # zeros with a log-sum-exp of -inf when there are no keys), whatever was asked.
-        selection = dispatch.Selection((dispatch.REFERENCE,), False, "empty input")
-    return dispatch.decide(request, selection), params
+    params = _validate(query, key, value, attn_mask, options)
+    return _decide(build_request(query, key, value, attn_mask, params), backend), params
 
 
 @overload
@@ -334,8 +350,7 @@ def _slow_path(
     """Validate, decide and prepare a call; remember the result under its key."""
     global _last
     decision, params = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
-    chosen = dispatch.choose(decision)
-    runner = chosen.prepare(decision.request, params)
+    chosen, runner = dispatch.prepare(decision, params)  # a failing prepare is contained
     # An empty tensor's key does not pin its layout (is_contiguous() is True whatever
     # the strides), and empty calls are rare: they are decided every time.
     if not (call_key and query.numel() and key.numel() and value.numel()):
@@ -431,31 +446,41 @@ def _options_dict(options: tuple[Any, ...]) -> dict[str, Any]:
     return dict(zip(names, options))
 
 
-def _meta(t: Any) -> Any:
-    """A tensor's metadata as Python constants (what Dynamo can hand to a constant function)."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    return (tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device), t.requires_grad)
+def _traced_choice(facts: RequestFacts, backend: Any) -> str:
+    """Decide from a request's facts alone; Dynamo runs this once, at trace time.
 
-
-def _traced_choice(
-    metas: tuple[Any, ...], options: tuple[Any, ...], backend: Any, grad: bool
-) -> str:
-    """Validate and decide from metadata alone; Dynamo runs this once, at trace time.
-
-    Its result (a backend name) is baked into the graph: the ``use_backend`` context
-    and ``ATTNHUB_BACKEND`` in force while tracing decide, as the docs say.
+    Its arguments are Python constants (:func:`attnhub.validation.request_facts` made
+    them so, installing the guards that keep them true), and its result, a backend
+    name, is baked into the graph: the ``use_backend`` context and ``ATTNHUB_BACKEND``
+    in force while tracing decide, as the docs say.
     """
-    query, key, value, attn_mask = (None if m is None else TensorMeta(*m) for m in metas)
-    with torch.set_grad_enabled(grad):
-        decision, _ = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
-    return dispatch.choose(decision).name
+    return dispatch.choose(_decide(complete_request(facts), backend)).name
 
 
 # What torch.compiler.assume_constant_result(_traced_choice) does (it only sets this
 # attribute, torch/_dynamo/decorators.py), without importing torch._dynamo and Triton
 # at `import attnhub`, which takes seconds. test_dispatch's compile test checks it.
 _traced_choice._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _constant_option(value: Any) -> Any:
+    """An option as a Python constant, while tracing.
+
+    With ``dynamic=True`` Dynamo hands number options over (those left at their
+    defaults among them) as SymFloat and SymInt, which traced code sees as float and
+    int; decisions and kernels need their values. They are specialized, as automatic
+    dynamic shapes would leave them: ``SymFloat.hex()`` and ``SymInt.__index__``
+    guard on the value (torch's ``guard_float``/``guard_int``, which Dynamo will not
+    call directly). A plain number comes back equal; a window's sides are each done.
+    """
+    if isinstance(value, float):
+        return float.fromhex(value.hex())
+    if isinstance(value, int) and not isinstance(value, bool):
+        return operator.index(value)
+    if isinstance(value, (tuple, list)):
+        sides = [_constant_option(v) for v in value]
+        return sides if isinstance(value, list) else tuple(sides)
+    return value
 
 
 def _attention_traced(
@@ -465,16 +490,25 @@ def _attention_traced(
     attn_mask: torch.Tensor | None,
     *options: Any,
 ) -> Any:
-    """The same call while ``torch.compile`` traces it.
+    """The same call while ``torch.compile`` or ``torch.export`` traces it.
 
     Dynamo cannot trace the decision machinery (context variables, caches, logging),
-    so the choice is made by :func:`_traced_choice` from constant metadata, and the
-    chosen backend's ``forward`` is traced into the graph.
+    so validation and the request's facts are traced here, on possibly symbolic
+    sizes, and the choice is made by :func:`_traced_choice` from those facts; the
+    chosen backend's ``forward`` is traced into the graph. The graph's guards are
+    those the facts installed (the length buckets, Nq == Nk, Nq > Nk, head counts and
+    dims; none on the batch), so it is reused only for calls whose request, and so
+    whose choice, is the same.
+
+    Head counts and head dims are specialized. With ``dynamic=True``, Dynamo gives
+    sizes equal in the first call one symbol (duck sizing), so a batch or length that
+    equals a head count or head dim there is specialized with it: the next call with
+    another value recompiles once, with its own symbol.
     """
     *option_values, backend = options
-    metas = tuple(_meta(t) for t in (query, key, value, attn_mask))
-    name = _traced_choice(metas, tuple(option_values), backend, torch.is_grad_enabled())
-    params = make_params(query, **_options_dict(tuple(option_values)))
+    option_values = [_constant_option(v) for v in option_values]
+    params = _validate(query, key, value, attn_mask, _options_dict(tuple(option_values)))
+    name = _traced_choice(request_facts(query, key, value, attn_mask, params), backend)
     return get_registry().get(name).forward(query, key, value, attn_mask, params)
 
 

@@ -6,7 +6,9 @@ dispatch needs to choose). Dispatch reads only the request, so its decisions can
 cached per request and explained. Sequence lengths are bucketed to powers of two so
 that a new length does not mean a new decision (or a recompile under
 ``torch.compile``); the facts that depend on exact lengths (``Nq == Nk``,
-``Nq > Nk``) are kept as flags.
+``Nq > Nk``) are kept as flags. The batch size is kept but decides nothing: under
+``torch.compile`` with a dynamic batch, or ``torch.export`` with a batch ``Dim``, one
+graph serves every batch size, and the request's ``batch`` is None.
 """
 
 from __future__ import annotations
@@ -58,12 +60,18 @@ class AttentionRequest:
     Shapes: query (batch, heads_q, Nq, head_dim), key (batch, heads_kv, Nk, head_dim),
     value (batch, heads_kv, Nk, head_dim_v). ``seqlen_q``/``seqlen_k`` are buckets
     (see :func:`seqlen_bucket`).
+
+    ``batch`` is None where the batch size is symbolic (``torch.compile`` with a
+    dynamic batch, ``torch.export`` with a batch ``Dim``): the graph traced for the
+    request serves every batch size, so no eligibility reason or ranking may depend on
+    the batch. (Every other field is fixed by guards for as long as the graph is used;
+    see :func:`attnhub.validation.request_facts`.)
     """
 
     device_type: str
     capability: tuple[int, int] | None
     dtype: torch.dtype
-    batch: int
+    batch: int | None
     heads_q: int
     heads_kv: int
     seqlen_q: int
@@ -85,10 +93,22 @@ class AttentionRequest:
     block_sparse: bool = False
     block_size: tuple[int, int] | None = None  # the block_sparse layout's (bq, bk)
     return_lse: bool = False
+    # The scale is > 0 as float32 holds it (at most 2**-150 rounds to 0): kernels that
+    # mask or take row maxima before scaling need it (backends/torch_sdpa.py).
+    scale_positive: bool = True
 
     @property
     def gqa_ratio(self) -> int:
         return self.heads_q // self.heads_kv if self.heads_kv else 1
+
+    @property
+    def empty(self) -> bool:
+        """The call has no query rows or no keys (B, H, Nq or Nk of zero).
+
+        A symbolic batch (None) counts as non-empty: symbolic sizes are at least 2
+        under ``torch.compile``, and an unbacked one in ``torch.export`` is assumed so.
+        """
+        return self.batch == 0 or self.heads_q == 0 or self.seqlen_q == 0 or self.seqlen_k == 0
 
     @property
     def device_label(self) -> str:
@@ -104,6 +124,8 @@ class AttentionRequest:
         for name in ("window", "softcap", "dropout", "return_lse"):
             if getattr(self, name):
                 flags.append(name)
+        if not self.scale_positive:
+            flags.append("scale <= 0")
         if self.block_sparse:
             flags.append(
                 "block_sparse" + ("{}x{}".format(*self.block_size) if self.block_size else "")
@@ -117,9 +139,10 @@ class AttentionRequest:
         if not self.last_dim_contiguous:
             flags.append("last dim strided")
         lengths = "Nq==Nk" if self.same_seqlen else ("Nq>Nk" if self.q_longer else "Nq<Nk")
+        batch = "B" if self.batch is None else self.batch  # B: any batch (symbolic)
         text = (
-            f"q=({self.batch},{self.heads_q},~{self.seqlen_q},{self.head_dim}) "
-            f"k/v=({self.batch},{self.heads_kv},~{self.seqlen_k},{self.head_dim}/{self.head_dim_v}) "
+            f"q=({batch},{self.heads_q},~{self.seqlen_q},{self.head_dim}) "
+            f"k/v=({batch},{self.heads_kv},~{self.seqlen_k},{self.head_dim}/{self.head_dim_v}) "
             f"{lengths} {dtype_name(self.dtype)} {self.device_label}"
         )
         return text + (", " + ", ".join(flags) if flags else "")

@@ -4,12 +4,35 @@ Every message names the argument, what was expected and what came, so that bad i
 fails here with a ``ValueError`` or ``TypeError`` and never reaches a kernel. The
 checks read only metadata (shapes, dtypes, devices, option values), which is why the
 dispatch cache may skip them for a call whose metadata it has seen before.
+
+Symbolic sizes. Under ``torch.compile`` with dynamic shapes and under ``torch.export``
+the sizes are SymInts, and every check here works on them too, through
+helpers that say how a condition on sizes becomes a Python bool:
+
+- :func:`_checked` (a condition the call must satisfy): decided where the sizes have
+  hints, with a guard (the compiled graph is reused only where it holds again); where
+  they are data-dependent (unbacked, in ``torch.export``), assumed and asserted when
+  the graph runs (``torch._check``), as PyTorch's own shape checks do.
+- :func:`_known` (true only where known): a data-dependent size is taken to differ,
+  as PyTorch's broadcasting takes an unbacked size not to be 1.
+- :func:`_fact` (what dispatch decides on): decided with a guard; a data-dependent
+  one is a ``ValueError``, since no decision could hold for every value.
+- :func:`_exact`: a size specialized to an int (a guard on its value).
+
+Dynamo shows traced code a ``SymInt`` as an ``int`` (and a ``SymBool`` as a ``bool``,
+a ``SymFloat`` as a ``float``: ``isinstance`` cannot tell them apart), so under Dynamo
+every condition goes through ``torch.fx.experimental.symbolic_shapes``' helpers
+(``guard_or_false``, ...), and sizes through ``operator.index()``, which Dynamo
+decides with a guard. Outside Dynamo (eager calls; ``torch.export``'s default
+non-strict tracing) a ``SymBool`` is what it is; plain ints and bools never import
+that module (a second's import), so eager calls pay nothing for this.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import operator
 from typing import Any
 
 import torch
@@ -19,37 +42,111 @@ from .request import ALIGNMENTS, AttentionParams, AttentionRequest, device_capab
 _TENSOR_NAMES = ("query", "key", "value")
 
 
-class TensorMeta:
-    """The metadata of a tensor, standing in for it where only metadata is read.
+def _decide(cond: Any, undecided: bool | None, what: str = "") -> bool:
+    """``cond`` as a bool; where it is data-dependent, ``undecided`` (None: a
+    ``ValueError`` saying that ``what`` is data-dependent)."""
+    if not _maybe_symbolic(cond):
+        return cond
+    # guard_or_false / guard_or_true return Python bools (Dynamo traces them too; a
+    # plain bool() would not: Dynamo gives it back symbolic) and never raise on
+    # data-dependent sizes.
+    guard_or_false, guard_or_true = _guard_helpers()
+    if guard_or_false(cond):  # backed sizes: evaluated from their hints, with a guard
+        return True
+    if not guard_or_true(cond):
+        return False
+    if undecided is None:
+        raise _data_dependent(what)
+    return undecided
 
-    Validation and request building read nothing else, so they accept either.
+
+def _guard_helpers() -> tuple[Any, Any]:
+    """torch's ``guard_or_false`` and ``guard_or_true`` (torch >= 2.8); before them, a
+    branch, which guards on backed sizes and fails on data-dependent ones."""
+    try:
+        from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
+    except ImportError:  # pragma: no cover - torch < 2.8
+        return _branch, _branch
+    return guard_or_false, guard_or_true
+
+
+def _branch(cond: Any) -> bool:
+    return True if cond else False  # noqa: SIM210 (a branch: see _decide)
+
+
+def _maybe_symbolic(cond: Any) -> bool:
+    """Whether ``cond`` may be a SymBool: anything but a bool, and anything in Dynamo
+    (where a SymBool passes for a bool)."""
+    return not isinstance(cond, bool) or torch.compiler.is_dynamo_compiling()
+
+
+def _checked(cond: Any) -> bool:
+    """Whether a condition the call must satisfy holds (see the module docstring).
+
+    A data-dependent condition is assumed to hold and asserted at run time.
     """
-
-    def __init__(
-        self,
-        shape: tuple[int, ...],
-        stride: tuple[int, ...],
-        dtype: torch.dtype,
-        device: str | torch.device,
-        requires_grad: bool,
-    ) -> None:
-        self.shape = torch.Size(shape)
-        self._stride = tuple(stride)
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.requires_grad = requires_grad
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def stride(self, dim: int | None = None) -> Any:
-        return self._stride if dim is None else self._stride[dim]
-
-    def numel(self) -> int:
-        return self.shape.numel()
+    if not _decide(cond, True):
+        return False
+    if _maybe_symbolic(cond):
+        torch._check(cond)  # a run-time assertion where data-dependent (else a no-op)
+    return True
 
 
-_TENSOR_TYPES = (torch.Tensor, TensorMeta)
+def _known(cond: Any) -> bool:
+    """True only where ``cond`` is known to hold (decided with a guard where it can be)."""
+    return _decide(cond, False)
+
+
+def _fact(cond: Any, what: str) -> bool:
+    """A fact about the sizes that a decision rests on, as a bool (with a guard)."""
+    return _decide(cond, None, what)
+
+
+def _data_dependent(what: str) -> ValueError:
+    return ValueError(
+        f"{what} is data-dependent (an unbacked size): attnhub decides per length bucket "
+        "and head shape, and needs such sizes with a hint (torch.export's Dim, dynamic "
+        "shapes in torch.compile) or concrete"
+    )
+
+
+def _exact(n: Any, what: str) -> int:
+    """A size as an int. A symbolic one is specialized (guarded equal to its value):
+    ``SymInt.__index__`` does that, in Dynamo and outside it."""
+    if not isinstance(n, int) and not torch.compiler.is_dynamo_compiling():
+        # torch.export's non-strict tracing: an unbacked size cannot be specialized
+        # (PyTorch would raise an internal error); say which size it is instead.
+        from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
+
+        if has_free_unbacked_symbols(n):
+            raise _data_dependent(what)
+    return operator.index(n)
+
+
+def _traced_batch(b: Any) -> int | None:
+    """The request's batch while tracing: 0 where the batch is known to be 0 (an empty
+    call, which the reference serves), else None, with no guard on its value.
+
+    A symbolic batch is never 0 under ``torch.compile`` (sizes 0 and 1 are
+    specialized). A data-dependent (unbacked) one in ``torch.export`` that turns out to
+    be 0 runs the chosen backend on an empty batch, whose empty output is the
+    contract's answer.
+    """
+    return 0 if _known(b == 0) else None
+
+
+def _bucket(n: Any, what: str) -> int:
+    """:func:`seqlen_bucket` of a size. While tracing, the size is compared with powers
+    of two, each comparison a guard where it is symbolic, so that the graph serves
+    exactly the lengths of its bucket."""
+    if isinstance(n, int) and not torch.compiler.is_compiling():
+        return seqlen_bucket(n)
+    if not _fact(n > 0, what):
+        return 0
+    bucket = 1
+    while _fact(n > bucket, what):
+        bucket <<= 1
+    return bucket
 
 
 def _shape(t: Any) -> str:
@@ -60,7 +157,7 @@ def check_tensors(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
     """Types, ranks, dtypes, devices and shapes of the tensors (see contract.md, Errors)."""
     tensors = (query, key, value)
     for name, t in zip(_TENSOR_NAMES, tensors):
-        if not isinstance(t, _TENSOR_TYPES):
+        if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             layout = "(B, Hq, Nq, D)" if name == "query" else "(B, Hkv, Nk, D)"
@@ -84,17 +181,17 @@ def check_tensors(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
     b, hq, _, d = query.shape
     bk, hkv, nk, dk = key.shape
     bv, hv, nv, _ = value.shape
-    if bk != b or bv != b:
+    if not (_checked(bk == b) and _checked(bv == b)):
         raise ValueError(
             f"batch sizes differ: query {_shape(query)}, key {_shape(key)}, value {_shape(value)}"
         )
-    if hv != hkv:
+    if not _checked(hv == hkv):
         raise ValueError(f"key and value must have the same number of heads, got {hkv} and {hv}")
-    if nv != nk:
+    if not _checked(nv == nk):
         raise ValueError(f"key and value must have the same sequence length, got {nk} and {nv}")
-    if dk != d:
+    if not _checked(dk == d):
         raise ValueError(f"query and key must have the same head dim D, got {d} and {dk}")
-    if (hkv == 0 and hq != 0) or (hkv and hq % hkv):
+    if not (_checked(hq == 0) if _known(hkv == 0) else _checked(hq % hkv == 0)):
         raise ValueError(
             f"query heads Hq={hq} must be a multiple of key/value heads Hkv={hkv} "
             "(grouped-query attention)"
@@ -104,7 +201,12 @@ def check_tensors(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
 
 
 def check_mask(attn_mask: Any, query: torch.Tensor, key: torch.Tensor) -> None:
-    if not isinstance(attn_mask, _TENSOR_TYPES):
+    """The mask's type, dtype, device, and that it broadcasts to (B, Hq, Nq, Nk).
+
+    Any rank from 0 to 4 broadcasts (PyTorch's rule: sizes align from the right, and
+    each is 1 or the target's).
+    """
+    if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be None or a torch.Tensor, got {type(attn_mask).__name__}")
     if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
         raise TypeError(
@@ -113,8 +215,10 @@ def check_mask(attn_mask: Any, query: torch.Tensor, key: torch.Tensor) -> None:
     if attn_mask.device != query.device:
         raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
     target = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    # A symbolic size not known to be 1 must equal the target's (see _known).
     ok = attn_mask.dim() <= 4 and all(
-        m in (1, t) for m, t in zip(reversed(attn_mask.shape), reversed(target))
+        _known(m == 1) or _checked(m == t)
+        for m, t in zip(reversed(attn_mask.shape), reversed(target))
     )
     if not ok:
         raise ValueError(
@@ -179,7 +283,7 @@ def make_params(
         if softcap <= 0:
             raise ValueError(f"softcap must be None or > 0, got {softcap}")
     if scale is None:
-        d = query.shape[-1]
+        d = _exact(query.shape[-1], "the head dim D")
         scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
     else:
         scale = _check_real("scale", scale)
@@ -216,8 +320,33 @@ def build_request(
     params: AttentionParams,
 ) -> AttentionRequest:
     """Summarize a validated call for dispatch."""
+    return complete_request(request_facts(query, key, value, attn_mask, params))
+
+
+RequestFacts = tuple[tuple[str, Any], ...]
+
+
+def request_facts(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    params: AttentionParams,
+) -> RequestFacts:
+    """What a validated call's request says about it, as (field, Python constant) pairs.
+
+    Everything but what reads the process's state (the device's capability, the
+    deterministic flag: :func:`complete_request` adds them), so that ``torch.compile``
+    can trace this and pass the result to a constant function. A symbolic size becomes
+    a constant only as precisely as the request keeps it, each through a guard: the
+    sequence lengths' buckets and Nq == Nk, Nq > Nk; the head counts and head dims
+    exactly (they are specialized); and, while tracing (``torch.compile``,
+    ``torch.export``), the batch not at all: None (0 for a batch known to be empty),
+    with no guard, which is why no decision may depend on it.
+    """
     b, hq, nq, d = query.shape
     _, hkv, nk, _ = key.shape
+    same_seqlen = _fact(nq == nk, "Nq == Nk")
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, attn_mask)
     )
@@ -225,34 +354,56 @@ def build_request(
         mask = "none"
     else:
         mask = "bool" if attn_mask.dtype == torch.bool else "float"
-    return AttentionRequest(
-        device_type=query.device.type,
-        capability=device_capability(query.device),
-        dtype=query.dtype,
-        batch=b,
-        heads_q=hq,
-        heads_kv=hkv,
-        seqlen_q=seqlen_bucket(nq),
-        seqlen_k=seqlen_bucket(nk),
-        same_seqlen=nq == nk,
-        q_longer=nq > nk,
-        head_dim=d,
-        head_dim_v=value.shape[-1],
-        mask=mask,
-        mask_needs_grad=needs_grad and attn_mask is not None and attn_mask.requires_grad,
-        causal=params.causal,
+    layout = params.block_sparse
+    return (
+        ("device", str(query.device)),
+        ("dtype", query.dtype),
+        ("batch", _traced_batch(b) if torch.compiler.is_compiling() else b),
+        ("heads_q", _exact(hq, "the query heads Hq")),
+        ("heads_kv", _exact(hkv, "the key/value heads Hkv")),
+        ("seqlen_q", _bucket(nq, "the query length Nq")),
+        ("seqlen_k", _bucket(nk, "the key length Nk")),
+        ("same_seqlen", same_seqlen),
+        ("q_longer", not same_seqlen and _fact(nq > nk, "Nq > Nk")),
+        ("head_dim", _exact(d, "the head dim D")),
+        ("head_dim_v", _exact(value.shape[-1], "the value head dim Dv")),
+        ("mask", mask),
+        ("mask_needs_grad", needs_grad and attn_mask is not None and attn_mask.requires_grad),
+        ("causal", params.causal),
         # The alignment only matters where a diagonal does and the lengths differ;
         # normalizing it keeps backends that lack one alignment eligible elsewhere.
-        alignment=params.alignment
-        if (params.causal or params.window is not None) and nq != nk
-        else "top_left",
-        window=params.window is not None,
-        softcap=params.softcap is not None,
-        dropout=params.dropout_p > 0.0,
-        needs_grad=needs_grad,
-        deterministic=needs_grad and torch.are_deterministic_algorithms_enabled(),
-        last_dim_contiguous=all(t.stride(-1) == 1 or t.shape[-1] <= 1 for t in (query, key, value)),
-        block_sparse=params.block_sparse is not None,
-        block_size=params.block_sparse.block_size if params.block_sparse is not None else None,
-        return_lse=params.return_lse,
+        (
+            "alignment",
+            params.alignment
+            if (params.causal or params.window is not None) and not same_seqlen
+            else "top_left",
+        ),
+        ("window", params.window is not None),
+        ("softcap", params.softcap is not None),
+        ("dropout", params.dropout_p > 0.0),
+        ("needs_grad", needs_grad),
+        (
+            "last_dim_contiguous",
+            all(
+                _fact(t.stride(-1) == 1, "the last stride") or _fact(t.shape[-1] <= 1, "Dv")
+                for t in (query, key, value)
+            ),
+        ),
+        ("block_sparse", layout is not None),
+        ("block_size", layout.block_size if layout is not None else None),
+        ("return_lse", params.return_lse),
+        ("scale_positive", params.scale > 2.0**-150),
+    )
+
+
+def complete_request(facts: RequestFacts) -> AttentionRequest:
+    """The request of :func:`request_facts`, with the device's capability and whether
+    deterministic algorithms are asked for (for a call that needs gradients)."""
+    fields = dict(facts)
+    device = torch.device(fields.pop("device"))
+    return AttentionRequest(
+        device_type=device.type,
+        capability=device_capability(device),
+        deterministic=fields["needs_grad"] and torch.are_deterministic_algorithms_enabled(),
+        **fields,
     )
