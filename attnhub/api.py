@@ -31,6 +31,7 @@ from .validation import (
     check_tensors,
     complete_request,
     make_params,
+    mask_as_4d,
     request_facts,
 )
 
@@ -87,7 +88,7 @@ def _validate(
 ) -> AttentionParams:
     """Check a call (raising what contract.md says) and resolve its options."""
     check_tensors(query, key, value, attn_mask)
-    params = make_params(query, **options)
+    params = make_params(query, key=key, **options)
     check_block_sparse(params, query, key)
     return params
 
@@ -196,15 +197,20 @@ def attention(
             query head h reads key/value head h // (Hq // Hkv)).
         value: (B, Hkv, Nk, Dv).
         attn_mask: bool (True = may attend) or float (added to the scores),
-            broadcastable to (B, Hq, Nq, Nk).
+            broadcastable to (B, Hq, Nq, Nk): of any rank from 0 to 4 (backends are
+            handed it as a 4-D view).
         causal: keep keys at or before each query's diagonal position.
         alignment: "top_left" (query row i sits at key position i, as
             ``F.scaled_dot_product_attention(is_causal=True)``) or "bottom_right"
             (at i + Nk - Nq, as FlashAttention and KV-cache decoding).
         window: (left, right): keep keys from position - left to position + right;
-            None on a side means unbounded.
-        softcap: c > 0: scores become c * tanh(scores / c) before masking.
-        scale: score scale; None means 1 / sqrt(D).
+            None on a side means unbounded (and so does a side of 2**30 or more that
+            covers every key, side >= Nq + Nk).
+        softcap: c > 0: scores become c * tanh(scores / c) before masking; c must be
+            within float32's normal range (1.2e-38 to 3.4e38), in which it is applied.
+        scale: score scale; None means 1 / sqrt(D). ``|scale| <= 3.4e38`` (float32's
+            largest; scores are accumulated in float32, and scores that overflow it,
+            ``|scale * q.k| > 3.4e38``, give inf or NaN as in any float32 kernel).
         dropout_p: probability of dropping an attention weight (kept weights are
             scaled by 1 / (1 - p)); seeded from PyTorch's generator.
         block_sparse: an :class:`attnhub.BlockSparseLayout`.
@@ -216,7 +222,8 @@ def attention(
         A query row with every key masked gives zeros and an lse of -inf.
 
     Raises:
-        TypeError, ValueError: bad input, naming the argument.
+        TypeError, ValueError: bad input, naming the argument (a head dim D or Dv of 0
+            among it; empty B, H, Nq or Nk are served).
         NoBackendError: no backend (or none of those asked for) can serve the call.
     """
     global _last
@@ -351,6 +358,8 @@ def _slow_path(
     global _last
     decision, params = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
     chosen, runner = dispatch.prepare(decision, params)  # a failing prepare is contained
+    if attn_mask is not None and attn_mask.dim() < 4:
+        runner = _with_4d_mask(runner, attn_mask.shape)
     # An empty tensor's key does not pin its layout (is_contiguous() is True whatever
     # the strides), and empty calls are rare: they are decided every time.
     if not (call_key and query.numel() and key.numel() and value.numel()):
@@ -371,6 +380,21 @@ def _slow_path(
         _call_cache[call_key] = entry
         _last = entry
     return entry
+
+
+def _with_4d_mask(runner: Runner, mask_shape: Sequence[int]) -> Runner:
+    """``runner`` handed the mask as 4-D (a free view), for masks of rank 0 to 3.
+
+    Every backend is handed a 4-D mask: PyTorch's kernels reject 0-d and 1-D ones. The
+    view's shape is fixed here, once: an entry is used only for masks of this shape
+    (the call key holds it, and _Guards checks it). 4-D masks pay nothing.
+    """
+    shape = (1,) * (4 - len(mask_shape)) + tuple(mask_shape)
+
+    def run(query: Any, key: Any, value: Any, attn_mask: Any) -> Any:
+        return runner(query, key, value, attn_mask.view(shape))
+
+    return run
 
 
 class _Guards:
@@ -509,7 +533,8 @@ def _attention_traced(
     option_values = [_constant_option(v) for v in option_values]
     params = _validate(query, key, value, attn_mask, _options_dict(tuple(option_values)))
     name = _traced_choice(request_facts(query, key, value, attn_mask, params), backend)
-    return get_registry().get(name).forward(query, key, value, attn_mask, params)
+    mask = None if attn_mask is None else mask_as_4d(attn_mask)
+    return get_registry().get(name).forward(query, key, value, mask, params)
 
 
 def explain(

@@ -41,6 +41,16 @@ from .request import ALIGNMENTS, AttentionParams, AttentionRequest, device_capab
 
 _TENSOR_NAMES = ("query", "key", "value")
 
+# Scores (scale * q @ k^T, softcap) are computed in float32 by every kernel: option
+# values outside float32's range would turn every score into inf or NaN.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # the smallest positive normal
+# A window side at least this large, that also covers every key of the call
+# (side >= Nq + Nk), is unbounded: the same keys, and no overflow of the int32 and
+# int64 position arithmetic of the kernels (10**20 does not fit either). Below it, a
+# side is kept as given: 2**30 + a position of < 2**30 still fits int32.
+_WINDOW_CLAMP = 1 << 30
+
 
 def _decide(cond: Any, undecided: bool | None, what: str = "") -> bool:
     """``cond`` as a bool; where it is data-dependent, ``undecided`` (None: a
@@ -149,6 +159,15 @@ def _bucket(n: Any, what: str) -> int:
     return bucket
 
 
+def _type_name(value: Any) -> str:
+    """A value's type for a message: ``list``, or ``numpy.bool`` (whose own name, bool,
+    would read as if a bool had been refused)."""
+    kind = type(value)
+    return (
+        kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    )
+
+
 def _shape(t: Any) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
@@ -158,7 +177,7 @@ def check_tensors(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
     tensors = (query, key, value)
     for name, t in zip(_TENSOR_NAMES, tensors):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor, got {_type_name(t)}")
         if t.dim() != 4:
             layout = "(B, Hq, Nq, D)" if name == "query" else "(B, Hkv, Nk, D)"
             raise ValueError(
@@ -180,7 +199,7 @@ def check_tensors(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
             )
     b, hq, _, d = query.shape
     bk, hkv, nk, dk = key.shape
-    bv, hv, nv, _ = value.shape
+    bv, hv, nv, dv = value.shape
     if not (_checked(bk == b) and _checked(bv == b)):
         raise ValueError(
             f"batch sizes differ: query {_shape(query)}, key {_shape(key)}, value {_shape(value)}"
@@ -191,6 +210,12 @@ def check_tensors(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
         raise ValueError(f"key and value must have the same sequence length, got {nk} and {nv}")
     if not _checked(dk == d):
         raise ValueError(f"query and key must have the same head dim D, got {d} and {dk}")
+    # Empty tensors are served (contract.md, Errors), but not an empty head dim: the
+    # contract lists B, H, Nq and Nk of zero, and no backend declares D or Dv of 0.
+    if _known(d == 0):
+        raise ValueError(f"query and key head dim D must be >= 1, got query {_shape(query)}")
+    if _known(dv == 0):
+        raise ValueError(f"value head dim Dv must be >= 1, got value {_shape(value)}")
     if not (_checked(hq == 0) if _known(hkv == 0) else _checked(hq % hkv == 0)):
         raise ValueError(
             f"query heads Hq={hq} must be a multiple of key/value heads Hkv={hkv} "
@@ -204,10 +229,10 @@ def check_mask(attn_mask: Any, query: torch.Tensor, key: torch.Tensor) -> None:
     """The mask's type, dtype, device, and that it broadcasts to (B, Hq, Nq, Nk).
 
     Any rank from 0 to 4 broadcasts (PyTorch's rule: sizes align from the right, and
-    each is 1 or the target's).
+    each is 1 or the target's); backends see it as 4-D (:func:`mask_as_4d`).
     """
     if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_mask must be None or a torch.Tensor, got {type(attn_mask).__name__}")
+        raise TypeError(f"attn_mask must be None or a torch.Tensor, got {_type_name(attn_mask)}")
     if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
         raise TypeError(
             f"attn_mask must be bool (True = may attend) or floating, got {attn_mask.dtype}"
@@ -227,16 +252,30 @@ def check_mask(attn_mask: Any, query: torch.Tensor, key: torch.Tensor) -> None:
         )
 
 
+def mask_as_4d(attn_mask: torch.Tensor) -> torch.Tensor:
+    """A validated mask as the 4-D view every backend is handed (leading sizes of 1)."""
+    missing = 4 - attn_mask.dim()
+    return attn_mask.view((1,) * missing + tuple(attn_mask.shape)) if missing else attn_mask
+
+
 def _check_real(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
+        raise TypeError(f"{name} must be a real number, got {_type_name(value)}")
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float64's range
+        raise ValueError(f"{name} must be finite, got {value}") from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
 
 
-def _check_window(window: Any) -> tuple[int | None, int | None] | None:
+def _check_window(window: Any, covering: Any) -> tuple[int | None, int | None] | None:
+    """The window's sides, each an int >= 0 or None (unbounded).
+
+    ``covering`` is Nq + Nk: a side that large keeps every key the other bounds keep,
+    so a side of at least ``_WINDOW_CLAMP`` and ``covering`` becomes None.
+    """
     if window is None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
@@ -252,13 +291,18 @@ def _check_window(window: Any) -> tuple[int | None, int | None] | None:
             raise ValueError(
                 f"window sides must be >= 0 (or None for unbounded), got {side}={value}"
             )
-        sides.append(int(value))
+        value = int(value)
+        unbounded = value >= _WINDOW_CLAMP and _fact(covering <= value, "Nq + Nk")
+        sides.append(None if unbounded else value)
+    if sides == [None, None]:
+        return None  # unbounded both ways: no window at all
     return (sides[0], sides[1])
 
 
 def make_params(
     query: torch.Tensor,
     *,
+    key: Any = None,
     causal: Any,
     alignment: Any,
     window: Any,
@@ -268,13 +312,24 @@ def make_params(
     block_sparse: Any,
     return_lse: Any,
 ) -> AttentionParams:
-    """Check the options and resolve them into :class:`AttentionParams`."""
+    """Check the options and resolve them into :class:`AttentionParams`.
+
+    ``key`` (default: ``query``, self-attention) gives Nk, which bounds the window.
+
+    Rules beyond the types: ``dropout_p`` in [0, 1); ``softcap`` None or in
+    [1.18e-38, 3.4e38] (float32's positive normal range: the kernels divide by it in
+    float32); ``scale`` finite with ``|scale| <= 3.4e38`` (float32's largest: scores
+    are accumulated in float32, and a larger scale made every one inf, then NaN);
+    scores ``scale * q.k`` beyond float32's range overflow as in any float32 kernel.
+    A window side of 2**30 or more that covers every key (side >= Nq + Nk) is
+    unbounded (None), which keeps the same keys.
+    """
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        raise TypeError(f"causal must be a bool, got {_type_name(causal)}")
     if alignment not in ALIGNMENTS:
         raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
     if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        raise TypeError(f"return_lse must be a bool, got {_type_name(return_lse)}")
     dropout = _check_real("dropout_p", dropout_p)
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout}")
@@ -282,23 +337,33 @@ def make_params(
         softcap = _check_real("softcap", softcap)
         if softcap <= 0:
             raise ValueError(f"softcap must be None or > 0, got {softcap}")
+        if not _FLOAT32_TINY <= softcap <= _FLOAT32_MAX:
+            raise ValueError(
+                f"softcap must be within float32's normal range [{_FLOAT32_TINY}, "
+                f"{_FLOAT32_MAX}] (scores are capped in float32), got {softcap}"
+            )
     if scale is None:
         d = _exact(query.shape[-1], "the head dim D")
         scale = 1.0 / math.sqrt(d) if d > 0 else 1.0
     else:
         scale = _check_real("scale", scale)
+        if abs(scale) > _FLOAT32_MAX:
+            raise ValueError(
+                f"scale must be at most {_FLOAT32_MAX} in magnitude (float32's largest: "
+                f"scores are accumulated in float32), got {scale}"
+            )
     if block_sparse is not None:
         from .block_sparse import BlockSparseLayout
 
         if not isinstance(block_sparse, BlockSparseLayout):
             raise TypeError(
                 f"block_sparse must be None or an attnhub.BlockSparseLayout, "
-                f"got {type(block_sparse).__name__}"
+                f"got {_type_name(block_sparse)}"
             )
     return AttentionParams(
         causal=causal,
         alignment=alignment,
-        window=_check_window(window),
+        window=_check_window(window, query.shape[2] + (query if key is None else key).shape[2]),
         softcap=softcap,
         scale=scale,
         dropout_p=dropout,

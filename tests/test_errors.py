@@ -3,6 +3,8 @@ empty tensors behave as the reference says."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -265,3 +267,180 @@ def test_empty_query_with_mask_and_grad() -> None:
     grads = torch.autograd.grad(out.sum(), [q, k, v], allow_unused=True)
     for g, t in zip(grads, (q, k, v), strict=True):
         assert g is None or (g.shape == t.shape and not g.any())
+
+
+# -- masks of every rank, empty head dims, extreme options --------------------------
+
+
+def _sdpa64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    """PyTorch's own function in float64, GQA on: the independent reference."""
+    mask = kwargs.pop("attn_mask", None)
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
+        mask = mask.double()
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True, **kwargs
+    )
+    return out.to(q.dtype)
+
+
+def _mask(shape: tuple[int, ...], kind: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    if kind == "float":
+        return torch.randn(shape, generator=gen)
+    mask = torch.rand(shape, generator=gen) > 0.4
+    if mask.dim():
+        mask[..., 0] = True  # every query row keeps a key (PyTorch's NaN rows aside)
+    else:
+        mask.fill_(True)
+    return mask
+
+
+@pytest.mark.parametrize("backend", [None, "torch_sdpa", "torch_reference"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize(
+    "shape", [(), (7,), (1, 7), (5, 1), (4, 1, 7)], ids=lambda s: "x".join(map(str, s)) or "0d"
+)
+def test_masks_of_every_rank_broadcast(
+    shape: tuple[int, ...], kind: str, backend: str | None
+) -> None:
+    # contract.md: a mask broadcastable to (B, Hq, Nq, Nk) is legal, 0-d and 1-D ones too.
+    q, k, v = _qkv()
+    mask = _mask(shape, kind)
+    want = _sdpa64(q, k, v, attn_mask=mask.expand(2, 4, 5, 7))
+    for _ in range(2):  # the first call decides (slow path), the second is the cached one
+        got = attnhub.attention(q, k, v, mask, backend=backend)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_low_rank_float_mask_gets_its_gradient() -> None:
+    q, k, v = _qkv()
+    mask = torch.randn(7, requires_grad=True)
+    expanded = mask.detach().double().requires_grad_()
+    out = attnhub.attention(q, k, v, mask)
+    want = _sdpa64(q, k, v, attn_mask=expanded.expand(2, 4, 5, 7))
+    (grad,) = torch.autograd.grad(out.sum(), [mask])
+    (want_grad,) = torch.autograd.grad(want.sum(), [expanded])
+    assert grad.shape == (7,)
+    torch.testing.assert_close(grad, want_grad.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(), (16,)], ids=["0d", "1d"])
+def test_low_rank_masks_reach_the_triton_kernel_as_4d(shape: tuple[int, ...]) -> None:
+    # The Triton kernels (the interpreter on CPU, float32) read the mask through its strides.
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 16, 16, generator=gen) for _ in range(3))
+    mask = _mask(shape, "bool")
+    got = attnhub.attention(q, k, v, mask, backend="triton_flash")
+    want = _sdpa64(q, k, v, attn_mask=mask.expand(1, 2, 16, 16))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("d", "dv", "message"),
+    [
+        (0, 8, r"query and key head dim D must be >= 1, got query \(2, 4, 5, 0\)"),
+        (8, 0, r"value head dim Dv must be >= 1, got value \(2, 2, 7, 0\)"),
+        (0, 0, r"query and key head dim D must be >= 1"),
+    ],
+)
+def test_an_empty_head_dim_is_named(d: int, dv: int, message: str) -> None:
+    q, k, v = _qkv(d=d, dv=dv)
+    with pytest.raises(ValueError, match=message):
+        attnhub.attention(q, k, v)
+    with pytest.raises(ValueError, match=message):
+        attnhub.explain(q, k, v)
+
+
+@pytest.mark.parametrize(
+    ("window", "same_as"),
+    [
+        ((10**20, 0), (None, 0)),
+        ((2, 10**20), (2, None)),
+        ((2**31, 1), (None, 1)),
+        ((1 << 30, 2**63 - 1), None),
+        ((10**20, 10**20), None),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("backend", [None, "torch_reference"])
+def test_window_sides_beyond_every_key_are_unbounded(
+    window: tuple[int, int], same_as: tuple[int | None, int | None] | None, backend: str | None
+) -> None:
+    q, k, v = _qkv()
+    got, lse = attnhub.attention(q, k, v, window=window, return_lse=True, backend=backend)
+    want, want_lse = attnhub.attention(
+        q.double(), k.double(), v.double(), window=same_as, return_lse=True,
+        backend="torch_reference",
+    )  # fmt: skip
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    # The request says what the call is: no window where both sides are unbounded.
+    decision = attnhub.explain(q, k, v, window=window, backend=backend)
+    assert decision.request.window == (same_as is not None)
+
+
+def test_window_sides_may_be_numpy_ints() -> None:
+    np = pytest.importorskip("numpy")
+    q, k, v = _qkv()
+    want = attnhub.attention(q, k, v, window=(2, 1))
+    got = attnhub.attention(q, k, v, window=(np.int64(2), np.int32(1)))
+    assert torch.equal(got, want)
+    with pytest.raises(TypeError, match=r"window left side must be an int >= 0 or None"):
+        attnhub.attention(q, k, v, window=(np.bool_(True), 1))
+    with pytest.raises(ValueError, match=r"window sides must be >= 0 .* got left=-1"):
+        attnhub.attention(q, k, v, window=(np.int64(-1), 1))
+
+
+@pytest.mark.parametrize("window", [(float("inf"), 0), (2.0, 1), (0, float("nan"))], ids=str)
+def test_window_sides_that_are_floats_are_named(window: tuple[float, float]) -> None:
+    with pytest.raises(TypeError, match=r"window (left|right) side must be an int >= 0 or None"):
+        attnhub.attention(*_qkv(), window=window)
+
+
+@pytest.mark.parametrize("scale", [1e300, -1e300, 3.5e38, 1e39], ids=str)
+def test_a_scale_beyond_float32_is_named(scale: float) -> None:
+    message = rf"scale must be at most 3.40\d+e\+38 in magnitude .* got {re.escape(str(scale))}"
+    with pytest.raises(ValueError, match=message):
+        attnhub.attention(*_qkv(), scale=scale)
+
+
+@pytest.mark.parametrize("name", ["scale", "softcap", "dropout_p"])
+@pytest.mark.parametrize("value", [10**400, -(10**400), float("inf"), float("nan")], ids=str)
+def test_options_beyond_float64_or_not_finite_are_named(name: str, value: float) -> None:
+    with pytest.raises(ValueError, match=rf"{name} must be finite"):
+        attnhub.attention(*_qkv(), **{name: value})
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.0, 1e-300, 1e-45])
+def test_vanishing_scales_give_uniform_attention(scale: float) -> None:
+    # scale * q.k is 0 (or below float32's resolution): every key weighs the same.
+    q, k, v = _qkv()
+    got = attnhub.attention(q, k, v, scale=scale)
+    torch.testing.assert_close(got, _sdpa64(q, k, v, scale=0.0), atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("softcap", [1e300, 3.5e38, 1e-40, 1e-300], ids=str)
+def test_a_softcap_outside_float32_is_named(softcap: float) -> None:
+    with pytest.raises(ValueError, match=r"softcap must be within float32's normal range"):
+        attnhub.attention(*_qkv(), softcap=softcap)
+
+
+@pytest.mark.parametrize("softcap", [1e-30, 3e38])
+def test_extreme_softcaps_within_float32_keep_the_contract(softcap: float) -> None:
+    q, k, v = _qkv()
+    got = attnhub.attention(q, k, v, softcap=softcap)
+    want = attnhub.attention(
+        q.double(), k.double(), v.double(), softcap=softcap, backend="torch_reference"
+    )
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_numpy_bools_for_flags_are_named() -> None:
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match=r"causal must be a bool, got numpy\.bool"):
+        attnhub.attention(*_qkv(), causal=np.bool_(True))
+    with pytest.raises(TypeError, match=r"return_lse must be a bool, got numpy\.bool"):
+        attnhub.attention(*_qkv(), return_lse=np.bool_(False))
+    with pytest.raises(TypeError, match=r"dropout_p must be a real number, got numpy\.bool"):
+        attnhub.attention(*_qkv(), dropout_p=np.bool_(False))
