@@ -4,6 +4,13 @@ This is the executable form of contract.md: every feature, any device, every flo
 dtype, gradients by autograd. It materializes the (B, Hq, Nq, Nk) score matrix, so it
 is declared memory-quadratic and dispatch chooses it only when nothing else can serve
 a call (and says so). Tests compare every other backend against it, in float64.
+
+Two functions: :func:`reference_attention` is the contract's arithmetic in whatever
+dtype it is given (float64 for the tests' oracle, the input dtype for the "plain
+PyTorch operations" of a tolerance estimate); :func:`contract_attention`, what the
+backend runs, gives it float32 copies of half-precision inputs, because the contract
+accumulates in float32 or better: in float16, ``q @ k^T`` alone overflows (65504) on
+inputs as ordinary as 80 channels of 256, where every kernel stays finite.
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ def reference_attention(
     attn_mask: torch.Tensor | None,
     params: AttentionParams,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention by the contract, computed in the inputs' dtype.
+    """Attention by the contract, every operation in the inputs' dtype (the backend
+    runs it through :func:`contract_attention`, which upcasts half precision first).
 
     Shapes: query (B, Hq, Nq, D), key (B, Hkv, Nk, D), value (B, Hkv, Nk, Dv).
     Returns ``(out, lse)``: out (B, Hq, Nq, Dv) in the query's dtype, lse float32
@@ -96,6 +104,31 @@ def reference_attention(
     return out.to(query.dtype), lse.squeeze(-1).float()
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the contract computes ``dtype`` inputs in: float64 stays, anything
+    narrower (float16, bfloat16, float32) is computed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def contract_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    params: AttentionParams,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reference_attention` with the contract's accumulation: scores, softmax and
+    the weighted sum in :func:`compute_dtype` of the inputs, the output rounded once to
+    the query's dtype. Differentiable: the casts pass gradients back in the inputs'
+    dtypes (a float mask's too; it is added in the compute dtype). Shapes and returns as
+    :func:`reference_attention`."""
+    compute = compute_dtype(query.dtype)
+    out, lse = reference_attention(
+        query.to(compute), key.to(compute), value.to(compute), attn_mask, params
+    )
+    return out.to(query.dtype), lse
+
+
 class TorchReference(Backend):
     name = "torch_reference"
     description = "plain PyTorch, the executable contract (materializes Nq x Nk scores)"
@@ -114,5 +147,5 @@ class TorchReference(Backend):
     copies_strided = False
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
-        out, lse = reference_attention(query, key, value, attn_mask, params)
+        out, lse = contract_attention(query, key, value, attn_mask, params)
         return (out, lse) if params.return_lse else out

@@ -118,3 +118,47 @@ def test_pinned_kernels_return_the_log_sum_exp_of_the_reference():
         _, lse = attnhub.attention(q, k, v, return_lse=True, backend=name)
         assert lse.shape == (2, 4, 300) and lse.dtype == torch.float32, name
         torch.testing.assert_close(lse, ref, atol=2e-2, rtol=0, msg=name)
+
+
+def _float64_reference(q, k, v, **options):  # type: ignore[no-untyped-def]
+    """The contract in float64 on upcast copies, with gradients (the oracle)."""
+    from attnhub.validation import make_params
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    opts = {"causal": False, "alignment": "top_left", "window": None, "softcap": None,
+            "scale": None, "dropout_p": 0.0, "return_lse": False, **options}  # fmt: skip
+    out, lse = reference_attention(*leaves, None, make_params(leaves[0], **opts, block_sparse=None))
+    return out, lse, leaves
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reference_backend_accumulates_half_precision_in_float32(dtype):
+    """Issue 18.4: q @ k^T of 80 channels of 256 is 5.2e6, beyond float16 (65504). The
+    backend computes scores and softmax in float32 (the contract's accumulation), so it
+    stays finite and matches PyTorch's fused kernel; its gradients match float64."""
+    x = torch.full((1, 2, 23, 80), 256.0, dtype=dtype)
+    out = attnhub.attention(x, x, x, backend="torch_reference")
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(x, x, x))
+
+    gen = torch.Generator().manual_seed(4)
+    # Products q.k up to about 7e4, beyond float16, and scores (scale 1e-4) of a few
+    # units: the product overflowed before the scale could shrink it.
+    q, k, v = (
+        (torch.randn(2, 2, 19, 80, generator=gen) * s).to(dtype).requires_grad_()
+        for s in (48.0, 48.0, 1.0)
+    )
+    options = {"causal": True, "scale": 1e-4}
+    out, lse = attnhub.attention(q, k, v, **options, return_lse=True, backend="torch_reference")
+    ref, ref_lse, leaves = _float64_reference(q, k, v, **options)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    eps = torch.finfo(dtype).eps
+    # float32 arithmetic, then one rounding to the output dtype.
+    torch.testing.assert_close(out.double(), ref.detach(), rtol=eps, atol=eps)
+    torch.testing.assert_close(lse.double(), ref_lse.double(), rtol=1e-6, atol=1e-6)
+    grad_out = torch.randn(out.shape, generator=gen).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    ref_grads = torch.autograd.grad(ref, leaves, grad_out.double())
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert g.dtype == dtype and torch.isfinite(g).all(), name
+        scale = r.abs().max().item()
+        assert (g.double() - r).abs().max().item() <= 4 * eps * scale, name
