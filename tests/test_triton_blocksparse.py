@@ -408,3 +408,27 @@ def test_gpu_large(dtype: torch.dtype, block: int) -> None:
         BlockSparseLayout.bigbird(2048, block),
     ):
         _check(layout, dtype, 2, 4, 2, 2048, 2048, 128, causal=layout.mask_mod is None)
+
+
+def test_double_backward_raises_instead_of_dropping_the_attention_terms() -> None:
+    """Issue 18.3, as in triton_flash: differentiating the gradients raises (eager calls
+    and the registered op), first-order gradients are unchanged."""
+    torch.manual_seed(9)
+    layout = _random_layout(1, 1, 32, 32, 16, 0.7, seed=3).to(DEVICE)
+    q, k, v = (torch.randn(1, 2, 32, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    plain = torch.autograd.grad(attnhub.attention(q, k, v, block_sparse=layout).sum(), (q, k, v))
+    out = attnhub.attention(q, k, v, block_sparse=layout, backend="triton_blocksparse")
+    grads = torch.autograd.grad(out.sum(), (q, k, v), create_graph=True)
+    for a, b in zip(plain, grads):
+        torch.testing.assert_close(a, b.detach())
+    for wrt in (q, k, v):
+        with pytest.raises(RuntimeError, match="double backward"):
+            torch.autograd.grad(grads[0].pow(2).sum() + v.sum(), wrt, retain_graph=True)
+    seed, scalars = ops.call_scalars(q, False, False, None, None, None, 0.0)
+    index = ops.layout_tensors(layout, q.device)
+    op_out, _ = torch.ops.attnhub.triton_blocksparse_fwd(
+        q, k, v, None, seed, index, *layout.block_size, *ops._facts[layout], *scalars
+    )
+    (dq,) = torch.autograd.grad(op_out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(dq.pow(2).sum(), k)

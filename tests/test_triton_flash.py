@@ -761,3 +761,36 @@ def test_launch_config_short_sequence_entries() -> None:
     ]
     assert short_bwd == [configs.LaunchConfig(32, 64, 4, 3), configs.LaunchConfig(64, 32, 4, 3)]
     assert configs.launch_config("fwd", 64, 2, True, sm90, True, 512) == configs.INTERPRETER_FWD
+
+
+def test_double_backward_raises_instead_of_dropping_the_attention_terms() -> None:
+    """Issue 18.3: a gradient taken with create_graph=True came back with no graph, so a
+    second derivative through it silently lost every attention term (d/dv of
+    |dq|^2 + sum(v) was all 1.0). The kernels' backward is not differentiable: the
+    first-order gradients are unchanged, and differentiating them raises, as PyTorch's
+    fused kernels do, through attnhub (DirectAttention) and through the registered op."""
+    torch.manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 20, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    _, scalars = ops.call_scalars(q, True, False, None, None, None, 0.0)
+    calls = {
+        "attnhub": lambda: attnhub_attention(q, k, v, causal=True, backend="triton_flash"),
+        "op": lambda: torch.ops.attnhub.triton_flash_fwd(q, k, v, None, None, *scalars)[0],
+    }
+    for path, call in calls.items():
+        plain = torch.autograd.grad(call().sum(), (q, k, v))
+        grads = torch.autograd.grad(call().sum(), (q, k, v), create_graph=True)
+        for a, b in zip(plain, grads):
+            assert torch.equal(a, b.detach()), path
+        for wrt in (q, k, v):
+            with pytest.raises(RuntimeError, match="double backward"):
+                torch.autograd.grad(grads[0].pow(2).sum() + v.sum(), wrt)
+    # Without create_graph, nothing changes: a plain backward, twice.
+    out = attnhub_attention(q, k, v, backend="triton_flash")
+    out.sum().backward(retain_graph=True)
+    out.sum().backward()
+
+
+def attnhub_attention(*args, **kwargs):  # type: ignore[no-untyped-def]
+    import attnhub
+
+    return attnhub.attention(*args, **kwargs)

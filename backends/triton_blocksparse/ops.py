@@ -36,6 +36,7 @@ from attnhub.backends.triton_flash.ops import (
     cdiv,
     direct,
     interpreting,
+    raise_double_backward,
 )
 from attnhub.block_sparse import BlockSparseLayout, _compress
 
@@ -302,6 +303,8 @@ def _backward(ctx, dout, dlse):  # type: ignore[no-untyped-def]
 
 
 triton_blocksparse_fwd.register_autograd(_backward, setup_context=_setup_context)
+# Differentiating the gradients raises, as in triton_flash (DOUBLE_BACKWARD_ERROR).
+triton_blocksparse_bwd.register_autograd(raise_double_backward)
 
 
 def block_sparse_attention(

@@ -479,6 +479,60 @@ def _backward(ctx, dout, dlse):  # type: ignore[no-untyped-def]
 
 triton_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
+# The backward kernels compute gradients, not a graph of them: a gradient of a gradient
+# (double backward: torch.autograd.grad(..., create_graph=True), then differentiating
+# its result) is not implemented. PyTorch's fused kernels raise "derivative for ... is
+# not implemented" there; so do these, on both paths (DirectAttention below, and the
+# registered ops), instead of handing back gradients that autograd treats as constants
+# (a second derivative through them was silently missing every attention term).
+DOUBLE_BACKWARD_ERROR = (
+    "derivative for attnhub's Triton attention backward is not implemented (double "
+    "backward: differentiating a gradient taken with create_graph=True); "
+    "backend='torch_reference' computes attention with differentiable gradients"
+)
+
+
+def raise_double_backward(ctx, *grads):  # type: ignore[no-untyped-def]
+    """The registered autograd of the backward ops: differentiating them raises."""
+    raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+
+triton_flash_bwd.register_autograd(raise_double_backward)
+
+
+class _GradientsOfNoGraph(torch.autograd.Function):
+    """``apply(count, *tensors)`` returns ``tensors[:count]`` (the gradients) unchanged,
+    as outputs of one node with an edge to every tensor that requires grad: the
+    gradients and the inputs they were computed from. Its backward raises
+    DOUBLE_BACKWARD_ERROR, so differentiating a gradient with respect to any of those
+    inputs raises, as PyTorch's fused kernels do. (``DelayedError``, what
+    ``torch.autograd.function.once_differentiable`` uses, links the gradients to fresh
+    leaves only: a second derivative with respect to k or v never reaches it, and
+    comes back silently without the attention terms.)"""
+
+    @staticmethod
+    def forward(ctx, count, *tensors):  # type: ignore[no-untyped-def]
+        return tuple(t.view_as(t) for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[no-untyped-def]
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+
+def once_differentiable(
+    grads: tuple[torch.Tensor, ...], *inputs: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """``grads`` as computed, unless autograd records a graph through the backward
+    (create_graph=True: grad mode is on inside it) and one of ``inputs`` (the incoming
+    gradients and the saved tensors) requires grad: then the same values, whose
+    differentiation raises DOUBLE_BACKWARD_ERROR (:class:`_GradientsOfNoGraph`)."""
+    if not torch.is_grad_enabled():
+        return grads
+    needed = [t for t in inputs if t is not None and t.requires_grad]
+    if not needed:
+        return grads
+    return _GradientsOfNoGraph.apply(len(grads), *grads, *needed)
+
 
 def direct(*tensors: torch.Tensor | None) -> bool:
     """Whether a call on these tensors may bypass the op (see the module docstring):
@@ -522,7 +576,8 @@ class DirectAttention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         with set_wrap_triton_enabled(False):
-            dq, dk, dv = bwd_impl(dout, q, k, v, mask, seed, *extra, out, lse, dlse, *scalars)
+            grads = bwd_impl(dout, q, k, v, mask, seed, *extra, out, lse, dlse, *scalars)
+        dq, dk, dv = once_differentiable(grads, dout, dlse, q, k, v, mask)
         return (None, None, None, dq, dk, dv, None, None) + (None,) * len(scalars)
 
 
