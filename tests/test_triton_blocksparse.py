@@ -432,3 +432,20 @@ def test_double_backward_raises_instead_of_dropping_the_attention_terms() -> Non
     (dq,) = torch.autograd.grad(op_out.sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(dq.pow(2).sum(), k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+def test_one_key_per_row_has_exactly_zero_dq_and_dk(dtype: torch.dtype) -> None:
+    """Issue 18.17, as in triton_flash (the same backward steps and delta): with
+    window (0, 0), bottom-right, Nq = 17 > Nk = 16, scale 2 and a float mask, each row
+    keeps at most one key, so dq and dk are exactly 0."""
+    gen = torch.Generator().manual_seed(17)
+    q = torch.randn(2, 2, 17, 64, generator=gen).to(DEVICE, dtype)
+    k, v = (torch.randn(2, 2, 16, 64, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    mask = (2.0 * torch.randn(17, 16, generator=gen)).to(DEVICE, dtype)
+    dout = torch.randn(2, 2, 17, 64, generator=gen).to(DEVICE, dtype)
+    layout = BlockSparseLayout.from_block_mask(torch.ones(1, 1, 2, 1, dtype=torch.bool), 16)
+    out, _, dq, dk, _ = _run(layout, q, k, v, dout, mask, bottom_right=True, window=(0, 0),
+                              scale=2.0)  # fmt: skip
+    assert torch.equal(out[:, :, 1:], v)
+    assert torch.equal(dq, torch.zeros_like(dq)) and torch.equal(dk, torch.zeros_like(dk))

@@ -794,3 +794,30 @@ def attnhub_attention(*args, **kwargs):  # type: ignore[no-untyped-def]
     import attnhub
 
     return attnhub.attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else []),
+                         ids=SHORT.get)  # fmt: skip
+def test_one_key_per_row_has_exactly_zero_dq_and_dk(dtype: torch.dtype, d: int) -> None:
+    """Issue 18.17: with window (0, 0), bottom-right, Nq = 17 > Nk = 16, every row but
+    the first keeps one key, so out_i = v_(i-1) whatever q and k are, and dq and dk are
+    exactly 0 (the float64 reference's too). They came out as 1e-5 and more (over the
+    contract's bound of 1e-5 there): dS = P * (dP - delta) subtracted delta, a row sum of
+    dO * O, from dP, a dot product of dO and V, two float32 sums of the same products
+    in different orders. delta is now summed as dP is (kernels._row_dots)."""
+    gen = torch.Generator().manual_seed(d)
+    shape_q, shape_k = (2, 2, 17, d), (2, 2, 16, d)
+    q, k, v = (torch.randn(s, generator=gen).to(DEVICE, dtype).requires_grad_()
+               for s in (shape_q, shape_k, shape_k))  # fmt: skip
+    mask = (2.0 * torch.randn(17, 16, generator=gen)).to(DEVICE, dtype)
+    dout = torch.randn(shape_q, generator=gen).to(DEVICE, dtype)
+    out, _ = ops.flash_attention(q, k, v, mask, bottom_right=True, window=(0, 0), scale=2.0)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))  # row 0 keeps no key
+    assert torch.equal(out[:, :, 1:], v.detach())
+    assert torch.equal(dq, torch.zeros_like(dq)) and torch.equal(dk, torch.zeros_like(dk))
+    # dv_j = P * dO_(j+1) with P = 1 up to the float32 rounding of the recomputed softmax
+    # (exactly 1 once rounded to half precision for the dot).
+    rtol = 1e-5 if dtype == torch.float32 else 0.0
+    torch.testing.assert_close(dv, dout[:, :, 1:], rtol=rtol, atol=0.0)

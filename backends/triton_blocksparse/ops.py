@@ -250,7 +250,7 @@ def _bwd_impl(
     hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
     c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
                scale, dropout_p)  # fmt: skip
-    delta = _delta(out, dout, dlse, c.meta["BLOCK_DV"])
+    delta = _delta(out, dout, dlse, c.meta)
     seed_t = q if seed is None else seed
     tiles, row_order, col_order = index[10:13]
     meta = {**c.meta, "HAS_PARTIAL": has_partial}

@@ -76,11 +76,16 @@ STRIDE_QM, STRIDE_DOM in the forward and dQ kernels, Q/dO in dK/dV) as a constan
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) == exp2(x * LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): natural lse = log2-domain lse * LN2
+# Triton's interpreter runs these kernels (TRITON_INTERPRET=1 when this module is
+# imported, which is when Triton reads it to decorate them): see _row_dots.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
@@ -99,6 +104,28 @@ def _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p):
         tl.cast(qk_scale, tl.float32), tl.cast(sm_scale, tl.float32),
         tl.cast(softcap, tl.float32), tl.cast(dropout_p, tl.float32),
     )  # fmt: skip
+
+
+@triton.jit
+def _row_dots(a, b, INPUT_PRECISION: tl.constexpr):
+    """(M, N) float32: the dot product of every row of ``a`` (M, K) with every row of
+    ``b`` (N, K), as ``tl.dot(a, trans(b))``.
+
+    The backward's dP_ij = dO_i . V_j and the preprocess's delta_i = dO_i . O_i go
+    through here, so that where O_i is V_j bit for bit (a row that keeps one key, or
+    whose other weights underflow), dP_ij - delta_i is exactly 0, as the true dS is: the
+    same products, summed in the same order (attn_bwd_preprocess_kernel). tl.dot gives
+    that on the GPU: an entry's sum does not depend on where it sits in which tile (seen
+    on the H200: dQ and dK of a one-key-per-row window exactly 0 in fp16 at D = 32, 64,
+    128, 1.4e-5 to 3.8e-5 with delta from a row sum). Triton's interpreter runs tl.dot
+    as numpy's matmul, whose sums do depend on the matrix shapes; there the products
+    are summed entry by entry (a numpy sum over K, the same for every entry), which
+    the interpreter can afford."""
+    if INTERPRETED:
+        dots = tl.sum(a[:, None, :].to(tl.float32) * b[None, :, :].to(tl.float32), 2)
+    else:
+        dots = tl.dot(a, tl.trans(b), input_precision=INPUT_PRECISION)
+    return dots
 
 
 @triton.jit
@@ -445,9 +472,19 @@ def attn_bwd_preprocess_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     H, NQ, HEAD_DV,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Delta (B, H, NQ) float32 = rowsum(dO * O)."""
+    """Delta (B, H, NQ) float32 = rowsum(dO * O), summed as the backward sums dP.
+
+    dS = P * (dP - delta) cancels two sums of a row's products: dP_ij = dO_i . V_j
+    (the dQ and dK/dV steps) and delta_i = dO_i . O_i. Where a row keeps one key, O_i is
+    V_j bit for bit and the true dS is exactly 0; with delta a row sum here and dP a
+    tl.dot there, the two sums differed in their last float32 bits, and dQ and dK came
+    out as noise of 1e-5 and more instead of 0 (fp16, window (0, 0)). So delta is the
+    diagonal of the dot products of dO's rows with O's, by :func:`_row_dots`, which also
+    gives dP: the same products summed the same way. The (BLOCK_M, BLOCK_M) product
+    costs BLOCK_M times the multiply-adds of the row sums, in a kernel bound by reading
+    O and dO once."""
     start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
@@ -466,7 +503,11 @@ def attn_bwd_preprocess_kernel(
         mask=inb,
         other=0.0,
     )
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    dots = _row_dots(do, o.to(do.dtype), INPUT_PRECISION)
+    diagonal = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
+    # One term per row: the sum is that term exactly, and a NaN in another row's dO or
+    # O stays out of this row's delta.
+    delta = tl.sum(tl.where(diagonal, dots, 0.0), 1)
     tl.store(Delta + pid_bh * NQ + offs_m, delta, mask=offs_m < NQ)
 
 
@@ -511,7 +552,7 @@ def _bwd_kv_step(
     if HAS_TILE:
         sT = tl.where(tl.load(tile_ptrs) != 0, sT, float("-inf"))
     pT = tl.exp2(sT - lse2[None, :])
-    dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+    dpT = _row_dots(v, do, INPUT_PRECISION)
     if HAS_DROPOUT:
         rnd = tl.rand(seed, drop_base + offs_m[None, :].to(tl.int64) * NK + offs_n[:, None])
         kept = rnd >= dropout_p
@@ -710,7 +751,7 @@ def _bwd_q_step(
     if HAS_TILE:
         s = tl.where(tl.load(tile_ptrs) != 0, s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+    dp = _row_dots(do, v, INPUT_PRECISION)
     if HAS_DROPOUT:
         rnd = tl.rand(seed, drop_rows[:, None] + offs_n[None, :])
         dp = tl.where(rnd >= dropout_p, dp * (1.0 / (1.0 - dropout_p)), 0.0)

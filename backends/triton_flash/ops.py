@@ -300,16 +300,18 @@ def _grad_outputs(
 
 
 def _delta(
-    out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None, block_dv: int
+    out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None, meta: dict[str, Any]
 ) -> torch.Tensor:
     """rowsum(dO * O) (B, Hq, Nq) float32 from the preprocess kernel, minus ``dlse``:
-    d lse / d s = P, so a gradient on lse enters as dS = P * (dP - (delta - dlse))."""
+    d lse / d s = P, so a gradient on lse enters as dS = P * (dP - (delta - dlse)).
+    ``meta``: the call's shared constexprs; the kernel takes BLOCK_DV and the
+    INPUT_PRECISION of the backward's dP, whose sums it repeats."""
     b, hq, nq, dv = out.shape
     delta = torch.empty((b, hq, nq), device=out.device, dtype=torch.float32)
     pre_m = 32 if interpreting() else 64
     _launcher(kernels.attn_bwd_preprocess_kernel, out)[(cdiv(nq, pre_m), b * hq)](
         out, dout, delta, *out.stride(), *dout.stride(), hq, nq, dv,
-        BLOCK_M=pre_m, BLOCK_DV=block_dv,
+        BLOCK_M=pre_m, BLOCK_DV=meta["BLOCK_DV"], INPUT_PRECISION=meta["INPUT_PRECISION"],
     )  # fmt: skip
     if dlse is not None:
         delta = delta - dlse.float()
@@ -389,7 +391,7 @@ def _bwd_impl(
     hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
     c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
                scale, dropout_p)  # fmt: skip
-    delta = _delta(out, dout, dlse, c.meta["BLOCK_DV"])
+    delta = _delta(out, dout, dlse, c.meta)
     block_d = max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"])
     seed_t = q if seed is None else seed
     esize, lean = q.element_size(), mask is None
