@@ -12,6 +12,10 @@ What no kernel here offers (window, softcap) is declared unsupported. Bottom-rig
 causal, which ``F.scaled_dot_product_attention`` lacks, is served by the flash op
 natively (FlashAttention-2 aligns bottom-right), and by ``torch_sdpa`` through an
 explicit mask (declared memory-quadratic for those calls).
+
+Where a PyTorch kernel breaks the contract, the backend routes around it or declines
+the call, with the reason in ``explain()`` (see ``_CPU_VECTOR_KEYS`` and
+``TorchSDPA.extra_reasons``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,65 @@ def _combined_mask(
     if attn_mask.dtype == torch.bool:
         return attn_mask & keep
     return attn_mask.masked_fill(~keep, float("-inf"))
+
+
+# PyTorch's CPU flash kernel (torch 2.13, aten/src/ATen/native/cpu/FlashAttentionKernel.cpp)
+# breaks the contract here, seen in every float dtype:
+#
+# - Without a mask, it takes each row's maximum with a vector max, which keeps a NaN,
+#   over whole SIMD vectors of keys, and with std::max, which drops one, over the rest.
+#   Where Nk is shorter than one vector, a row whose every kept score is NaN (a NaN
+#   query row; a NaN key that is a causal row's only key) gets a maximum of -inf and is
+#   taken for fully masked: zeros instead of NaN. (At Nk >= one vector, a vector holds
+#   the NaN, and longer rows start with a whole vector.) With a mask, the maximum is a
+#   vector max throughout: so calls with fewer keys than the widest vector (16 floats
+#   in AVX-512; 8 doubles) get one, all zeros ((1, Nk): linear memory), or causal
+#   folded into an (Nq, Nk <= 16) one.
+_CPU_VECTOR_KEYS = 16
+
+
+def _short_keys_on_cpu(request: AttentionRequest) -> bool:
+    """A CPU call without a mask whose rows may fit in the kernel's scalar remainder (it
+    gets an explicit mask; see _CPU_VECTOR_KEYS). The bucket is exact here: Nk <= 16."""
+    return (
+        request.device_type == "cpu"
+        and request.mask == "none"
+        and request.seqlen_k <= _CPU_VECTOR_KEYS
+    )
+
+
+def _uses_is_causal(request: AttentionRequest) -> bool:
+    """The call reaches SDPA as ``is_causal=True`` (otherwise causal is a mask): causal,
+    top-left (or Nq == Nk, where the alignments coincide: the request's alignment is
+    normalized so), no attn_mask, and not given a mask for short rows on the CPU."""
+    return (
+        request.causal
+        and request.mask == "none"
+        and request.alignment == "top_left"
+        and not _short_keys_on_cpu(request)
+    )
+
+
+def _sdpa_mask(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    params: AttentionParams,
+) -> tuple[torch.Tensor | None, bool]:
+    """(attn_mask, is_causal) to hand SDPA for this call, the route of :func:`_uses_is_causal`
+    decided on the tensors themselves."""
+    nk = key.shape[2]
+    # Branches, not boolean expressions: under torch.compile with dynamic shapes the
+    # comparisons are SymBools, which Dynamo decides (with a guard) only in a branch.
+    if query.device.type == "cpu" and attn_mask is None and nk <= _CPU_VECTOR_KEYS:
+        if params.causal:
+            return _combined_mask(query, key, None, params), False
+        return query.new_zeros((1, nk)), False
+    if params.causal:
+        if attn_mask is None and (not params.bottom_right or query.shape[2] == nk):
+            return None, True
+        attn_mask = _combined_mask(query, key, attn_mask, params)
+    return attn_mask, False
 
 
 class TorchSDPA(Backend):
@@ -89,8 +152,8 @@ class TorchSDPA(Backend):
         return self.memory
 
     def prepare(self, request: AttentionRequest, params: AttentionParams) -> Runner:
-        if params.causal and (request.mask != "none" or params.bottom_right):
-            return super().prepare(request, params)  # the mask depends on exact lengths
+        if (params.causal and not _uses_is_causal(request)) or _short_keys_on_cpu(request):
+            return super().prepare(request, params)  # a mask built for the exact lengths
         # Only the arguments that differ from SDPA's defaults: each keyword costs
         # PyTorch's argument parser about 0.3-0.8 us, a large part of attnhub's budget.
         static: dict[str, Any] = {}
@@ -116,15 +179,15 @@ class TorchSDPA(Backend):
         )
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
-        is_causal = params.causal and attn_mask is None and not params.bottom_right
-        if params.causal and not is_causal:
-            attn_mask = _combined_mask(query, key, attn_mask, params)
+        attn_mask, is_causal = _sdpa_mask(query, key, attn_mask, params)
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             attn_mask = attn_mask.to(query.dtype)
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=params.dropout_p,
             is_causal=is_causal, scale=params.scale,
-            enable_gqa=query.shape[1] != key.shape[1],
+            # A branch: with symbolic head counts (torch.compile(dynamic=True)) the
+            # comparison is a SymBool, which SDPA rejects; Dynamo guards a branch.
+            enable_gqa=True if query.shape[1] != key.shape[1] else False,  # noqa: SIM210
         )  # fmt: skip
 
 

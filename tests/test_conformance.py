@@ -195,3 +195,112 @@ def test_reference_gradcheck() -> None:
     assert torch.autograd.gradcheck(fn, leaves)
     out = fn(*leaves)
     assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
+
+
+# -- NaN in, NaN out (contract.md, "NaN inputs") --------------------------------------
+
+# (label, Nq, Nk, options, mask kind). Rows of fewer keys than one SIMD vector are where
+# PyTorch's CPU kernel, without a mask, turned a NaN row into zeros (issue 18.5).
+_NAN_CALLS = [
+    ("plain_short", 5, 6, {}, None),
+    ("causal_short", 6, 6, {"causal": True}, None),
+    ("plain", 19, 23, {}, None),
+    ("causal_br", 23, 19, {"causal": True, "alignment": "bottom_right"}, None),
+    ("bool", 9, 13, {}, "bool"),
+    ("float", 9, 13, {}, "float"),
+    ("window", 17, 17, {"window": (3, 2)}, None),
+]
+
+
+def _kept(nq: int, nk: int, options: dict, mask: torch.Tensor | None) -> torch.Tensor:
+    """(Nq, Nk) bool: which keys each row keeps (causal, window, bool mask)."""
+    offset = nk - nq if options.get("alignment") == "bottom_right" else 0
+    position = torch.arange(nq).unsqueeze(1) + offset
+    key = torch.arange(nk).unsqueeze(0)
+    keep = torch.ones(nq, nk, dtype=torch.bool)
+    if options.get("causal"):
+        keep &= key <= position
+    if options.get("window") is not None:
+        left, right = options["window"]
+        keep &= (key >= position - left) & (key <= position + right)
+    if mask is not None and mask.dtype == torch.bool:
+        keep &= mask
+    return keep
+
+
+def _nan_targets() -> list:
+    return [
+        pytest.param(name, label, id=f"{name}-{label}", marks=marks)
+        for name, device, _, marks in _TARGETS
+        if device == "cpu" and (name, device) in _WITH_DENSE_CASES
+        for label, *_ in _NAN_CALLS
+    ]
+
+
+@pytest.mark.parametrize(("backend", "label"), _nan_targets())
+def test_nan_in_nan_out(backend: str, label: str) -> None:
+    """A NaN in query row i makes output row i (and its lse, dq row, and the dk/dv rows
+    of the keys it keeps) NaN, and changes no other row; a NaN in key row j makes every
+    row that keeps key j NaN; a NaN in value j's column c, column c of those rows; a NaN
+    float mask entry, its row. On every backend the suite runs on the CPU: dispatch never
+    turns a NaN into a number."""
+    import attnhub
+
+    _, nq, nk, options, mask_kind = next(c for c in _NAN_CALLS if c[0] == label)
+    gen = torch.Generator().manual_seed(nq * 100 + nk)
+    declared = get_registry().get(backend).dtypes
+    for dtype in (d for d in (torch.float32, torch.float16) if d in declared):
+        mask = None
+        if mask_kind == "bool":
+            mask = torch.rand(nq, nk, generator=gen) < 0.7
+            mask[:, 0] = True  # every row keeps a key
+        elif mask_kind == "float":
+            mask = torch.randn(nq, nk, generator=gen).to(dtype)
+        keep = _kept(nq, nk, options, mask)
+        row = int(keep.any(1).nonzero()[-1])  # a row that keeps keys
+        col = int(keep[row].nonzero()[0])  # a key it keeps
+        clean = [torch.randn(1, 2, n, 16, generator=gen).to(dtype) for n in (nq, nk, nk)]
+        call = {**options, "return_lse": get_registry().get(backend).lse}
+        if attnhub.explain(*clean, mask, **call, backend=backend).chosen is None:
+            continue
+        reference = attnhub.attention(*clean, mask, **call, backend=backend)
+        ref_out = reference[0] if isinstance(reference, tuple) else reference
+        if mask_kind == "float":  # a NaN in the float mask is a NaN score
+            nan_mask = mask.clone()
+            nan_mask[row, col] = float("nan")
+            result = attnhub.attention(*clean, nan_mask, **call, backend=backend)
+            out = result[0] if isinstance(result, tuple) else result
+            assert out[0, :, row].isnan().all(), f"{dtype} NaN in attn_mask[{row}, {col}]"
+        for where in range(3):
+            tensors = [t.clone() for t in clean]
+            index = row if where == 0 else col
+            tensors[where][0, :, index, 5] = float("nan")
+            result = attnhub.attention(*tensors, mask, **call, backend=backend)
+            out = result[0] if isinstance(result, tuple) else result
+            what = f"{dtype} NaN in {'qkv'[where]}[{index}]"
+            if where == 0:
+                assert out[0, :, row].isnan().all(), what
+                others = torch.arange(nq) != row
+                torch.testing.assert_close(out[:, :, others], ref_out[:, :, others], msg=what)
+                if isinstance(result, tuple):
+                    assert result[1][0, :, row].isnan().all(), what + ": lse"
+            else:
+                rows = keep[:, col]
+                cells = out[0, :, rows] if where == 1 else out[0, :, rows, 5]
+                assert cells.isnan().all(), what
+
+        # Gradients of a NaN query row: its dq row, and the dk, dv rows of its keys.
+        if not get_registry().get(backend).backward:
+            continue
+        leaves = [t.clone().requires_grad_() for t in clean]
+        with torch.no_grad():
+            leaves[0][0, :, row, 5] = float("nan")
+        out = attnhub.attention(*leaves, mask, **options, backend=backend)
+        dq, dk, dv = torch.autograd.grad(
+            out, leaves, torch.randn(out.shape, generator=gen).to(dtype)
+        )
+        kept = keep[row]
+        assert dq[0, :, row].isnan().all(), f"{dtype}: dq"
+        assert dk[0, :, kept].isnan().any(-1).all() and dv[0, :, kept].isnan().any(-1).all(), (
+            f"{dtype}: dk/dv of the keys row {row} keeps"
+        )
