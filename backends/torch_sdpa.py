@@ -52,7 +52,7 @@ def _combined_mask(
 
 
 # PyTorch's CPU flash kernel (torch 2.13, aten/src/ATen/native/cpu/FlashAttentionKernel.cpp)
-# breaks the contract here, seen in every float dtype:
+# has two flaws that break the contract, seen here in every float dtype:
 #
 # - Without a mask, it takes each row's maximum with a vector max, which keeps a NaN,
 #   over whole SIMD vectors of keys, and with std::max, which drops one, over the rest.
@@ -63,6 +63,9 @@ def _combined_mask(
 #   vector max throughout: so calls with fewer keys than the widest vector (16 floats
 #   in AVX-512; 8 doubles) get one, all zeros ((1, Nk): linear memory), or causal
 #   folded into an (Nq, Nk <= 16) one.
+# - With is_causal, it fills the scores above the diagonal with -inf *before* scaling
+#   them: a scale <= 0 turns them into +inf or NaN, and every output into NaN. (An
+#   explicit mask is added after the scaling.) Such calls are declined (extra_reasons).
 _CPU_VECTOR_KEYS = 16
 
 
@@ -129,7 +132,17 @@ class TorchSDPA(Backend):
 
     def extra_reasons(self, request: AttentionRequest) -> list[str]:
         if request.device_type != "cuda":
+            if not request.scale_positive and _uses_is_causal(request):
+                return [
+                    "causal with scale <= 0: PyTorch's CPU kernel masks the scores with "
+                    "-inf before scaling them (NaN everywhere)"
+                ]
             return []
+        if not request.scale_positive:
+            # Seen on the H200 (torch 2.11): the flash and cuDNN kernels, which PyTorch
+            # picks for fp16/bf16, give NaN for every call; the memory-efficient one,
+            # NaN gradients where it is given a mask (bottom-right causal here).
+            return ["on CUDA, scale <= 0: PyTorch's flash and cuDNN kernels give NaN"]
         # Seen on the H200 (torch 2.11, benchmarks/results/gpu-check-2026-11-30.json):
         # PyTorch's CUDA kernels return NaN for query rows whose every key is masked,
         # which a mask, or bottom-right causal with Nq > Nk, can produce; the contract
@@ -236,6 +249,14 @@ class _PinnedSDPA(Backend):
         return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
 
+def _positive_scale_only(request: AttentionRequest) -> list[str]:
+    # Seen on the H200 (torch 2.11): NaN outputs and gradients for every scale <= 0,
+    # causal or not (the memory-efficient kernel is right).
+    if not request.scale_positive:
+        return ["scale <= 0 gives NaN in this kernel"]
+    return []
+
+
 class TorchSDPAFlash(_PinnedSDPA):
     name = "torch_sdpa_flash"
     description = "PyTorch's FlashAttention-2 kernel (aten::_scaled_dot_product_flash_attention)"
@@ -251,7 +272,11 @@ class TorchSDPAFlash(_PinnedSDPA):
     _available_flag = "is_flash_attention_available"
 
     def extra_reasons(self, request: AttentionRequest) -> list[str]:
-        return _square_causal_only(request) + super().extra_reasons(request)
+        return (
+            _square_causal_only(request)
+            + _positive_scale_only(request)
+            + super().extra_reasons(request)
+        )
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         query, key, value = self._contiguous(query, key, value)
@@ -297,7 +322,11 @@ class TorchSDPACudnn(_PinnedSDPA):
     _available_flag = ""
 
     def extra_reasons(self, request: AttentionRequest) -> list[str]:
-        return _square_causal_only(request) + super().extra_reasons(request)
+        return (
+            _square_causal_only(request)
+            + _positive_scale_only(request)
+            + super().extra_reasons(request)
+        )
 
     def unavailable_reason(self) -> str | None:
         why = super().unavailable_reason()

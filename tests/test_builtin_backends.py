@@ -162,3 +162,75 @@ def test_reference_backend_accumulates_half_precision_in_float32(dtype):
         assert g.dtype == dtype and torch.isfinite(g).all(), name
         scale = r.abs().max().item()
         assert (g.double() - r).abs().max().item() <= 4 * eps * scale, name
+
+
+def _cuda_request(request, **changes):  # type: ignore[no-untyped-def]
+    """The same request as if on an sm_90 CUDA device (what the declarations admit there)."""
+    import dataclasses
+
+    return dataclasses.replace(request, device_type="cuda", capability=(9, 0), **changes)
+
+
+@pytest.mark.parametrize("scale", [-0.5, 0.0, -1e-30, 1e-300])  # 1e-300 is 0 in float32
+def test_causal_with_a_scale_of_at_most_zero_matches_float64_on_the_cpu(scale):
+    """Issue 18.2: given is_causal, PyTorch's CPU kernel fills the scores above the
+    diagonal with -inf before it scales them, so a scale <= 0 made every output NaN.
+    Whatever serves such a call must be right; torch_sdpa declines the calls that
+    would reach is_causal, saying why, and serves the others (short rows go through an
+    explicit mask, which PyTorch adds after the scale)."""
+    gen = torch.Generator().manual_seed(7)
+    served = {}
+    for nq, nk, d in ((3, 4, 8), (30, 40, 8), (33, 33, 16)):
+        q = torch.randn(1, 2, nq, d, generator=gen)
+        k, v = (torch.randn(1, 2, nk, d, generator=gen) for _ in range(2))
+        ref = _float64_reference(q, k, v, causal=True, scale=scale)[0].detach()
+        for backend in (None, "torch_reference"):
+            out = attnhub.attention(q, k, v, causal=True, scale=scale, backend=backend)
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+        decision = attnhub.explain(q, k, v, causal=True, scale=scale)
+        served[(nq, nk)] = decision.chosen
+        if decision.chosen != "torch_sdpa":
+            reasons = decision.reasons()["torch_sdpa"]
+            assert any("scale <= 0" in r for r in reasons), reasons
+    # Rows of 4 keys get a mask: torch_sdpa serves them; longer rows would reach is_causal.
+    assert served[(3, 4)] == "torch_sdpa"
+    assert served[(30, 40)] != "torch_sdpa" and served[(33, 33)] != "torch_sdpa"
+    # A positive scale still goes to is_causal on torch_sdpa.
+    q = torch.randn(1, 2, 30, 8, generator=gen)
+    assert attnhub.explain(q, q, q, causal=True, scale=0.5).chosen == "torch_sdpa"
+
+
+def test_cuda_kernels_that_give_nan_for_a_scale_of_at_most_zero_decline_it():
+    """Issue 18.2 on CUDA (seen on the H200, torch 2.11): PyTorch's flash and cuDNN
+    kernels give NaN for every scale <= 0, causal or not; the memory-efficient kernel is
+    right. The declarations say so for a CUDA request."""
+    from attnhub.validation import build_request, make_params
+
+    q = torch.empty(1, 2, 64, 64, device="meta", dtype=torch.float16)
+    registry = get_registry()
+    for scale, bad in ((-0.5, True), (0.0, True), (1e-300, True), (0.125, False)):
+        params = make_params(q, causal=False, alignment="top_left", window=None, softcap=None,
+                             scale=scale, dropout_p=0.0, block_sparse=None, return_lse=False)  # fmt: skip
+        request = _cuda_request(build_request(q, q, q, None, params))
+        assert request.scale_positive is not bad
+        for name in ("torch_sdpa", "torch_sdpa_flash", "torch_sdpa_cudnn", "torch_sdpa_efficient"):
+            reasons = registry.get(name).extra_reasons(request)
+            declined = any("scale <= 0" in r for r in reasons)
+            assert declined is (bad and name != "torch_sdpa_efficient"), (name, scale, reasons)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale", [-0.5, 0.0])
+def test_gpu_scale_of_at_most_zero_matches_float64(dtype, scale):
+    torch.manual_seed(0)
+    for causal in (False, True):
+        q, k, v = (torch.randn(2, 4, 64, 64, device="cuda", dtype=dtype).requires_grad_()
+                   for _ in range(3))  # fmt: skip
+        out = attnhub.attention(q, k, v, causal=causal, scale=scale)
+        ref = _float64_reference(q, k, v, causal=causal, scale=scale)[0]
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(out.double(), ref.detach(), rtol=4 * eps, atol=4 * eps)
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+        assert all(torch.isfinite(g).all() for g in grads)
