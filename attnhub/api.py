@@ -20,7 +20,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from . import call_stats, dispatch
+from . import autotune, call_stats, dispatch
 from .backend import Runner
 from .registry import get_registry, on_invalidate
 from .request import AttentionParams, AttentionRequest
@@ -357,6 +357,16 @@ def _slow_path(
     """Validate, decide and prepare a call; remember the result under its key."""
     global _last
     decision, params = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
+    if autotune.wanted(decision, params, query.device):
+        # A signature this machine has not measured: time the eligible backends on
+        # this call, then decide again (the measurement now ranks).
+        mask = (
+            attn_mask
+            if attn_mask is None
+            else attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        )
+        autotune.measure(decision, params, query, key, value, mask)
+        decision = _decide(decision.request, backend)
     chosen, runner = dispatch.prepare(decision, params)  # a failing prepare is contained
     if attn_mask is not None and attn_mask.dim() < 4:
         runner = _with_4d_mask(runner, attn_mask.shape)

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import env
+from . import env, measured
 from . import registry as registry_module
 from .backend import MEMORY_CLASSES, Backend, Runner, declared_reasons
 from .cost_table import default_policy
@@ -188,7 +188,7 @@ def set_policy(policy: RankingPolicy | None) -> None:
 def _active_policy(request: AttentionRequest) -> RankingPolicy:
     if _policy is not None:
         return _policy
-    return default_policy(request)
+    return measured.over(default_policy(request))
 
 
 # -- decisions -----------------------------------------------------------------
@@ -501,14 +501,33 @@ def prepare(decision: Decision, params: AttentionParams) -> tuple[Backend, Runne
     registry = get_registry()
     while True:
         backend = choose(decision)
-        runner = _contained(
-            registry, backend, "prepare",
-            functools.partial(backend.prepare, decision.request, params),
-            lambda r: r if callable(r) else None, "a callable",
-        )  # fmt: skip
+        runner = _prepared(registry, backend, decision.request, params)
         if runner is not _BROKEN:
             return backend, runner
         decision = decide(decision.request, decision.selection)
+
+
+def _prepared(
+    registry: BackendRegistry, backend: Backend, request: AttentionRequest, params: AttentionParams
+) -> Any:
+    """``backend.prepare(request, params)``, contained: the runner, or ``_BROKEN``."""
+    return _contained(
+        registry, backend, "prepare", functools.partial(backend.prepare, request, params),
+        lambda r: r if callable(r) else None, "a callable",
+    )  # fmt: skip
+
+
+def prepare_candidate(name: str, request: AttentionRequest, params: AttentionParams) -> Runner:
+    """The runner backend ``name`` prepares for ``request`` (for timing it).
+
+    Contained as :func:`prepare` is: a ``prepare`` that fails disables its backend, and
+    ``RuntimeError`` says why.
+    """
+    registry = get_registry()
+    runner = _prepared(registry, registry.get(name), request, params)
+    if runner is _BROKEN:
+        raise RuntimeError(f"{name} is unavailable: {registry.unavailable_reason(name)}")
+    return runner
 
 
 @registry_module.on_invalidate

@@ -9,6 +9,8 @@ variable                             kind    read by
 ``ATTNHUB_DISABLE_PLUGIN_AUTOLOAD``  flag    the registry, when it loads
 ``ATTNHUB_DISABLE_PLUGINS``          list    the registry, when it loads
 ``ATTNHUB_TRACE_PLUGINS``            flag    the registry, when it loads
+``ATTNHUB_AUTOTUNE``                 flag    autotune, when a new call signature runs
+                                             (on where unset: ``0`` turns measuring off)
 ===================================  ======  =======================================
 
 (``ATTNHUB_TRITON_BWD``, an A/B switch of the triton_flash backend, is checked by that
@@ -17,7 +19,8 @@ backend, ``backends/triton_flash/configs.py``.)
 The grammar, the same for every variable of a kind:
 
 - **flag**: ``1``, ``true``, ``yes``, ``on`` turn it on; ``0``, ``false``, ``no``, ``off``
-  turn it off; any case, surrounding blanks ignored. Unset, empty or blank is off.
+  turn it off; any case, surrounding blanks ignored. Unset, empty or blank is off
+  (``ATTNHUB_AUTOTUNE``: on).
 - **list**: comma-separated names; blanks around a name and empty items are ignored,
   and a name given twice counts once. Unset, blank or nothing but commas is no list
   (the empty tuple), the same as unset: ``ATTNHUB_BACKEND=",,,"`` restricts nothing.
@@ -50,14 +53,16 @@ RANKING = "ATTNHUB_RANKING"
 DISABLE_PLUGIN_AUTOLOAD = "ATTNHUB_DISABLE_PLUGIN_AUTOLOAD"
 DISABLE_PLUGINS = "ATTNHUB_DISABLE_PLUGINS"
 TRACE_PLUGINS = "ATTNHUB_TRACE_PLUGINS"
+AUTOTUNE = "ATTNHUB_AUTOTUNE"
 
 
 @functools.lru_cache(maxsize=256)
-def parse_flag(name: str, raw: str | None) -> bool:
-    """The boolean that ``raw``, the value of variable ``name``, means (None: unset)."""
+def parse_flag(name: str, raw: str | None, default: bool = False) -> bool:
+    """The boolean that ``raw``, the value of variable ``name``, means (None or blank:
+    ``default``)."""
     word = (raw or "").strip().lower()
     if not word:
-        return False
+        return default
     try:
         return FLAG_WORDS[word]
     except KeyError:
@@ -96,9 +101,10 @@ def parse_choice(
     )
 
 
-def flag(name: str) -> bool:
-    """Flag variable ``name`` as it is now (see the module docstring for the grammar)."""
-    return parse_flag(name, os.environ.get(name))
+def flag(name: str, default: bool = False) -> bool:
+    """Flag variable ``name`` as it is now (see the module docstring for the grammar);
+    ``default`` where it is unset or blank."""
+    return parse_flag(name, os.environ.get(name), default)
 
 
 def names(name: str) -> tuple[str, ...]:

@@ -20,7 +20,9 @@ RUNTIME_LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"registry"}),
     frozenset({"ranking"}),
     frozenset({"cost_table"}),
+    frozenset({"measured"}),
     frozenset({"dispatch", "validation"}),
+    frozenset({"autotune"}),
     frozenset({"api"}),
     frozenset({"patching", "integrations.transformers"}),
 )

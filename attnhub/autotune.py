@@ -1,0 +1,144 @@
+"""Autotune: time what no table knows, the first time a call signature runs.
+
+On CUDA, the first time :func:`attnhub.attention` runs a call signature (an
+:class:`~attnhub.request.AttentionRequest`: lengths bucketed to powers of two) with
+the default selection, every eligible backend is timed on the call's own tensors as
+the model pays for it: the prepared runner, wall clock per call with host time
+included, after a warm-up call (which also compiles what needs compiling), forward
+and, for calls that need gradients, backward. The fastest is kept in
+:mod:`attnhub.measured` (persisted per device, PyTorch and attnhub version), and the
+call runs on it, as does every later call of that signature, in this process and the
+next. ``explain()`` says what was measured, when, and in which file.
+
+It does not measure (and the shipped cost table or the declared priority ranks) where
+it cannot or must not:
+
+- ``ATTNHUB_AUTOTUNE=0``; a device type not in :data:`attnhub.measured.DEVICES` (CUDA);
+- while ``torch.compile`` traces or a CUDA graph is being captured;
+- calls with dropout (timing would draw from the caller's random stream);
+- in a ``torch.distributed`` job of more than one process: every rank must pick the
+  same backend for the same call, and timings differ between ranks, so ranks rank by
+  the (deterministic) table or priority instead;
+- where fewer than two backends are eligible.
+
+Timing never touches the caller's tensors (they are read, never written; gradients go
+to detached leaves), nor the caller's random state; the outputs of the timed calls are
+discarded. A backend that raises or runs out of memory while timed is recorded as
+failed, with the reason, and left out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import env, measured
+from .dispatch import Decision, prepare_candidate
+from .request import AttentionParams
+
+log = logging.getLogger("attnhub")
+
+REPEATS = 5  # timed calls per backend, after one warm-up call
+_lock = threading.Lock()
+
+
+def _distributed_job() -> bool:
+    distributed: Any = getattr(torch, "distributed", None)
+    return bool(
+        distributed is not None
+        and distributed.is_available()
+        and distributed.is_initialized()
+        and distributed.get_world_size() > 1
+    )
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def wanted(decision: Decision, params: AttentionParams, device: torch.device) -> bool:
+    """Whether this call's signature should be measured now (see the module docstring)."""
+    if device.type not in measured.DEVICES or not env.flag(env.AUTOTUNE, default=True):
+        return False
+    if decision.selection.names is not None or params.dropout_p > 0:
+        return False
+    if sum(c.eligible for c in decision.candidates) < 2:
+        return False
+    if torch.compiler.is_compiling() or _capturing(device) or _distributed_job():
+        return False
+    return measured.store_for(device).get(decision.request) is None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _call(runner: Callable[..., Any], tensors: tuple[Any, ...], backward: bool) -> None:
+    query, key, value, attn_mask = tensors
+    if not backward:
+        with torch.no_grad():
+            runner(query, key, value, attn_mask)
+        return
+    leaves = [t.detach().requires_grad_(t.requires_grad) for t in (query, key, value)]
+    out = runner(*leaves, attn_mask)
+    out = out[0] if isinstance(out, tuple) else out
+    inputs = [t for t in leaves if t.requires_grad]
+    torch.autograd.grad(out, inputs, out.detach())
+
+
+def _time_ms(
+    runner: Callable[..., Any], tensors: tuple[Any, ...], backward: bool, device: torch.device
+) -> float:
+    _call(runner, tensors, backward)  # warm-up: compilation, caches, allocator
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(REPEATS):
+        _call(runner, tensors, backward)
+    _sync(device)
+    return (time.perf_counter() - start) / REPEATS * 1e3
+
+
+def measure(
+    decision: Decision,
+    params: AttentionParams,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+) -> measured.Measurement:
+    """Time every eligible backend of ``decision`` on these tensors; keep and return it."""
+    device = query.device
+    tensors = (query, key, value, attn_mask)
+    backward = decision.request.needs_grad
+    with _lock:
+        store = measured.store_for(device)
+        found = store.get(decision.request)
+        if found is not None:  # another thread measured it meanwhile
+            return found
+        ms: dict[str, float] = {}
+        failed: dict[str, str] = {}
+        for candidate in decision.candidates:
+            if not candidate.eligible:
+                continue
+            try:
+                runner = prepare_candidate(candidate.name, decision.request, params)
+                ms[candidate.name] = _time_ms(runner, tensors, backward, device)
+            except Exception as exc:  # out of memory, a failing kernel: not a candidate
+                _sync(device)
+                failed[candidate.name] = (
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                )
+        result = measured.Measurement(ms, measured.now(), failed)
+        store.put(decision.request, result)
+    log.info(
+        "attnhub: measured %s: %s",
+        decision.signature,
+        ", ".join(f"{name} {t:.4g} ms" for name, t in sorted(ms.items(), key=lambda x: x[1])),
+    )
+    return result

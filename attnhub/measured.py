@@ -1,0 +1,236 @@
+"""Measurements of this machine: per call signature, the time each eligible backend took.
+
+:mod:`attnhub.autotune` times the eligible backends the first time a call signature
+runs on a device where it may (CUDA, outside tracing and graph capture); this module
+keeps what it measured and ranks by it. Measurements are persisted per device, PyTorch
+and attnhub version in the user's cache directory (as ``torch.backends.cudnn.benchmark``
+and Triton's autotuner keep theirs), so a second process reuses them without timing
+again::
+
+    ~/.cache/attnhub/measured-<device>-torch<version>-attnhub<version>.json
+
+A signature is an :class:`~attnhub.request.AttentionRequest` (its sequence lengths
+bucketed to powers of two). :class:`MeasuredPolicy` ranks a request's eligible backends
+by its measurement, fastest first within each memory class, and hands requests it has
+no measurement for to the policy beneath it (the shipped cost table, or the declared
+priority).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from .backend import Backend
+from .cost_table import cache_dir
+from .jsonfile import write_json
+from .ranking import RankingPolicy
+from .registry import invalidate_caches
+from .request import AttentionRequest, dtype_name
+
+log = logging.getLogger("attnhub")
+
+FORMAT = "attnhub-measured/1"
+
+
+def request_key(request: AttentionRequest) -> str:
+    """A stable text key for a request: the same in every process."""
+    fields = dataclasses.asdict(request)
+    fields["dtype"] = dtype_name(request.dtype)
+    return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """Milliseconds per backend (wall clock per call, host time included) for one
+    request, when they were taken, and the backends that could not be timed, with why."""
+
+    ms: Mapping[str, float]
+    when: str
+    failed: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        name = torch.cuda.get_device_name(index)
+        major, minor = torch.cuda.get_device_capability(index)
+        label = f"{name}-sm{major}{minor}"
+    else:
+        label = device.type
+    return re.sub(r"[^A-Za-z0-9.]+", "_", label)
+
+
+def store_path(device: torch.device) -> Path:
+    from importlib import metadata
+
+    try:
+        version = metadata.version("attnhub")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    torch_version = re.sub(r"[^A-Za-z0-9.]+", "_", torch.__version__)
+    return (
+        cache_dir() / f"measured-{_device_label(device)}-torch{torch_version}-attnhub{version}.json"
+    )
+
+
+class MeasurementStore:
+    """What was measured on one device, read from and written to its file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._entries: dict[str, Measurement] = {}
+        self._lock = threading.Lock()
+        self._read()
+
+    def _read(self) -> None:
+        if not self.path.is_file():
+            return
+        try:
+            data = json.loads(self.path.read_text())
+            if data.get("format") != FORMAT:
+                raise ValueError(f"format {data.get('format')!r} is not {FORMAT!r}")
+            for key, entry in data["entries"].items():
+                ms = {str(b): float(t) for b, t in entry["ms"].items()}
+                if not all(t > 0 and t == t and t != float("inf") for t in ms.values()):
+                    raise ValueError(f"entry {key}: times must be finite and > 0")
+                self._entries[key] = Measurement(
+                    ms, str(entry["when"]), dict(entry.get("failed", {}))
+                )
+        except Exception as exc:  # a broken file must not break dispatch: measure again
+            log.warning(
+                "attnhub: ignoring measurements in %s: %s: %s", self.path, type(exc).__name__, exc
+            )
+            self._entries.clear()
+
+    def get(self, request: AttentionRequest) -> Measurement | None:
+        return self._entries.get(request_key(request))
+
+    def put(self, request: AttentionRequest, measurement: Measurement) -> None:
+        """Keep a measurement, write the file, and forget every decision made without it."""
+        with self._lock:
+            self._entries[request_key(request)] = measurement
+            data = {
+                "format": FORMAT,
+                "entries": {
+                    key: {"ms": dict(m.ms), "when": m.when, "failed": dict(m.failed)}
+                    for key, m in sorted(self._entries.items())
+                },
+            }
+            try:
+                write_json(data, self.path)
+            except OSError as exc:  # a read-only cache: keep it in memory only
+                log.warning("attnhub: could not write measurements to %s: %s", self.path, exc)
+        invalidate_caches()
+
+
+_stores: dict[str, MeasurementStore] = {}
+_stores_lock = threading.Lock()
+
+
+def store_for(device: torch.device) -> MeasurementStore:
+    """The store of ``device``'s kind (read from disk on first use)."""
+    key = str(device)
+    store = _stores.get(key)
+    if store is None:
+        with _stores_lock:
+            store = _stores.get(key)
+            if store is None:
+                store = _stores[key] = MeasurementStore(store_path(device))
+    return store
+
+
+def forget_stores() -> None:
+    """Forget the measurements read (and every decision): the next use reads again."""
+    with _stores_lock:
+        _stores.clear()
+    invalidate_caches()
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# Device types whose calls are measured (by attnhub.autotune) and ranked by it. CPUs are
+# not: there PyTorch's own kernel is the one real candidate.
+DEVICES = frozenset({"cuda"})
+
+
+def _request_device(request: AttentionRequest) -> torch.device | None:
+    """The device whose measurements rank ``request``, or None (not measured there, or a
+    request described for a device this process does not have)."""
+    if request.device_type not in DEVICES:
+        return None
+    if request.device_type == "cuda" and not torch.cuda.is_available():
+        return None
+    return torch.device(request.device_type)
+
+
+class MeasuredPolicy:
+    """Rank by this machine's measurement of the request where one exists, else by ``inner``."""
+
+    def __init__(self, inner: RankingPolicy) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def measurement(self, request: AttentionRequest) -> tuple[Measurement, Path] | None:
+        device = _request_device(request)
+        if device is None:
+            return None
+        store = store_for(device)
+        found = store.get(request)
+        return None if found is None else (found, store.path)
+
+    def rank(
+        self, request: AttentionRequest, eligible: Sequence[Backend]
+    ) -> list[tuple[Backend, str]]:
+        found = self.measurement(request)
+        if found is None:
+            return self.inner.rank(request, eligible)
+        measurement, path = found
+        where = f"measured here on first use ({path.name}, {measurement.when})"
+        timed = sorted(
+            (b for b in eligible if b.name in measurement.ms),
+            key=lambda b: (b.memory_class(request) != "linear", measurement.ms[b.name], b.name),
+        )
+        ranked: list[tuple[Backend, str]] = []
+        for i, b in enumerate(timed):
+            ms = measurement.ms[b.name]
+            if i == 0 and len(timed) > 1:
+                other = timed[1]
+                why = (
+                    f"{ms:.4g} ms vs {measurement.ms[other.name]:.4g} ms for {other.name}, {where}"
+                )
+            else:
+                why = f"{ms:.4g} ms, {where}"
+            ranked.append((b, why))
+        rest = [b for b in eligible if b.name not in measurement.ms]
+        for b, why in self.inner.rank(request, rest):
+            reason = measurement.failed.get(b.name, "not timed")
+            ranked.append((b, f"{why} ({reason} when measured)"))
+        return ranked
+
+
+def over(inner: RankingPolicy) -> RankingPolicy:
+    """``inner`` with this machine's measurements on top."""
+    return MeasuredPolicy(inner)
+
+
+__all__ = [
+    "MeasuredPolicy",
+    "Measurement",
+    "MeasurementStore",
+    "forget_stores",
+    "over",
+    "request_key",
+    "store_for",
+    "store_path",
+]

@@ -1,0 +1,171 @@
+"""Autotune: the first call of a signature times every eligible backend on that call,
+the fastest serves it and every later call, the measurement persists and explains."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+import attnhub
+from attnhub import autotune, dispatch, measured
+from attnhub import registry as registry_module
+from attnhub.backend import FLOAT_DTYPES, Backend
+from attnhub.backends.torch_reference import reference_attention
+from attnhub.registry import BackendRegistry
+
+
+class _Timed(Backend):
+    """A correct backend that takes ``delay`` seconds a call and counts its calls."""
+
+    devices = frozenset({"cpu"})
+    dtypes = FLOAT_DTYPES
+    causal_alignments = frozenset({"top_left", "bottom_right"})
+    mask_kinds = frozenset({"none", "bool", "float"})
+    dropout = backward = gqa = True
+    memory = "linear"
+    delay = 0.0
+    fails = False
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        if self.fails:
+            raise RuntimeError("kernel failed")
+        time.sleep(self.delay)
+        return reference_attention(query, key, value, attn_mask, params)[0]
+
+
+def _backend(name: str, priority: int, delay: float, fails: bool = False) -> _Timed:
+    cls = type(
+        name.title(),
+        (_Timed,),
+        {"name": name, "priority": priority, "delay": delay, "fails": fails},
+    )
+    return cls()
+
+
+@pytest.fixture
+def tuned(monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
+    """A registry of a slow backend that declared priority prefers and a fast one, on a
+    CPU treated as a measured device, with the measurements in a fresh cache folder."""
+    fresh = BackendRegistry()
+    monkeypatch.setattr(registry_module, "_registry", fresh)
+    monkeypatch.setattr(measured, "DEVICES", frozenset({"cpu"}))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    for name in ("ATTNHUB_BACKEND", "ATTNHUB_STRICT", "ATTNHUB_AUTOTUNE", "ATTNHUB_RANKING"):
+        monkeypatch.delenv(name, raising=False)
+    slow, fast = _backend("slow", 100, 0.004), _backend("fast", 10, 0.0)
+    fresh.add(slow)
+    fresh.add(fast)
+    measured.forget_stores()
+    yield slow, fast, fresh
+    measured.forget_stores()
+    dispatch.clear_cache()
+
+
+def _qkv(n: int = 16, requires_grad: bool = False) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.randn(1, 2, n, 8, requires_grad=requires_grad) for _ in range(3))
+
+
+def test_the_first_call_measures_and_the_fastest_serves(tuned):
+    slow, fast, _ = tuned
+    q, k, v = _qkv()
+    assert attnhub.explain(q, k, v).chosen == "slow"  # declared priority, before measuring
+    attnhub.reset_stats()
+    out = attnhub.attention(q, k, v)
+    torch.testing.assert_close(out, reference_attention(q, k, v, None, _params(q))[0])
+    assert attnhub.stats() == {"fast": 1}
+    assert slow.calls == 1 + autotune.REPEATS  # timed (warm-up and repeats), never served
+    decision = attnhub.explain(q, k, v)
+    assert decision.chosen == "fast"
+    assert "measured here on first use" in decision.why and "for slow" in decision.why
+    # Later calls of the signature (another length in the same bucket too) do not time.
+    calls = slow.calls, fast.calls
+    attnhub.attention(q, k, v)
+    attnhub.attention(*_qkv(n=15))
+    assert slow.calls == calls[0] and fast.calls == calls[1] + 2
+
+
+def _params(q):  # type: ignore[no-untyped-def]
+    from attnhub.validation import make_params
+
+    return make_params(q, key=q, causal=False, alignment="top_left", window=None, softcap=None,
+                       scale=None, dropout_p=0.0, block_sparse=None, return_lse=False)  # fmt: skip
+
+
+def test_measurements_persist_and_a_new_process_reuses_them(tuned, tmp_path):
+    slow, _, _ = tuned
+    q, k, v = _qkv()
+    attnhub.attention(q, k, v)
+    (path,) = (tmp_path / "attnhub").glob("measured-*.json")
+    data = json.loads(path.read_text())
+    (entry,) = data["entries"].values()
+    assert set(entry["ms"]) == {"slow", "fast"} and entry["ms"]["slow"] > entry["ms"]["fast"]
+    measured.forget_stores()  # as a new process: read from the file
+    calls = slow.calls
+    assert attnhub.explain(q, k, v).chosen == "fast"
+    attnhub.attention(q, k, v)
+    assert slow.calls == calls  # no timing again
+
+
+def test_training_calls_are_timed_with_their_backward(tuned):
+    q, k, v = _qkv(requires_grad=True)
+    out = attnhub.attention(q, k, v)
+    out.sum().backward()
+    assert q.grad is not None  # the caller's graph and tensors are untouched by timing
+    assert attnhub.explain(q, k, v).request.needs_grad
+    assert "measured here" in attnhub.explain(q, k, v).why
+
+
+@pytest.mark.parametrize(
+    "setting", ["env off", "dropout", "named backends", "distributed", "one eligible"]
+)
+def test_no_measuring_where_it_must_not(tuned, monkeypatch, setting):
+    slow, fast, registry = tuned
+    q, k, v = _qkv()
+    options: dict = {}
+    if setting == "env off":
+        monkeypatch.setenv("ATTNHUB_AUTOTUNE", "0")
+    elif setting == "dropout":
+        options["dropout_p"] = 0.5
+    elif setting == "named backends":
+        options["backend"] = ["slow", "fast"]
+    elif setting == "distributed":
+        monkeypatch.setattr(autotune, "_distributed_job", lambda: True)
+    else:
+        registry.remove("fast")
+    attnhub.attention(q, k, v, **options)
+    assert slow.calls == 1  # served once, never timed
+    assert fast.calls == 0
+    assert measured.store_for(q.device).get(attnhub.explain(q, k, v).request) is None
+
+
+def test_a_backend_that_fails_while_timed_is_left_out_with_its_reason(tuned):
+    registry = tuned[2]
+    broken = _backend("broken", 1000, 0.0, fails=True)
+    registry.add(broken)
+    q, k, v = _qkv()
+    out = attnhub.attention(q, k, v)
+    assert out.shape == q.shape
+    decision = attnhub.explain(q, k, v)
+    assert decision.chosen == "fast"
+    note = next(c.note for c in decision.candidates if c.name == "broken")
+    assert "RuntimeError: kernel failed when measured" in note
+
+
+def test_a_broken_measurement_file_is_ignored(tuned, tmp_path, caplog):
+    q, k, v = _qkv()
+    path = measured.store_path(q.device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        '{"format": "attnhub-measured/1", "entries": {"x": {"ms": {"a": -1}, "when": "now"}}}'
+    )
+    measured.forget_stores()
+    attnhub.attention(q, k, v)
+    assert "ignoring measurements" in caplog.text
+    assert attnhub.explain(q, k, v).chosen == "fast"
