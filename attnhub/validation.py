@@ -322,7 +322,8 @@ def make_params(
     are accumulated in float32, and a larger scale made every one inf, then NaN);
     scores ``scale * q.k`` beyond float32's range overflow as in any float32 kernel.
     A window side of 2**30 or more that covers every key (side >= Nq + Nk) is
-    unbounded (None), which keeps the same keys.
+    unbounded (None), which keeps the same keys. Bottom-right causal with Nq == 1 (a
+    decoding step) is no causal at all: it keeps every key.
     """
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {_type_name(causal)}")
@@ -360,6 +361,13 @@ def make_params(
                 f"block_sparse must be None or an attnhub.BlockSparseLayout, "
                 f"got {_type_name(block_sparse)}"
             )
+    nq = query.shape[2]
+    if causal and alignment == "bottom_right" and type(nq) is int and nq == 1:
+        # Decoding: the one query row sits at the last key, so causal keeps every key
+        # and the call is the same without it; said so, backends without bottom-right
+        # alignment serve it, and none builds a mask for it. (A symbolic Nq under
+        # torch.compile keeps causal: the same answer, only not simplified.)
+        causal = False
     return AttentionParams(
         causal=causal,
         alignment=alignment,

@@ -653,3 +653,28 @@ def test_environment_values_are_parsed_once_per_raw_value(fake_registry, monkeyp
         assert attnhub.explain(q, q, q).selection.strict
         dispatch.clear_cache()
     assert env.parse_flag.cache_info().misses == before + 1
+
+
+# -- decoding: bottom-right causal with one query row keeps every key --------------------
+
+
+@pytest.mark.parametrize("window", [None, (5, 0)])
+def test_a_decode_step_is_the_same_call_without_causal(window):
+    q = torch.randn(2, 4, 1, 16, dtype=torch.float64)
+    k, v = (
+        torch.randn(2, 2, 40, 16, dtype=torch.float64),
+        torch.randn(2, 2, 40, 16, dtype=torch.float64),
+    )
+    decision = attnhub.explain(q, k, v, causal=True, alignment="bottom_right", window=window)
+    assert not decision.request.causal  # so no backend builds a mask or refuses bottom-right
+    out = attnhub.attention(q, k, v, causal=True, alignment="bottom_right", window=window)
+    keep = (
+        torch.ones(40, dtype=torch.bool) if window is None else torch.arange(40) >= 39 - window[0]
+    )
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k[..., keep, :], v[..., keep, :], enable_gqa=True
+    )
+    torch.testing.assert_close(out, ref)
+    # With more than one query row, causal still means causal.
+    q2 = torch.randn(2, 4, 2, 16, dtype=torch.float64)
+    assert attnhub.explain(q2, k, v, causal=True, alignment="bottom_right").request.causal
