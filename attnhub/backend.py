@@ -121,7 +121,8 @@ class Backend:
         """Compute attention; differentiable where ``backward`` is declared.
 
         Shapes: query (B, Hq, Nq, D), key (B, Hkv, Nk, D), value (B, Hkv, Nk, Dv),
-        attn_mask broadcastable to (B, Hq, Nq, Nk). Returns the output (B, Hq, Nq, Dv)
+        attn_mask 4-D, broadcastable to (B, Hq, Nq, Nk) (a mask given with fewer
+        dimensions arrives as a 4-D view). Returns the output (B, Hq, Nq, Dv)
         in the query's dtype, or ``(output, lse)`` with a float32 (B, Hq, Nq)
         log-sum-exp when ``params.return_lse``.
         """

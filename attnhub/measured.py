@@ -34,7 +34,7 @@ from .cost_table import cache_dir
 from .jsonfile import write_json
 from .ranking import RankingPolicy
 from .registry import invalidate_caches
-from .request import AttentionRequest, dtype_name
+from .request import AttentionRequest, dtype_name, seqlen_bucket
 
 log = logging.getLogger("attnhub")
 
@@ -42,9 +42,12 @@ FORMAT = "attnhub-measured/1"
 
 
 def request_key(request: AttentionRequest) -> str:
-    """A stable text key for a request: the same in every process."""
+    """A stable text key for a request, the same in every process; the batch bucketed to
+    a power of two like the lengths (a server's batch varies call by call)."""
     fields = dataclasses.asdict(request)
     fields["dtype"] = dtype_name(request.dtype)
+    if request.batch is not None:
+        fields["batch"] = seqlen_bucket(request.batch)
     return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
 
