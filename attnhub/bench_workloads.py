@@ -42,7 +42,7 @@ from .request import dtype_name
 SDPA = "sdpa"
 PATCHED = "patched"
 AUTO = "auto"
-# Materializes (B, H, Nq, Nk) scores: not a competitor at these sizes.
+# torch_reference materializes (B, H, Nq, Nk) scores: no competitor at these sizes.
 _NOT_TIMED = frozenset({"torch_reference"})
 
 
@@ -221,7 +221,7 @@ def competitors(
     skipped: dict[str, str] = {}
     for c in decision.candidates:
         if c.name in _NOT_TIMED:
-            skipped[c.name] = "quadratic memory: not timed"
+            skipped[c.name] = "not timed"
         elif c.reasons:
             skipped[c.name] = "; ".join(c.reasons)
         else:
