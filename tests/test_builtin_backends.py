@@ -229,8 +229,9 @@ def test_gpu_scale_of_at_most_zero_matches_float64(dtype, scale):
         q, k, v = (torch.randn(2, 4, 64, 64, device="cuda", dtype=dtype).requires_grad_()
                    for _ in range(3))  # fmt: skip
         out = attnhub.attention(q, k, v, causal=causal, scale=scale)
-        ref = _float64_reference(q, k, v, causal=causal, scale=scale)[0]
-        eps = torch.finfo(dtype).eps
-        torch.testing.assert_close(out.double(), ref.detach(), rtol=4 * eps, atol=4 * eps)
+        ref = _float64_reference(q, k, v, causal=causal, scale=scale)[0].detach()
+        # Half precision: its rounding; float32: float32 accumulation over 64 terms.
+        tol = max(4 * torch.finfo(dtype).eps, 2e-5)
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
         grads = torch.autograd.grad(out.float().sum(), (q, k, v))
         assert all(torch.isfinite(g).all() for g in grads)
