@@ -518,3 +518,50 @@ def test_torchscript_entry_goes_with_the_function():
     del handle
     gc.collect()
     assert key not in jit_builtins._get_builtin_table()
+
+
+# --- benchmarks/pytorch_sdpa_tests.py: runs a test file plain and patched, and compares
+
+_SYNTHETIC_TESTS = """
+import torch
+import torch.nn.functional as F
+
+
+def test_same_result():
+    q = torch.randn(1, 2, 4, 8)
+    ref = torch.ops.aten.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, q, q, is_causal=True), ref)
+
+
+def test_pytorch_function_in_place():
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+
+
+def test_fails_anyway():
+    assert False
+"""
+
+
+def test_pytorch_tests_runner_reports_what_the_patch_changes(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "pytorch_sdpa_tests.py"
+    spec = importlib.util.spec_from_file_location("pytorch_sdpa_tests", path)
+    assert spec is not None and spec.loader is not None
+    runner = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = runner  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(runner)
+    finally:
+        del sys.modules[spec.name]
+    test_file = tmp_path / "test_synthetic.py"
+    test_file.write_text(_SYNTHETIC_TESTS)
+    plain, patched = (runner.run_tests(test_file, p, "", [], 300, []) for p in (False, True))
+    groups = runner.compare(plain, patched)
+    assert groups["regressed"] == ["test_synthetic::test_pytorch_function_in_place"]
+    assert groups["fail_both"] == ["test_synthetic::test_fails_anyway"]
+    assert patched.stats == {"torch_sdpa": 1}  # the plugin patched, attnhub served
+    assert plain.stats == {}
+    text = runner.report(plain, patched, {"test file": "synthetic"})
+    assert "## Pass plain, fail patched: 1" in text
