@@ -140,8 +140,13 @@ _stores_lock = threading.Lock()
 
 
 def store_for(device: torch.device) -> MeasurementStore:
-    """The store of ``device``'s kind (read from disk on first use)."""
-    key = str(device)
+    """The store of ``device``'s kind (read from disk on first use).
+
+    Keyed by its file, so that every spelling of one device (``cuda``, ``cuda:0``)
+    shares one store: the tensors' device says ``cuda:0`` where the request, which
+    keeps only the device type, says ``cuda``.
+    """
+    key = str(store_path(device))
     store = _stores.get(key)
     if store is None:
         with _stores_lock:

@@ -169,3 +169,12 @@ def test_a_broken_measurement_file_is_ignored(tuned, tmp_path, caplog):
     attnhub.attention(q, k, v)
     assert "ignoring measurements" in caplog.text
     assert attnhub.explain(q, k, v).chosen == "fast"
+
+
+def test_every_spelling_of_a_device_shares_one_store(tuned):
+    """autotune stores under the tensors' device (cuda:0), the policy reads under the
+    request's device type (cuda): one store, or measurements are never read back."""
+    assert measured.store_for(torch.device("cpu", 0)) is measured.store_for(torch.device("cpu"))
+    q, k, v = _qkv()
+    attnhub.attention(q.to(torch.device("cpu", 0)), k, v)
+    assert "measured here" in attnhub.explain(q, k, v).why
