@@ -35,25 +35,14 @@ def case_scale(case: Case) -> float:
 def _kept_positions(case: Case, nq: int, nk: int, device: torch.device) -> torch.Tensor | None:
     """The (Nq, Nk) bool mask that causal and window keep (None: every key).
 
-    Query row i sits at key position i (top_left) or i + Nk - Nq (bottom_right);
-    causal keeps keys at or before it, window=(left, right) keys within
-    [position - left, position + right], a None side unbounded.
+    Which positions are kept is the contract's definition, not arithmetic whose error
+    r_lp stands for: torch_reference's ``keep_mask`` says it, once.
     """
-    if not case.causal and case.window is None:
-        return None
-    offset = nk - nq if case.alignment == "bottom_right" else 0
-    position = torch.arange(nq, device=device).unsqueeze(1) + offset
-    key = torch.arange(nk, device=device).unsqueeze(0)
-    keep = torch.ones(nq, nk, dtype=torch.bool, device=device)
-    if case.causal:
-        keep &= key <= position
-    if case.window is not None:
-        left, right = case.window
-        if left is not None:
-            keep &= key >= position - left
-        if right is not None:
-            keep &= key <= position + right
-    return keep
+    from attnhub.backends.torch_reference import keep_mask
+    from attnhub.request import AttentionParams
+
+    params = AttentionParams(causal=case.causal, alignment=case.alignment, window=case.window)
+    return keep_mask(nq, nk, params, device)
 
 
 def plain_attention(
