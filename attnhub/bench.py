@@ -301,7 +301,8 @@ class BenchConfig:
 # -- timing --------------------------------------------------------------------
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing elsewhere."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

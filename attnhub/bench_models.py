@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .bench import environment, write_json
+from .bench import environment, synchronize, write_json
 from .patching import patch
 
 WAYS = ("sdpa", "patch", "attnhub")
@@ -123,11 +123,6 @@ def _context(way: str) -> contextlib.AbstractContextManager[Any]:
     return patch(aliases=False) if way == "patch" else contextlib.nullcontext()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _train_step(model: Any, ids: torch.Tensor) -> None:
     logits = model(ids).logits
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
@@ -150,12 +145,12 @@ class _Timed:
 
 
 def _time(fn: Callable[[], None], device: torch.device) -> tuple[float, float | None]:
-    _sync(device)
+    synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     fn()
-    _sync(device)
+    synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return time.perf_counter() - start, peak
 

@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from .api import attention, explain
-from .bench import environment, parse_dtype, write_json
+from .bench import environment, parse_dtype, synchronize, write_json
 from .patching import patch
-from .request import dtype_name
+from .request import AttentionParams, dtype_name
 
 SDPA = "sdpa"
 PATCHED = "patched"
@@ -118,14 +118,13 @@ def _dense_mask(w: Workload, key_mask: torch.Tensor | None, device: torch.device
     needs = w.window is not None or key_mask is not None or (w.causal and w.nq not in (1, w.nk))
     if not needs:
         return None
-    i = torch.arange(w.nq, device=device)[:, None] + (
-        w.nk - w.nq if w.alignment == "bottom_right" else 0
-    )
-    j = torch.arange(w.nk, device=device)[None, :]
-    keep = j <= i if w.causal else torch.ones(w.nq, w.nk, dtype=torch.bool, device=device)
-    if w.window is not None:
-        keep = keep & (j >= i - w.window[0]) & (j <= i + w.window[1])
-    keep = keep[None, None]
+    from .backends.torch_reference import keep_mask  # the contract's kept positions
+
+    params = AttentionParams(causal=w.causal, alignment=w.alignment, window=w.window)
+    keep = keep_mask(w.nq, w.nk, params, device)
+    keep = (torch.ones(w.nq, w.nk, dtype=torch.bool, device=device) if keep is None else keep)[
+        None, None
+    ]
     return keep & key_mask if key_mask is not None else keep
 
 
@@ -165,28 +164,23 @@ def _sdpa_call(w: Workload, x: _Inputs) -> Callable[..., torch.Tensor]:
     return call
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def wall_ms(fn: Callable[[], Any], device: torch.device, *, budget_s: float, repeats: int) -> float:
     """Median over ``repeats`` loops of wall-clock ms per call, host time included."""
     for _ in range(2):  # warm-up: compilation, caches, allocator
         fn()
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     fn()
-    _sync(device)
+    synchronize(device)
     once = max(time.perf_counter() - start, 1e-6)
     iters = max(3, min(1000, int(budget_s / repeats / once)))
     times = []
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         for _ in range(iters):
             fn()
-        _sync(device)
+        synchronize(device)
         times.append((time.perf_counter() - start) / iters)
     return statistics.median(times) * 1e3
 

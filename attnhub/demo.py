@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from . import patching as _patch_module
 from .api import explain
+from .bench import synchronize
 from .call_stats import ORIGINAL, reset_stats, stats
 from .mask_structure import MaskPlan
 from .patching import patch
@@ -155,11 +156,6 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> Step
     return StepResult(logits.detach()[keep], grads)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed_pair(
     stock: Callable[[], Any], patched: Callable[[], Any], steps: int, device: torch.device
 ) -> tuple[float, float]:
@@ -167,10 +163,10 @@ def _timed_pair(
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(steps):
         for fn, out in ((stock, times[0]), (patched, times[1])):
-            _synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
             fn()
-            _synchronize(device)
+            synchronize(device)
             out.append(time.perf_counter() - start)
     return statistics.median(times[0]), statistics.median(times[1])
 
@@ -238,10 +234,9 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| in float64 (NaN if either holds a NaN or an infinity)."""
     if not a.numel():
         return 0.0
-    diff = (a.double() - b.double()).abs()
     if not bool(torch.isfinite(a).all()) or not bool(torch.isfinite(b).all()):
         return math.nan
-    return diff.max().item()
+    return (a.double() - b.double()).abs().max().item()
 
 
 @dataclass
