@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import re
@@ -61,28 +62,31 @@ class Measurement:
     failed: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
-def _device_label(device: torch.device) -> str:
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
+@functools.cache
+def _file_name(device_type: str, index: int | None) -> str:
+    """``measured-<device>-torch<v>-attnhub<v>.json`` (asked of the driver and the
+    installed metadata once per device: dispatch asks for it at every new decision)."""
+    from importlib import metadata
+
+    label = device_type
+    if device_type == "cuda":
         name = torch.cuda.get_device_name(index)
         major, minor = torch.cuda.get_device_capability(index)
         label = f"{name}-sm{major}{minor}"
-    else:
-        label = device.type
-    return re.sub(r"[^A-Za-z0-9.]+", "_", label)
-
-
-def store_path(device: torch.device) -> Path:
-    from importlib import metadata
-
     try:
         version = metadata.version("attnhub")
     except metadata.PackageNotFoundError:
         version = "unknown"
-    torch_version = re.sub(r"[^A-Za-z0-9.]+", "_", torch.__version__)
-    return (
-        cache_dir() / f"measured-{_device_label(device)}-torch{torch_version}-attnhub{version}.json"
-    )
+    name = f"measured-{label}-torch{torch.__version__}-attnhub{version}"
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", name) + ".json"
+
+
+def store_path(device: torch.device) -> Path:
+    """The measurement file of ``device`` in the user's cache directory."""
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return cache_dir() / _file_name(device.type, index if device.type == "cuda" else None)
 
 
 class MeasurementStore:
