@@ -1,0 +1,607 @@
+"""Split-KV attention for KV-cache decoding ("flash-decoding"), in Triton.
+
+:func:`decode_attention` computes, for every sequence b of a batch, attention of a few
+new query tokens (Nq = 1..16; 4 for speculative decoding) against the first
+``cache_seqlens[b]`` keys of a KV cache, contiguous (B, Hkv, Nmax, D) or paged
+(num_pages, page_size, Hkv, D) with a (B, max_pages) int32 block table.
+
+Semantics (docs/contract.md, with per-sequence lengths): query row i of sequence b,
+whose cache holds L = cache_seqlens[b] keys, sits at key position ``L - Nq + i``
+(bottom-right alignment); causal keeps keys up to that position, ``window=(left,
+right)`` keeps ``position - left .. position + right``; keys >= L are never read. Scores
+are ``scale * q.k``, then ``softcap * tanh(s / softcap)``, then masked to -inf, then
+softmax. A row with no key (L = 0, or L < Nq - i under causal) gives zeros and an lse
+of -inf. lse is natural-log float32 (B, Hq, Nq). GQA: query head h reads kv head
+h // (Hq // Hkv).
+
+Structure (two launches, or one):
+
+``decode_split_kernel``   grid (S, B * Hkv, row blocks). One program owns one kv head of
+                          one sequence and the GROUP * Nq query rows that read it (GQA
+                          heads and query tokens packed into one (BLOCK_M, D) tile, row
+                          r = g * Nq + i), so each K/V byte is read once per row block
+                          (one row block unless GROUP * Nq > 64). The sequence's visible
+                          key blocks are divided into S near-equal runs (S chosen on the
+                          host from B * Hkv against the SM count and the cache capacity;
+                          the run lengths from the true length L, in the kernel, so that
+                          short sequences are shared out as evenly as long ones). Each
+                          program walks its run with FlashAttention's online softmax in
+                          three segments: a masked head (window edge), an unmasked middle
+                          (no mask arithmetic), a masked tail (causal diagonal, ragged
+                          end). With S > 1 it writes its partial result (out normalized,
+                          lse in log2 units, float32) to a scratch buffer; with S = 1 it
+                          writes the final output and lse itself.
+``decode_merge_kernel``   grid (row blocks, B * Hkv): merges the S partials of each row by
+                          their log-sum-exp: out = sum_s exp(lse_s - lse) out_s,
+                          lse = log sum_s exp(lse_s). Splits that saw no key carry
+                          lse = -inf and weigh nothing.
+
+Paged caches: the key tile of BLOCK_N keys starting at key n reads page
+``block_table[b, n // page_size]``; where page_size >= BLOCK_N that is one scalar load
+per tile (a tile never straddles pages: both are powers of two), else one gathered load
+per key (PAGE_SIZE < BLOCK_N, e.g. 16-key pages under 64-key tiles).
+
+The host path is a few integer computations, a cached plan per call signature
+(:func:`_plan`), three allocations (out, lse and one flat float32 scratch buffer for the
+partials; none when S = 1 beyond out and lse) and one or two launches. The scratch is
+allocated per call, not cached: a cached buffer would be shared by calls on different
+streams (a silent race), and the caching allocator serves a same-sized block in a few
+microseconds.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)  # natural lse = log2-domain lse * LN2
+
+# A window side this large keeps every key (contract.md: sides >= 2**30 are unbounded);
+# positions and keys stay below 2**31 - 2**30, so pos +- UNBOUNDED fits int32.
+UNBOUNDED = 1 << 30
+
+
+def interpreting() -> bool:
+    """Triton's interpreter is on (read when the kernels are decorated, at import)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1): exact saturation at +-inf, one exp2, and it runs
+    # in the interpreter (no libdevice there). The same formula as kernels._tanh.
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def _decode_step(
+    acc, l_i, m_i, q, K, V, BT, start, b, hkv, L, pos,
+    offs_n0, offs_d, offs_dv,
+    stride_kp, stride_kh, stride_kn, stride_kd,
+    stride_vp, stride_vh, stride_vn, stride_vd,
+    HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Keys start .. start + BLOCK_N - 1 folded into the running softmax (scores in log2
+    units). Contiguous caches: ``stride_kp`` is the batch stride (the kernel passes
+    ``b`` as the "page"). MASKED: the tile may hold keys >= L or outside some row's band
+    (``pos`` (BLOCK_M,): each row's key position)."""
+    offs_n = start + offs_n0
+    if PAGED:
+        if PAGE_SIZE >= BLOCK_N:
+            # The whole tile lies in one page (powers of two, start % BLOCK_N == 0).
+            page = tl.load(BT + start // PAGE_SIZE).to(tl.int64)
+            rows = (start % PAGE_SIZE + offs_n0).to(tl.int64)
+            k_rows = page * stride_kp + rows * stride_kn
+            v_rows = page * stride_vp + rows * stride_vn
+        else:
+            if MASKED:
+                # Entries past the table's last used page may not exist: keys >= L.
+                pages = tl.load(BT + offs_n // PAGE_SIZE, mask=offs_n < L, other=0)
+            else:
+                pages = tl.load(BT + offs_n // PAGE_SIZE)
+            pages = pages.to(tl.int64)
+            rows = (offs_n % PAGE_SIZE).to(tl.int64)
+            k_rows = pages * stride_kp + rows * stride_kn
+            v_rows = pages * stride_vp + rows * stride_vn
+    else:
+        rows = offs_n.to(tl.int64)
+        k_rows = b * stride_kp + rows * stride_kn
+        v_rows = b * stride_vp + rows * stride_vn
+    k_ptrs = K + hkv * stride_kh + k_rows[:, None] + offs_d[None, :] * stride_kd
+    v_ptrs = V + hkv * stride_vh + v_rows[:, None] + offs_dv[None, :] * stride_vd
+    if MASKED:
+        in_seq = offs_n < L
+        if EVEN_D:
+            k = tl.load(k_ptrs, mask=in_seq[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=in_seq[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+            v = tl.load(v_ptrs, mask=in_seq[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.0)
+    else:
+        if EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_D, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DV, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+    if HAS_SOFTCAP:
+        s = _tanh(qk * (sm_scale / softcap)) * (softcap * LOG2E)
+    else:
+        s = qk * qk_scale
+    if MASKED:
+        cols = offs_n[None, :]
+        keep = (cols < L) & (cols <= pos[:, None] + win_right)
+        if HAS_LEFT:
+            keep = keep & (cols >= pos[:, None] - win_left)
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row with no kept key so far has m_new = -inf: shift by 0 instead (its weights
+    # are exp2(-inf) = 0, and -inf - -inf would be NaN).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _decode_segment(
+    acc, l_i, m_i, q, K, V, BT, s0, s1, b, hkv, L, pos,
+    offs_n0, offs_d, offs_dv,
+    stride_kp, stride_kh, stride_kn, stride_kd,
+    stride_vp, stride_vh, stride_vn, stride_vd,
+    HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Key blocks s0 .. s1 - 1 (block indices) through :func:`_decode_step`."""
+    for blk in range(s0, s1):
+        acc, l_i, m_i = _decode_step(
+            acc, l_i, m_i, q, K, V, BT, blk * BLOCK_N, b, hkv, L, pos,
+            offs_n0, offs_d, offs_dv,
+            stride_kp, stride_kh, stride_kn, stride_kd,
+            stride_vp, stride_vh, stride_vn, stride_vd,
+            HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
+            MASKED, EVEN_D, HAS_LEFT, HAS_SOFTCAP, PAGED, PAGE_SIZE, BLOCK_N, INPUT_PRECISION,
+        )  # fmt: skip
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def decode_split_kernel(
+    Q, K, V, SeqLens, BT, Part, Out, Lse,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kp, stride_kh, stride_kn, stride_kd,
+    stride_vp, stride_vh, stride_vn, stride_vd,
+    stride_btb,
+    stride_ob, stride_oh, stride_om, stride_od,
+    HKV, GROUP, NQ, HEAD_D, HEAD_DV, num_splits,
+    win_left, win_right, qk_scale, sm_scale, softcap,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One (split, b * HKV + hkv, row block) program (module docstring).
+
+    Rows r = g * NQ + i (R = GROUP * NQ of them) are query head hkv * GROUP + g, token i.
+    ``win_right`` already holds the causal clamp; absent sides are UNBOUNDED.
+    SPLIT: write the partial (out / l, m + log2 l) at
+    ``Part[((bh * num_splits + split) * R + r) * HEAD_DV + d]`` and the lse part after
+    all B * HKV * num_splits * R * HEAD_DV outputs; else the final Out (q's dtype,
+    four strides) and Lse (float32, (B, HQ, NQ) contiguous: index bh * R + r).
+    """
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    hkv = bh % HKV
+    R = GROUP * NQ
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < R
+    g = offs_m // NQ
+    i = offs_m % NQ
+
+    L = tl.load(SeqLens + b).to(tl.int32)
+    pos = L - NQ + i  # each row's key position (bottom-right alignment)
+    b64 = b.to(tl.int64)
+    q_ptrs = (
+        Q
+        + b64 * stride_qb
+        + (hkv * GROUP + g).to(tl.int64)[:, None] * stride_qh
+        + i.to(tl.int64)[:, None] * stride_qm
+        + offs_d[None, :] * stride_qd
+    )
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+
+    # Key blocks the rows can keep: [lo, hi); blocks every row keeps whole: [f_lo, f_hi).
+    if HAS_LEFT:
+        lo_key = tl.maximum(L - NQ - win_left, 0)  # row 0 has the smallest position
+        f_lo_key = tl.maximum(L - 1 - win_left, 0)  # row NQ - 1 the largest
+    else:
+        lo_key = L * 0
+        f_lo_key = L * 0
+    lo = lo_key // BLOCK_N
+    hi = tl.cdiv(L, BLOCK_N)
+    f_lo = tl.minimum(tl.maximum(tl.cdiv(f_lo_key, BLOCK_N), lo), hi)
+    f_hi_key = tl.maximum(tl.minimum(L - NQ + win_right + 1, L), 0)
+    f_hi = tl.minimum(tl.maximum(f_hi_key // BLOCK_N, f_lo), hi)
+    # This split's run of blocks, [s0, s1), and its three segments.
+    per = tl.cdiv(tl.maximum(hi - lo, 0), num_splits)
+    s0 = tl.minimum(lo + split * per, hi)
+    s1 = tl.minimum(s0 + per, hi)
+    a1 = tl.minimum(tl.maximum(f_lo, s0), s1)
+    a2 = tl.minimum(tl.maximum(f_hi, a1), s1)
+
+    if PAGED:
+        BT = BT + b64 * stride_btb
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if HAS_LEFT:
+        acc, l_i, m_i = _decode_segment(
+            acc, l_i, m_i, q, K, V, BT, s0, a1, b64, hkv, L, pos, offs_n0, offs_d, offs_dv,
+            stride_kp, stride_kh, stride_kn, stride_kd, stride_vp, stride_vh, stride_vn, stride_vd,
+            HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
+            True, EVEN_D, HAS_LEFT, HAS_SOFTCAP, PAGED, PAGE_SIZE, BLOCK_N, INPUT_PRECISION,
+        )  # fmt: skip
+    acc, l_i, m_i = _decode_segment(
+        acc, l_i, m_i, q, K, V, BT, a1, a2, b64, hkv, L, pos, offs_n0, offs_d, offs_dv,
+        stride_kp, stride_kh, stride_kn, stride_kd, stride_vp, stride_vh, stride_vn, stride_vd,
+        HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
+        False, EVEN_D, HAS_LEFT, HAS_SOFTCAP, PAGED, PAGE_SIZE, BLOCK_N, INPUT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _decode_segment(
+        acc, l_i, m_i, q, K, V, BT, a2, s1, b64, hkv, L, pos, offs_n0, offs_d, offs_dv,
+        stride_kp, stride_kh, stride_kn, stride_kd, stride_vp, stride_vh, stride_vn, stride_vd,
+        HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
+        True, EVEN_D, HAS_LEFT, HAS_SOFTCAP, PAGED, PAGE_SIZE, BLOCK_N, INPUT_PRECISION,
+    )  # fmt: skip
+
+    has_key = l_i > 0.0
+    out = acc / tl.where(has_key, l_i, 1.0)[:, None]  # rows without a key: acc is 0
+    lse2 = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
+    dv_ok = offs_dv[None, :] < HEAD_DV
+    if SPLIT:
+        prow = (bh.to(tl.int64) * num_splits + split) * R + offs_m
+        tl.store(Part + prow[:, None] * HEAD_DV + offs_dv[None, :], out,
+                 mask=row_ok[:, None] & dv_ok)  # fmt: skip
+        lse_base = Part + tl.num_programs(1).to(tl.int64) * num_splits * R * HEAD_DV
+        tl.store(lse_base + prow, lse2, mask=row_ok)
+    else:
+        o_ptrs = (
+            Out
+            + b64 * stride_ob
+            + (hkv * GROUP + g).to(tl.int64)[:, None] * stride_oh
+            + i.to(tl.int64)[:, None] * stride_om
+            + offs_dv[None, :] * stride_od
+        )
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
+        tl.store(Lse + bh.to(tl.int64) * R + offs_m, lse2 * LN2, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def decode_merge_kernel(
+    Part, Out, Lse,
+    stride_ob, stride_oh, stride_om, stride_od,
+    HKV, GROUP, NQ, HEAD_DV, num_splits,
+    BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """Merge the partials of rows pid0 * BLOCK_R .. + BLOCK_R - 1 of ``bh`` = pid1 by
+    log-sum-exp (layout in :func:`decode_split_kernel`), into Out and Lse (natural)."""
+    bh = tl.program_id(1)
+    b = bh // HKV
+    hkv = bh % HKV
+    R = GROUP * NQ
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_r < R
+    tile_ok = row_ok[:, None] & (offs_dv[None, :] < HEAD_DV)
+    lse_base = Part + tl.num_programs(1).to(tl.int64) * num_splits * R * HEAD_DV
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
+    for split in range(0, num_splits):
+        prow = (bh.to(tl.int64) * num_splits + split) * R + offs_r
+        lse_s = tl.load(lse_base + prow, mask=row_ok, other=float("-inf"))
+        o_s = tl.load(Part + prow[:, None] * HEAD_DV + offs_dv[None, :], mask=tile_ok, other=0.0)
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse_s - m_safe)
+        l_sum = l_sum * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o_s
+        m = m_new
+    has_key = l_sum > 0.0
+    out = acc / tl.where(has_key, l_sum, 1.0)[:, None]
+    lse2 = tl.where(has_key, m + tl.log2(tl.where(has_key, l_sum, 1.0)), float("-inf"))
+    g = offs_r // NQ
+    i = offs_r % NQ
+    o_ptrs = (
+        Out
+        + b.to(tl.int64) * stride_ob
+        + (hkv * GROUP + g).to(tl.int64)[:, None] * stride_oh
+        + i.to(tl.int64)[:, None] * stride_om
+        + offs_dv[None, :] * stride_od
+    )
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=tile_ok)
+    tl.store(Lse + bh.to(tl.int64) * R + offs_r, lse2 * LN2, mask=row_ok)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch choices of one decode call. ``num_splits`` None: the heuristic
+    (:func:`num_splits_for`)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int | None = None
+
+
+# Interpreter: 16-key tiles, so CPU tests with caches of a few dozen keys cross several
+# tiles, splits and (16- and 32-key) pages. num_warps/stages mean nothing there.
+INTERPRETER_CONFIG = DecodeConfig(16, 4, 1)
+
+
+def default_config(head_dim: int, element_size: int, page_size: int | None) -> DecodeConfig:
+    """First choices for sm_90 (not yet measured: benchmarks/decode_gpu.py --sweep
+    times the alternatives). The split kernel is bandwidth-bound: a (BLOCK_N, D) K tile
+    and V tile per step, num_stages of them in flight through cp.async, two programs
+    per SM at D=128 bf16 (3 stages x 32 KiB of shared memory each)."""
+    if interpreting():
+        return INTERPRETER_CONFIG
+    bytes_per_key = head_dim * element_size
+    block_n = 64 if bytes_per_key <= 256 else 32  # D=128 bf16: 64 keys x 256 B per tile
+    if head_dim <= 64 and element_size <= 2:
+        block_n = 128
+    stages = 3 if bytes_per_key <= 256 else 2
+    return DecodeConfig(block_n, 4, stages)
+
+
+# Split heuristic. Enough programs to keep every SM's loads in flight (TARGET_PER_SM
+# resident-or-queued programs per SM), but each split walks at least MIN_BLOCKS_PER_SPLIT
+# tiles (fewer makes the merge and the per-program setup a large share) and there are
+# at most MAX_SPLITS (the merge reads S partials per row).
+TARGET_PER_SM = 4
+MIN_BLOCKS_PER_SPLIT = 4
+MAX_SPLITS = 64
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, so that CPU tests exercise the merge
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits_for(programs: int, capacity_blocks: int, sms: int) -> int:
+    """Splits per (sequence, kv head, row block): ``programs`` = B * Hkv * row blocks,
+    ``capacity_blocks`` = key tiles in the cache's capacity (the host cannot read the
+    lengths without a device sync; the kernel shares each sequence's true length out
+    over the splits)."""
+    by_sms = _cdiv(TARGET_PER_SM * sms, max(programs, 1))
+    by_len = max(capacity_blocks // MIN_BLOCKS_PER_SPLIT, 1)
+    return max(1, min(by_sms, by_len, MAX_SPLITS))
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    # float32 follows PyTorch's matmul precision ("highest": IEEE products), as
+    # triton_flash's other kernels do; half precision multiplies exactly either way.
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+@dataclass(frozen=True)
+class _Plan:
+    grid: tuple[int, int, int]
+    merge_grid: tuple[int, int]
+    num_splits: int
+    split_meta: dict
+    merge_meta: dict
+    part_numel: int
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(
+    device: torch.device,
+    b: int,
+    hkv: int,
+    group: int,
+    nq: int,
+    d: int,
+    dv: int,
+    capacity: int,
+    page_size: int,
+    has_left: bool,
+    has_softcap: bool,
+    element_size: int,
+    precision: str,
+    config: DecodeConfig | None,
+) -> _Plan:
+    """Everything of a launch but its tensors and scalars, per call signature (the host
+    path pays one cache lookup). ``page_size`` 0: contiguous cache."""
+    cfg = config or default_config(max(d, dv), element_size, page_size or None)
+    rows = group * nq
+    block_m = max(16, min(_next_power_of_2(rows), 64))  # tl.dot needs M >= 16
+    row_blocks = _cdiv(rows, block_m)
+    splits = cfg.num_splits or num_splits_for(
+        b * hkv * row_blocks, _cdiv(capacity, cfg.block_n), _sm_count(device)
+    )
+    block_d = _next_power_of_2(max(d, 16))
+    block_dv = _next_power_of_2(max(dv, 16))
+    split_meta = {
+        "BLOCK_M": block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_D": block_d,
+        "BLOCK_DV": block_dv,
+        "EVEN_D": d == block_d and dv == block_dv,
+        "HAS_LEFT": has_left,
+        "HAS_SOFTCAP": has_softcap,
+        "PAGED": page_size > 0,
+        "PAGE_SIZE": max(page_size, 1),
+        "SPLIT": splits > 1,
+        "INPUT_PRECISION": precision,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }
+    block_r = min(_next_power_of_2(rows), 16)
+    merge_meta = {"BLOCK_R": block_r, "BLOCK_DV": block_dv, "num_warps": 4, "num_stages": 1}
+    return _Plan(
+        grid=(splits, b * hkv, row_blocks),
+        merge_grid=(_cdiv(rows, block_r), b * hkv),
+        num_splits=splits,
+        split_meta=split_meta,
+        merge_meta=merge_meta,
+        part_numel=b * hkv * splits * rows * (dv + 1) if splits > 1 else 0,
+    )
+
+
+# Triton's interpreter patches triton.language while a kernel runs: two threads
+# interpreting at once break each other (ops._INTERPRETER_LOCK has the story). Interpreted
+# launches here take turns too; GPU launches do not lock.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    block_table: torch.Tensor | None = None,
+    scale: float | None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    causal: bool = True,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q against a KV cache, each sequence against its own length.
+
+    q             (B, Hq, Nq, D), Nq small (1..16); any strides.
+    k_cache       contiguous (B, Hkv, Nmax, Dk) or, with ``block_table``, paged
+    v_cache       (num_pages, page_size, Hkv, D); any strides, last one need not be 1.
+                  v may have its own head dim Dv.
+    cache_seqlens (B,) int32 or int64 on q's device: L_b keys of sequence b are valid
+                  (0 <= L_b <= Nmax, or <= max_pages * page_size; not checked here:
+                  the API layer validates).
+    block_table   None, or (B, max_pages) int32: page ``block_table[b, j // page_size]``
+                  holds key j of sequence b. page_size a power of two.
+    scale         the score scale (None: 1 / sqrt(D)).
+    window        None or (left, right), None sides unbounded; right only matters
+                  without ``causal``.
+    softcap       None or c > 0: scores c * tanh(s / c).
+    causal        (keyword, default True) bottom-right causal: row i of sequence b
+                  keeps keys j <= L_b - Nq + i. False: every row keeps keys < L_b
+                  (within the window about position L_b - Nq + i, if any).
+    config        launch choices (benchmarks and tests); None: the defaults.
+
+    Returns out (B, Hq, Nq, Dv) in q's dtype, and with ``return_lse`` also lse
+    (B, Hq, Nq) float32, natural log. A row with no key: zeros and lse -inf.
+    """
+    b, hq, nq, d = q.shape
+    paged = block_table is not None
+    if paged:
+        _, page_size, hkv, dk = k_cache.shape
+        capacity = block_table.shape[1] * page_size  # type: ignore[union-attr]
+        assert page_size & (page_size - 1) == 0, "page_size must be a power of two"
+        assert block_table.dtype == torch.int32, "block_table must be int32"  # type: ignore[union-attr]
+        assert block_table.shape[0] == b, "block_table must have B rows"  # type: ignore[union-attr]
+    else:
+        page_size = 0
+        _, hkv, capacity, dk = k_cache.shape
+        assert k_cache.shape[0] == b, "k_cache must have B sequences"
+    dv = v_cache.shape[-1]
+    assert dk == d and hq % hkv == 0 and cache_seqlens.shape == (b,), "shapes"
+    assert q.device == k_cache.device == v_cache.device == cache_seqlens.device, "devices"
+    out = torch.empty((b, hq, nq, dv), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    if b * hq * nq == 0 or capacity == 0 or d == 0:
+        if out.numel():
+            out.zero_()
+        lse.fill_(float("-inf"))
+        return (out, lse) if return_lse else out
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    left, right = window if window is not None else (None, None)
+    has_left = left is not None and left < UNBOUNDED
+    win_left = min(left, UNBOUNDED) if left is not None else UNBOUNDED
+    win_right = min(right, UNBOUNDED) if right is not None else UNBOUNDED
+    if causal:
+        win_right = min(win_right, 0)
+    has_softcap = softcap is not None
+    plan = _plan(
+        q.device, b, hkv, hq // hkv, nq, d, dv, capacity, page_size, has_left, has_softcap,
+        q.element_size(), _input_precision(q.dtype), config,
+    )  # fmt: skip
+    splits = plan.num_splits
+    part = torch.empty(plan.part_numel, device=q.device, dtype=torch.float32) if splits > 1 else out
+    if paged:
+        kp, kn, kh, kd = k_cache.stride()
+        vp, vn, vh, vd = v_cache.stride()
+        bt, bt_stride = block_table, block_table.stride(0)  # type: ignore[union-attr]
+    else:
+        kp, kh, kn, kd = k_cache.stride()
+        vp, vh, vn, vd = v_cache.stride()
+        bt, bt_stride = cache_seqlens, 0
+    args = (
+        q, k_cache, v_cache, cache_seqlens, bt, part, out, lse,
+        *q.stride(), kp, kh, kn, kd, vp, vh, vn, vd, bt_stride, *out.stride(),
+        hkv, hq // hkv, nq, d, dv, splits, win_left, win_right,
+        scale * 1.4426950408889634, scale, softcap if has_softcap else 1.0,
+    )  # fmt: skip
+    if interpreting():
+        with _INTERPRETER_LOCK:
+            _launch(plan, args, part, out, lse, hkv, hq // hkv, nq, dv, splits)
+    else:
+        _launch(plan, args, part, out, lse, hkv, hq // hkv, nq, dv, splits)
+    return (out, lse) if return_lse else out
+
+
+def _launch(
+    plan: _Plan,
+    args: tuple,
+    part: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    hkv: int,
+    group: int,
+    nq: int,
+    dv: int,
+    splits: int,
+) -> None:
+    decode_split_kernel[plan.grid](*args, **plan.split_meta)
+    if splits > 1:
+        decode_merge_kernel[plan.merge_grid](
+            part, out, lse, *out.stride(), hkv, group, nq, dv, splits, **plan.merge_meta
+        )

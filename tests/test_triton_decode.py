@@ -1,0 +1,318 @@
+"""triton_flash's split-KV decode op (backends/triton_flash/decode.py) against float64.
+
+The reference is contract.md's attention computed sequence by sequence: query row i of
+sequence b sits at key position L_b - Nq + i among the first L_b = cache_seqlens[b] keys
+of its cache (bottom-right alignment), computed by torch_reference's
+``reference_attention`` on that slice in float64. Tolerance, contract.md's rule:
+max|x - r64| <= 2 * max|r_lp - r64| + 1e-5 (r_lp: the same reference in the inputs'
+dtype); rows with no key must be exactly zero with lse -inf.
+
+Keys at or past L_b (and pages the block table does not reach) hold NaN, so a kernel
+that reads one, even with a zero weight, fails. Without CUDA the kernels run in
+Triton's interpreter on tiny shapes (16-key tiles) in float16 and float32; the GPU
+tests (``-m gpu``) run bfloat16 too, larger shapes and every page size 16..256.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from attnhub.backends.torch_reference import reference_attention  # noqa: E402
+from attnhub.backends.triton_flash import decode  # noqa: E402
+from attnhub.request import AttentionParams  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.gpu
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+INTERP = not HAS_CUDA
+
+
+def make_inputs(b, hq, hkv, nq, nmax, d, dtype, lengths, dv=None, seed=0, magnitude=1.0):  # type: ignore[no-untyped-def]
+    """q (B, Hq, Nq, D) and a contiguous cache (B, Hkv, Nmax, D/Dv) whose keys and values
+    at positions >= lengths[b] are NaN."""
+    g = torch.Generator().manual_seed(seed)
+    dv = dv or d
+    q = torch.randn(b, hq, nq, d, generator=g) * magnitude
+    k = torch.randn(b, hkv, nmax, d, generator=g) * magnitude
+    v = torch.randn(b, hkv, nmax, dv, generator=g)
+    for i, n in enumerate(lengths):
+        k[i, :, n:] = float("nan")
+        v[i, :, n:] = float("nan")
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    return (q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype), seqlens.to(DEVICE))
+
+
+def to_paged(cache: torch.Tensor, page_size: int, seed: int = 1):  # type: ignore[no-untyped-def]
+    """(paged cache, block table) holding the same keys as a contiguous (B, H, Nmax, D)
+    cache: pages in a shuffled order, plus one page of NaN that every table entry past
+    a sequence's capacity points at (a kernel that reads it fails)."""
+    b, h, nmax, d = cache.shape
+    pages = nmax // page_size
+    assert pages * page_size == nmax
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(b * pages + 1, generator=g)  # slot order[k] holds logical page k
+    paged = torch.full((b * pages + 1, page_size, h, d), float("nan"), dtype=cache.dtype,
+                       device=cache.device)  # fmt: skip
+    # Logical page (bi, p) -> slot order[bi * pages + p]; the last logical page is poison.
+    logical = cache.reshape(b, h, pages, page_size, d).permute(0, 2, 3, 1, 4)
+    paged[order[: b * pages].to(cache.device)] = logical.reshape(b * pages, page_size, h, d)
+    table = order[: b * pages].reshape(b, pages).to(torch.int32)
+    # Two more table columns past the capacity, pointing at the NaN page.
+    poison = order[b * pages].item()
+    table = torch.cat([table, torch.full((b, 2), poison, dtype=torch.int32)], 1)
+    return paged, table.to(cache.device)
+
+
+def reference(q, k, v, lengths, *, scale, window=None, softcap=None, causal=True, dtype=None):  # type: ignore[no-untyped-def]
+    """(out, lse) sequence by sequence, in ``dtype`` (default float64)."""
+    dtype = dtype or torch.float64
+    params = AttentionParams(
+        causal=causal, alignment="bottom_right", window=window, softcap=softcap, scale=scale
+    )
+    outs, lses = [], []
+    for i, n in enumerate(lengths):
+        o, lse = reference_attention(
+            q[i : i + 1].to(dtype), k[i : i + 1, :, :n].to(dtype), v[i : i + 1, :, :n].to(dtype),
+            None, params,
+        )  # fmt: skip
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def check(out, lse, q, k, v, lengths, **kw):  # type: ignore[no-untyped-def]
+    """Output and lse against float64 by contract.md's rule; empty rows exact."""
+    r64, lse64 = reference(q, k, v, lengths, **kw)
+    rlp, lselp = reference(q, k, v, lengths, dtype=q.dtype, **kw)
+    assert out.shape == r64.shape and out.dtype == q.dtype
+    assert lse.shape == lse64.shape and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any()
+    empty = torch.isneginf(lse64)
+    assert torch.equal(torch.isneginf(lse), empty), "rows with no key: lse -inf, only them"
+    assert (out[empty] == 0).all(), "rows with no key give zeros"
+    err = (out.double() - r64).abs().max().item()
+    bound = 2 * (rlp.double() - r64).abs().max().item() + 1e-5
+    assert err <= bound, f"out: {err:.3g} > {bound:.3g}"
+    if (~empty).any():
+        lerr = (lse.double() - lse64)[~empty].abs().max().item()
+        lbound = 2 * (lselp.double() - lse64)[~empty].abs().max().item() + 1e-5
+        assert lerr <= lbound, f"lse: {lerr:.3g} > {lbound:.3g}"
+
+
+DTYPES = [torch.float32, torch.float16]
+SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+@pytest.mark.parametrize("nq", [1, 4])
+def test_gqa_lengths_and_splits(dtype, nq):  # type: ignore[no-untyped-def]
+    """GQA (4 query heads on 2 kv heads), lengths 0, 1, 16 (one whole tile), 37 and 64
+    (the capacity), the default split count (4 here) and one split (no merge)."""
+    lengths = [0, 1, 16, 37, 64]
+    q, k, v, sl = make_inputs(5, 4, 2, nq, 64, 32, dtype, lengths, seed=nq)
+    scale = 1 / math.sqrt(32)
+    for cfg in (None, decode.DecodeConfig(16, 4, 1, num_splits=1)):
+        out, lse = decode.decode_attention(q, k, v, sl, scale=scale, return_lse=True, config=cfg)
+        check(out, lse, q, k, v, lengths, scale=scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+def test_window_softcap(dtype):  # type: ignore[no-untyped-def]
+    """A sliding window (left 5, 20, 10: row 0 of the 29-key sequence starts at key 15,
+    the last of a tile; 0: each row keeps its own key only), softcap with scores large
+    enough to saturate it, Nq 4."""
+    lengths = [3, 29, 50]
+    q, k, v, sl = make_inputs(3, 4, 2, 4, 64, 32, dtype, lengths, seed=3, magnitude=2.0)
+    for window, softcap in (
+        ((5, 0), None),
+        ((20, None), 10.0),
+        ((10, 0), None),
+        ((0, 0), None),
+        (None, 5.0),
+    ):
+        out, lse = decode.decode_attention(
+            q, k, v, sl, scale=0.3, window=window, softcap=softcap, return_lse=True
+        )
+        check(out, lse, q, k, v, lengths, scale=0.3, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+def test_paged_equals_contiguous(page_size, dtype):  # type: ignore[no-untyped-def]
+    """A paged cache (shuffled pages, NaN pages past each table's reach) gives bitwise
+    the contiguous cache's answer (the same tiles and splits; one page per tile at 16,
+    two tiles per page at 32), which matches float64; Nq 4, GQA, a window."""
+    lengths = [0, 17, 64, 45]
+    q, k, v, sl = make_inputs(4, 4, 2, 4, 64, 32, dtype, lengths, seed=page_size)
+    kp, table = to_paged(k, page_size)
+    vp, _ = to_paged(v, page_size)
+    # The same slots for k and v (same seed): the table fits both.
+    for window in (None, (9, 0)):
+        ref = decode.decode_attention(q, k, v, sl, scale=0.2, window=window, return_lse=True)
+        got = decode.decode_attention(
+            q, kp, vp, sl, block_table=table[:, :-2].contiguous(), scale=0.2, window=window,
+            return_lse=True,
+        )  # fmt: skip
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        check(*got, q, k, v, lengths, scale=0.2, window=window)
+    # Table columns past the capacity (pointing at NaN) change nothing.
+    wide = decode.decode_attention(q, kp, vp, sl, block_table=table, scale=0.2, return_lse=True,
+                                   config=decode.DecodeConfig(16, 4, 1, num_splits=4))  # fmt: skip
+    check(*wide, q, k, v, lengths, scale=0.2)
+
+
+def test_paged_small_pages_under_wide_tiles():  # type: ignore[no-untyped-def]
+    """16-key pages under 32-key tiles: the per-key page gather (PAGE_SIZE < BLOCK_N),
+    whose masked tail must not read table entries past the length."""
+    lengths = [33, 64, 5]
+    q, k, v, sl = make_inputs(3, 2, 1, 1, 64, 16, torch.float32, lengths, seed=7)
+    kp, table = to_paged(k, 16)
+    vp, _ = to_paged(v, 16)
+    cfg = decode.DecodeConfig(32, 4, 1, num_splits=2)
+    got = decode.decode_attention(q, kp, vp, sl, block_table=table, scale=0.25,
+                                  return_lse=True, config=cfg)  # fmt: skip
+    check(*got, q, k, v, lengths, scale=0.25)
+
+
+def test_head_dims_and_many_splits():  # type: ignore[no-untyped-def]
+    """D = 40 with Dv = 24 (padded, masked head dims) and D = 64; 8 splits over at most
+    4 tiles (splits with no keys merge as nothing); int64 lengths."""
+    lengths = [50, 7]
+    for d, dv in ((40, 24), (64, 64)):
+        q, k, v, sl = make_inputs(2, 2, 2, 2, 64, d, torch.float16, lengths, dv=dv, seed=d)
+        cfg = decode.DecodeConfig(16, 4, 1, num_splits=8)
+        out, lse = decode.decode_attention(q, k, v, sl.long(), scale=0.15, return_lse=True,
+                                           config=cfg)  # fmt: skip
+        check(out, lse, q, k, v, lengths, scale=0.15)
+
+
+def _padded(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in storage 8 elements wider in its last dim (a strided view of it)."""
+    wide = torch.zeros(*x.shape[:-1], x.shape[-1] + 8, dtype=x.dtype, device=x.device)
+    wide[..., : x.shape[-1]] = x
+    return wide[..., : x.shape[-1]]
+
+
+def test_strided_inputs_and_large_group():  # type: ignore[no-untyped-def]
+    """q and the cache as transposed (B, N, H, D) storage; 8 query heads x 16 tokens on
+    one kv head: 128 rows, two row blocks of 64; not causal."""
+    lengths = [40, 21]
+    q, k, v, sl = make_inputs(2, 8, 1, 16, 48, 16, torch.float32, lengths, seed=11)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
+    # (B, N, H, D + 8) storage, the cache its first D channels: row stride D + 8.
+    kt = _padded(k.transpose(1, 2)).transpose(1, 2)
+    vt = _padded(v.transpose(1, 2)).transpose(1, 2)
+    assert not qt.is_contiguous() and kt.stride(2) == 24
+    for causal in (True, False):
+        out, lse = decode.decode_attention(qt, kt, vt, sl, scale=0.5, causal=causal,
+                                           return_lse=True)  # fmt: skip
+        check(out, lse, q, k, v, lengths, scale=0.5, causal=causal)
+    out = decode.decode_attention(qt, kt, vt, sl, scale=0.5, window=(3, 2), causal=False)
+    check(out, decode.decode_attention(qt, kt, vt, sl, scale=0.5, window=(3, 2), causal=False,
+                                       return_lse=True)[1],
+          q, k, v, lengths, scale=0.5, window=(3, 2), causal=False)  # fmt: skip
+
+
+def test_empty_calls():  # type: ignore[no-untyped-def]
+    """No rows, or a cache of capacity 0: empty or zero outputs, lse -inf; nothing runs."""
+    q, k, v, sl = make_inputs(2, 2, 1, 1, 0, 16, torch.float32, [0, 0])
+    out, lse = decode.decode_attention(q, k, v, sl, scale=1.0, return_lse=True)
+    assert (out == 0).all() and torch.isneginf(lse).all() and out.shape == (2, 2, 1, 16)
+    q, k, v, sl = make_inputs(2, 2, 1, 0, 16, 16, torch.float32, [3, 4])
+    out = decode.decode_attention(q, k, v, sl, scale=1.0)
+    assert out.shape == (2, 2, 0, 16)
+
+
+def test_split_heuristic():  # type: ignore[no-untyped-def]
+    """Splits grow with the SMs left idle by B * Hkv programs, shrink with the cache."""
+    assert decode.num_splits_for(64, 512, 132) == math.ceil(4 * 132 / 64)
+    assert decode.num_splits_for(64, 8, 132) == 2  # 8 tiles: 4 per split at least
+    assert decode.num_splits_for(1, 10**6, 132) == decode.MAX_SPLITS
+    assert decode.num_splits_for(1024, 10**6, 132) == 1
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=SHORT.get)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("nq", [1, 4])
+def test_gpu_against_float64(dtype, d, nq):  # type: ignore[no-untyped-def]
+    """Hq 32 / Hkv 8, lengths 0 .. 3000 (ragged, one at capacity), default launch."""
+    lengths = [0, 1, 777, 3000, 2049, 64]
+    q, k, v, sl = make_inputs(6, 32, 8, nq, 3000, d, dtype, lengths, seed=d + nq)
+    out, lse = decode.decode_attention(q, k, v, sl, scale=d**-0.5, return_lse=True)
+    check(out, lse, q, k, v, lengths, scale=d**-0.5)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=SHORT.get)
+def test_gpu_paged(page_size, dtype):  # type: ignore[no-untyped-def]
+    """Every page size: paged bitwise equal to contiguous and right against float64,
+    with softcap 50 + window 300 and without, Nq 1 and 4."""
+    lengths = [4096, 1, 0, 3333, 1000]
+    for nq in (1, 4):
+        q, k, v, sl = make_inputs(5, 32, 8, nq, 4096, 128, dtype, lengths, seed=page_size + nq)
+        kp, table = to_paged(k, page_size)
+        vp, _ = to_paged(v, page_size)
+        for kw in ({}, {"softcap": 50.0, "window": (300, 0)}):
+            ref = decode.decode_attention(q, k, v, sl, scale=128**-0.5, return_lse=True, **kw)
+            got = decode.decode_attention(q, kp, vp, sl, block_table=table, scale=128**-0.5,
+                                          return_lse=True, **kw)  # fmt: skip
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+            check(*got, q, k, v, lengths, scale=128**-0.5, **kw)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("splits", [1, 3, 64])
+def test_gpu_split_counts(splits):  # type: ignore[no-untyped-def]
+    """Forced split counts (1: the direct write; 64: many splits with no keys for the
+    short sequences), bf16, Nq 4, a window."""
+    lengths = [20000, 100, 5]
+    q, k, v, sl = make_inputs(3, 16, 4, 4, 20000, 128, torch.bfloat16, lengths, seed=splits)
+    cfg = decode.default_config(128, 2, None)
+    cfg = decode.DecodeConfig(cfg.block_n, cfg.num_warps, cfg.num_stages, splits)
+    for window in (None, (4096, 0)):
+        out, lse = decode.decode_attention(q, k, v, sl, scale=0.1, window=window,
+                                           return_lse=True, config=cfg)  # fmt: skip
+        check(out, lse, q, k, v, lengths, scale=0.1, window=window)
+
+
+@gpu
+@requires_cuda
+def test_gpu_cuda_graph():  # type: ignore[no-untyped-def]
+    """The op captures into a CUDA graph (no host sync on the lengths) and replays with
+    new lengths written into the same tensor."""
+    lengths = [1000, 3000]
+    q, k, v, sl = make_inputs(2, 8, 2, 1, 4096, 128, torch.bfloat16, [4096, 4096], seed=5)
+    sl.copy_(torch.tensor(lengths, dtype=torch.int32))
+    decode.decode_attention(q, k, v, sl, scale=0.1)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode.decode_attention(q, k, v, sl, scale=0.1)
+    for lens in ([1000, 3000], [4096, 7]):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        r64, _ = reference(q, k, v, lens, scale=0.1)
+        rlp, _ = reference(q, k, v, lens, scale=0.1, dtype=q.dtype)
+        err = (out.double() - r64).abs().max().item()
+        assert err <= 2 * (rlp.double() - r64).abs().max().item() + 1e-5
