@@ -20,7 +20,13 @@ the call, with the reason in ``explain()`` (see ``_CPU_VECTOR_KEYS`` and
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -113,6 +119,38 @@ def _sdpa_mask(
     return attn_mask, False
 
 
+# PyTorch's CUDA kernels return NaN for a query row whose every key is masked (seen on
+# the H200, torch 2.11, benchmarks/results/archive gpu-check-2026-11-30): they take the
+# softmax of a row of -inf. The contract wants zeros there (and finite gradients). So on
+# CUDA a mask that may leave such rows is opened on exactly those rows (every key
+# visible: a finite softmax of no consequence) and their outputs are then set to zero;
+# the other rows keep their -inf, so their answer is the kernel's own, bit for bit.
+# Which rows are empty is read from the mask (one pass over it, far cheaper than the
+# attention that reads it too); the output's rows are zeroed out of place, so their
+# gradient is zero and the opened row contributes nothing to dK and dV.
+
+
+def _may_leave_rows_without_keys(request: AttentionRequest) -> bool:
+    """On CUDA, the call's mask (given, or causal folded into one) may mask a whole row."""
+    return request.device_type == "cuda" and (
+        request.mask != "none"
+        or (request.causal and request.alignment == "bottom_right" and request.q_longer)
+    )
+
+
+def _open_rows_without_keys(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the mask with its key-less rows made all-visible, those rows as a (.., Nq, 1) bool).
+
+    ``mask`` is bool (True = kept) or float (-inf = masked), 4-D, broadcastable to the
+    scores; the returned row mask broadcasts against the output (B, H, Nq, Dv).
+    """
+    kept = mask if mask.dtype == torch.bool else mask != float("-inf")
+    empty = ~kept.any(dim=-1, keepdim=True)
+    if mask.dtype == torch.bool:
+        return mask | empty, empty
+    return mask.masked_fill(empty, 0.0), empty
+
+
 class TorchSDPA(Backend):
     name = "torch_sdpa"
     description = "torch.nn.functional.scaled_dot_product_attention, PyTorch picks the kernel"
@@ -143,18 +181,6 @@ class TorchSDPA(Backend):
             # picks for fp16/bf16, give NaN for every call; the memory-efficient one,
             # NaN gradients where it is given a mask (bottom-right causal here).
             return ["on CUDA, scale <= 0: PyTorch's flash and cuDNN kernels give NaN"]
-        # Seen on the H200 (torch 2.11, benchmarks/results/gpu-check-2026-11-30.json):
-        # PyTorch's CUDA kernels return NaN for query rows whose every key is masked,
-        # which a mask, or bottom-right causal with Nq > Nk, can produce; the contract
-        # wants zeros. (On the CPU, PyTorch gives zeros.)
-        if request.mask != "none":
-            return [
-                f"on CUDA, a {request.mask} attn_mask can mask whole rows, which PyTorch turns into NaN"
-            ]
-        if request.causal and request.alignment == "bottom_right" and request.q_longer:
-            return [
-                "on CUDA, bottom-right causal with Nq > Nk leaves rows with no key (NaN in PyTorch)"
-            ]
         return []
 
     def memory_class(self, request: AttentionRequest) -> str:
@@ -165,7 +191,11 @@ class TorchSDPA(Backend):
         return self.memory
 
     def prepare(self, request: AttentionRequest, params: AttentionParams) -> Runner:
-        if (params.causal and not _uses_is_causal(request)) or _short_keys_on_cpu(request):
+        if (
+            (params.causal and not _uses_is_causal(request))
+            or _short_keys_on_cpu(request)
+            or _may_leave_rows_without_keys(request)
+        ):
             return super().prepare(request, params)  # a mask built for the exact lengths
         # Only the arguments that differ from SDPA's defaults: each keyword costs
         # PyTorch's argument parser about 0.3-0.8 us, a large part of attnhub's budget.
@@ -195,13 +225,17 @@ class TorchSDPA(Backend):
         attn_mask, is_causal = _sdpa_mask(query, key, attn_mask, params)
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             attn_mask = attn_mask.to(query.dtype)
-        return F.scaled_dot_product_attention(
+        empty_rows = None
+        if attn_mask is not None and query.device.type != "cpu":
+            attn_mask, empty_rows = _open_rows_without_keys(attn_mask)
+        out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=params.dropout_p,
             is_causal=is_causal, scale=params.scale,
             # A branch: with symbolic head counts (torch.compile(dynamic=True)) the
             # comparison is a SymBool, which SDPA rejects; Dynamo guards a branch.
             enable_gqa=True if query.shape[1] != key.shape[1] else False,  # noqa: SIM210
         )  # fmt: skip
+        return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)
 
 
 def _needs_lse(params: AttentionParams, *inputs: torch.Tensor) -> bool:
@@ -216,6 +250,74 @@ def _square_causal_only(request: AttentionRequest) -> list[str]:
     return []
 
 
+# What PyTorch's own checks say about a call (torch.backends.cuda.can_use_*_attention):
+# they know the installed build (its kernels' head dims, GQA, masks, the cuDNN version),
+# which hand-written declarations guessed wrong. They read tensors, so they are asked
+# about small stand-ins with the request's heads, head dims, dtype, device and gradient
+# flag, and lengths that keep what the checks and the request distinguish (1, equal,
+# longer): the answer is cached per request. In debug mode the checks explain a "no"
+# through TORCH_WARN, which from these bindings goes to the process's stderr, not to
+# Python's warnings; it is read from there (once per request, only for a "no").
+_PROBE_LEN = 128
+
+
+def _probe_lengths(request: AttentionRequest) -> tuple[int, int]:
+    nq, nk = min(request.seqlen_q, _PROBE_LEN), min(request.seqlen_k, _PROBE_LEN)
+    if request.same_seqlen:
+        return nq, nq
+    if request.q_longer and nq <= nk:
+        return nk + 1, nk
+    if not request.q_longer and nq >= nk:
+        return nq, nq + 1
+    return nq, nk
+
+
+def _stderr_of(call: Callable[[], Any]) -> tuple[Any, str]:
+    """``call()``'s result and what it wrote to file descriptor 2 (C++ warnings)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            result = call()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        sink.seek(0)
+        return result, sink.read().decode(errors="replace")
+
+
+def _warning_text(log: str) -> list[str]:
+    """The messages of c10 warnings ("[W... file:line] Warning: text (function f)")."""
+    found = re.findall(r"Warning: (.*?)(?: \(function \w+\))?$", log, flags=re.MULTILINE)
+    return [text.strip() for text in found if text.strip()]
+
+
+@functools.lru_cache(maxsize=4096)
+def _pytorch_reasons(
+    check_name: str, request: AttentionRequest, is_causal: bool
+) -> tuple[str, ...]:
+    """Why ``torch.backends.cuda.<check_name>`` rejects the request (empty: it accepts)."""
+    check = getattr(torch.backends.cuda, check_name, None)
+    sdpa_params = getattr(torch.backends.cuda, "SDPAParams", None)
+    if check is None or sdpa_params is None or not torch.cuda.is_available():
+        return ()  # nothing to ask: the declarations alone decide
+    nq, nk = _probe_lengths(request)
+    grad = request.needs_grad
+    make = functools.partial(torch.empty, dtype=request.dtype, device="cuda", requires_grad=grad)
+    q = make((1, request.heads_q, nq, request.head_dim))
+    k = make((1, request.heads_kv, nk, request.head_dim))
+    v = make((1, request.heads_kv, nk, request.head_dim_v))
+    # 0.25: a multiple of 1/16, which cuDNN's dropout needs; the value decides nothing else.
+    params = sdpa_params(q, k, v, None, 0.25 if request.dropout else 0.0, is_causal,
+                         request.heads_q != request.heads_kv)  # fmt: skip
+    if check(params, False):
+        return ()
+    _, log = _stderr_of(lambda: check(params, True))
+    why = _warning_text(log) or ["no reason given (it warns once per process)"]
+    return tuple(f"PyTorch's {check_name}(): {text}" for text in why)
+
+
 class _PinnedSDPA(Backend):
     """One CUDA kernel of PyTorch's SDPA, called through its ATen op."""
 
@@ -226,8 +328,9 @@ class _PinnedSDPA(Backend):
     memory = "linear"
     compile_safe = True
     copies_strided = True
-    # Each pinned kernel's availability flag in torch.backends.cuda.
+    # Each pinned kernel's availability flag and eligibility check in torch.backends.cuda.
     _available_flag = ""
+    _check = ""
 
     def unavailable_reason(self) -> str | None:
         if not torch.cuda.is_available():
@@ -242,7 +345,13 @@ class _PinnedSDPA(Backend):
             # Rows above the diagonal have no key; the fused kernels disagree with the
             # contract there (lse of +inf in FlashAttention-2), so do not offer them.
             return ["bottom-right causal with Nq > Nk leaves rows with no key"]
-        return []
+        if request.device_type != "cuda":
+            return []
+        # The op aligns causal bottom-right natively where it serves that alignment;
+        # PyTorch's check speaks for SDPA's top-left is_causal, so it is asked about the
+        # kernel without the flag then (which accepts exactly the same tensors).
+        is_causal = request.causal and request.alignment == "top_left"
+        return list(_pytorch_reasons(self._check, request, is_causal))
 
     @staticmethod
     def _contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -263,13 +372,17 @@ class TorchSDPAFlash(_PinnedSDPA):
     priority = 30
     min_capability = (8, 0)
     dtypes = _HALF
+    # The op itself does not pad D to a multiple of 8 (SDPA does, before calling it);
+    # what else it serves (head dims up to 256, GQA) PyTorch's check says.
     head_dims = (8, 256)
     head_dim_multiple = 8
+    gqa = True
     # FlashAttention-2 aligns causal bottom-right natively; top-left needs Nq == Nk
     # (where the two coincide), the same rule PyTorch's SDPA enforces.
     causal_alignments = frozenset({"top_left", "bottom_right"})
     dropout = True
     _available_flag = "is_flash_attention_available"
+    _check = "can_use_flash_attention"
 
     def extra_reasons(self, request: AttentionRequest) -> list[str]:
         return (
@@ -298,7 +411,7 @@ class TorchSDPAEfficient(_PinnedSDPA):
     head_dim_multiple = 8
     value_head_dim = True
     dropout = True
-    _available_flag = ""
+    _check = "can_use_efficient_attention"
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         query, key, value = self._contiguous(query, key, value)
@@ -317,9 +430,12 @@ class TorchSDPACudnn(_PinnedSDPA):
     priority = 40
     min_capability = (9, 0)
     dtypes = _HALF
-    head_dims = (8, 128)
+    # The head dims and GQA it serves depend on the cuDNN version and the GPU (D=256
+    # from cuDNN 9.22 on sm_90/sm_100): PyTorch's check says, within this outer bound.
+    head_dims = (8, 256)
     head_dim_multiple = 8
-    _available_flag = ""
+    gqa = True
+    _check = "can_use_cudnn_attention"
 
     def extra_reasons(self, request: AttentionRequest) -> list[str]:
         return (

@@ -1,0 +1,172 @@
+"""PyTorch's fused kernels as attnhub serves them: eligibility asked of PyTorch's own
+checks (torch.backends.cuda.can_use_*_attention), and the contract kept where a mask
+leaves a query row without keys (issue 16, item 1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import attnhub
+from attnhub.backends import torch_sdpa
+from attnhub.backends.torch_reference import reference_attention
+from attnhub.registry import get_registry
+from attnhub.validation import build_request, make_params
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _request(q, k, v, mask=None, **options):  # type: ignore[no-untyped-def]
+    opts = {"causal": False, "alignment": "top_left", "window": None, "softcap": None,
+            "scale": None, "dropout_p": 0.0, "block_sparse": None, "return_lse": False,
+            **options}  # fmt: skip
+    params = make_params(q, **opts)
+    return build_request(q, k, v, mask, params), params
+
+
+@pytest.mark.parametrize(
+    ("nq", "nk"), [(1, 1), (1, 4096), (4, 32768), (4096, 4096), (300, 200), (200, 300), (64, 65)]
+)
+def test_probe_lengths_keep_what_the_checks_and_the_request_distinguish(nq, nk):
+    q = torch.empty(1, 2, nq, 64, device="meta", dtype=torch.float16)
+    k = torch.empty(1, 2, nk, 64, device="meta", dtype=torch.float16)
+    request, _ = _request(q, k, k)
+    pq, pk = torch_sdpa._probe_lengths(request)
+    assert pq <= 129 and pk <= 129
+    assert (pq == 1) == (nq == 1) and (pk == 1) == (nk == 1)
+    assert (pq == pk) == (nq == nk)
+    assert (pq > pk) == (nq > nk)
+
+
+def test_c10_warnings_on_stderr_are_read_back_as_reasons():
+    def warn() -> bool:
+        os.write(
+            2,
+            b"[W1201 11:18:00.754823082 sdp_utils_cpp.h:262] Warning: Flash Attention does "
+            b"not support non-null attn_mask. (function check_for_attn_mask)\n"
+            b"[W1201 11:18:00.1 sdp_utils.cpp:9] Warning: head_dim should be no more than 128\n",
+        )
+        return False
+
+    result, log = torch_sdpa._stderr_of(warn)
+    assert result is False
+    assert torch_sdpa._warning_text(log) == [
+        "Flash Attention does not support non-null attn_mask.",
+        "head_dim should be no more than 128",
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_rows_without_keys_are_opened_and_reported_and_no_other_row_changes(dtype):
+    keep = torch.tensor([[True, False, True], [False, False, False], [False, True, False]])
+    mask = keep if dtype == torch.bool else torch.zeros(3, 3).masked_fill(~keep, float("-inf"))
+    mask = mask[None, None].expand(2, 1, 3, 3)
+    opened, empty = torch_sdpa._open_rows_without_keys(mask)
+    assert empty.shape == (2, 1, 3, 1)
+    assert empty[..., 0].tolist() == [[[False, True, False]]] * 2
+    if dtype == torch.bool:
+        assert opened[:, :, 1].all() and torch.equal(opened[:, :, [0, 2]], mask[:, :, [0, 2]])
+    else:
+        assert (opened[:, :, 1] == 0).all() and torch.equal(
+            opened[:, :, [0, 2]], mask[:, :, [0, 2]]
+        )
+
+
+def test_on_cuda_torch_sdpa_serves_masks_and_rows_without_keys():
+    """Before, a CUDA request with a mask (or bottom-right causal with Nq > Nk) was
+    declined for the NaN PyTorch gives on key-less rows; those rows are now mended."""
+    q = torch.empty(2, 4, 64, 64, device="meta", dtype=torch.float16)
+    k = torch.empty(2, 4, 32, 64, device="meta", dtype=torch.float16)
+    sdpa = get_registry().get("torch_sdpa")
+    for mask, options in (
+        (torch.empty(2, 1, 64, 64, device="meta", dtype=torch.bool), {}),
+        (None, {"causal": True, "alignment": "bottom_right"}),
+    ):
+        keys = k if mask is None else q
+        request, _ = _request(q, keys, keys, mask, **options)
+        cuda = dataclasses.replace(request, device_type="cuda", capability=(9, 0))
+        assert sdpa.extra_reasons(cuda) == []
+        assert torch_sdpa._may_leave_rows_without_keys(cuda)
+        assert not torch_sdpa._may_leave_rows_without_keys(request)  # the CPU gives zeros
+
+
+# --- on the GPU -----------------------------------------------------------------------
+
+
+def _float64(q, k, v, mask=None, **options):  # type: ignore[no-untyped-def]
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    _, params = _request(leaves[0], leaves[1], leaves[2], mask, **options)
+    out, _ = reference_attention(*leaves, mask, params)
+    return out, leaves
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["torch_sdpa_flash", "torch_sdpa_cudnn"])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(8, 2, 128), (4, 4, 256), (8, 2, 256), (4, 4, 192)])
+def test_gpu_pinned_kernels_serve_what_pytorch_says_they_serve(name, hq, hkv, d):
+    """GQA and head dims 192/256 on flash and cuDNN, where PyTorch's checks admit them,
+    forward and backward against float64."""
+    torch.manual_seed(0)
+    q = torch.randn(2, hq, 200, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, hkv, 200, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))  # fmt: skip
+    decision = attnhub.explain(q, k, v, causal=True, backend=name)
+    if decision.chosen != name:
+        reasons = str(decision)
+        assert "PyTorch's can_use_" in reasons, reasons  # PyTorch's own words, quoted
+        pytest.skip(f"PyTorch declines: {reasons}")
+    out = attnhub.attention(q, k, v, causal=True, backend=name)
+    ref, leaves = _float64(q, k, v, causal=True)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, leaves, grad.double())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_explain_quotes_pytorch_for_a_kernel_it_rejects():
+    q = torch.randn(1, 8, 64, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16)
+    decision = attnhub.explain(q, k, k)
+    text = str(decision)
+    assert "torch_sdpa_efficient" in text and "PyTorch's can_use_efficient_attention()" in text
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["bool", "float", "causal+bool", "bottom_right"])
+def test_gpu_torch_sdpa_gives_zeros_and_finite_grads_on_rows_without_keys(dtype, kind):
+    torch.manual_seed(0)
+    b, h, nq, nk, d = 2, 4, 96, 80 if kind == "bottom_right" else 96, 64
+    q = torch.randn(b, h, nq, d, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, h, nk, d, device="cuda", dtype=dtype, requires_grad=True)
+            for _ in range(2))  # fmt: skip
+    options: dict = {}
+    mask = None
+    if kind != "bottom_right":
+        keep = torch.rand(b, 1, nq, nk, device="cuda") > 0.3
+        keep[:, :, 5:9] = False  # rows without keys
+        keep[1, :, 40:] = False
+        mask = keep if kind != "float" else torch.zeros(keep.shape, device="cuda", dtype=dtype).masked_fill(~keep, float("-inf"))  # fmt: skip
+        if kind == "causal+bool":
+            options["causal"] = True
+    else:
+        options = {"causal": True, "alignment": "bottom_right"}
+    out = attnhub.attention(q, k, v, attn_mask=mask, backend="torch_sdpa", **options)
+    ref, leaves = _float64(q, k, v, mask, **options)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    assert torch.isfinite(out).all()
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, leaves, grad.double())
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g.double(), w, atol=5e-2, rtol=5e-2)
