@@ -151,6 +151,20 @@ def _open_rows_without_keys(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return mask.masked_fill(empty, 0.0), empty
 
 
+def _mask_within_inputs(request: AttentionRequest) -> bool:
+    """A mask built for the call (one (Nq, Nk) plane per batch row where the call has a
+    mask, else one; two bytes an element) takes no more memory than q, k, v and the
+    output. Lengths are the request's buckets (upper bounds); a symbolic batch: no."""
+    if request.batch is None:
+        return False
+    element = torch.empty((), dtype=request.dtype).element_size()
+    planes = request.batch if request.mask != "none" else 1
+    mask_bytes = 2 * planes * request.seqlen_q * request.seqlen_k
+    per_row = request.heads_q * request.seqlen_q * (request.head_dim + request.head_dim_v)
+    per_row += request.heads_kv * request.seqlen_k * (request.head_dim + request.head_dim_v)
+    return mask_bytes <= request.batch * per_row * element
+
+
 class TorchSDPA(Backend):
     name = "torch_sdpa"
     description = "torch.nn.functional.scaled_dot_product_attention, PyTorch picks the kernel"
@@ -185,8 +199,14 @@ class TorchSDPA(Backend):
 
     def memory_class(self, request: AttentionRequest) -> str:
         # Causal that is_causal cannot say (bottom-right, or beside a mask) becomes a
-        # materialized (Nq, Nk) mask.
-        if request.causal and (request.alignment == "bottom_right" or request.mask != "none"):
+        # materialized mask, as do the opened rows of a mask on CUDA. Extra memory no
+        # larger than the call's own tensors is not what the memory class guards
+        # against (a decode step's (Nq, Nk) mask, a padded batch's (B, 1, N, N) one at
+        # moderate N, which stock SDPA builds too); beyond that it is quadratic.
+        builds_mask = (
+            request.causal and (request.alignment == "bottom_right" or request.mask != "none")
+        ) or _may_leave_rows_without_keys(request)
+        if builds_mask and not _mask_within_inputs(request):
             return "quadratic"
         return self.memory
 

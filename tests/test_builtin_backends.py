@@ -83,7 +83,11 @@ def test_torch_sdpa_declares_memory_quadratic_only_where_it_builds_a_mask():
     assert square.chosen == "torch_sdpa" and sdpa.memory_class(square.request) == "linear"
     k = q[:, :, :5]
     rect = attnhub.explain(q, k, k, causal=True, alignment="bottom_right", backend="torch_sdpa")
-    assert rect.chosen == "torch_sdpa" and sdpa.memory_class(rect.request) == "quadratic"
+    # An (8, 5) mask is smaller than the call's tensors: not what the class guards.
+    assert rect.chosen == "torch_sdpa" and sdpa.memory_class(rect.request) == "linear"
+    q, k = torch.empty(1, 2, 4096, 16), torch.empty(1, 2, 2048, 16)
+    long = attnhub.explain(q, k, k, causal=True, alignment="bottom_right", backend="torch_sdpa")
+    assert long.chosen == "torch_sdpa" and sdpa.memory_class(long.request) == "quadratic"
 
 
 @cuda_missing
