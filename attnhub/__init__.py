@@ -4,6 +4,8 @@ Quick tour::
 
     import attnhub
     out = attnhub.attention(q, k, v, causal=True)          # best eligible backend
+    out = attnhub.attention_varlen(q, k, v, cu_q, cu_k)    # packed (T, H, D) sequences
+    out = attnhub.attention_kvcache(q, k_cache, v_cache, cache_seqlens)  # decoding
     print(attnhub.explain(q, k, v, causal=True))           # why, and why not the others
     with attnhub.use_backend("torch_sdpa"):                # restrict / order backends
         out = attnhub.attention(q, k, v)
@@ -30,6 +32,7 @@ from .hookspecs import hookimpl
 from .patching import PatchHandle, patch
 from .registry import BackendRegistry, get_registry
 from .request import AttentionParams, AttentionRequest
+from .serving import attention_kvcache, attention_varlen, explain_kvcache, explain_varlen
 
 try:
     __version__ = _metadata.version("attnhub")
@@ -47,7 +50,11 @@ __all__ = [
     "PatchHandle",
     "RankingPolicy",
     "attention",
+    "attention_kvcache",
+    "attention_varlen",
     "explain",
+    "explain_kvcache",
+    "explain_varlen",
     "get_registry",
     "hookimpl",
     "list_backends",

@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+# The tensor layouts a call comes in (contract.md): "dense" is attnhub.attention's
+# (B, H, N, D); "varlen" attnhub.attention_varlen's packed (total_tokens, H, D) with
+# cu_seqlens; "kvcache" and "paged" attnhub.attention_kvcache's contiguous
+# (B, Hkv, Nmax, D) cache and paged (num_pages, page_size, Hkv, D) cache.
+LAYOUTS = ("dense", "varlen", "kvcache", "paged")
 MEMORY_CLASSES = ("linear", "quadratic")
 _NO_LIMIT = 1 << 30
 
@@ -58,6 +63,12 @@ class Backend:
     ``compile_safe``       ``torch.compile(fullgraph=True)`` traces it without a break
     ``copies_strided``     non-contiguous inputs are copied (True) or read through
                            their strides (False)
+    ``layouts``            subset of :data:`LAYOUTS`: the calls served. "dense" (the
+                           default) is :func:`attnhub.attention` through :meth:`forward`;
+                           "varlen" is :func:`attnhub.attention_varlen` through
+                           :meth:`forward_varlen`; "kvcache" and "paged" are
+                           :func:`attnhub.attention_kvcache` with a contiguous or a
+                           paged cache, through :meth:`forward_kvcache`
     """
 
     name: ClassVar[str] = ""
@@ -83,6 +94,7 @@ class Backend:
     memory: ClassVar[str] = "quadratic"
     compile_safe: ClassVar[bool] = False
     copies_strided: ClassVar[bool] = True
+    layouts: ClassVar[frozenset[str]] = frozenset({"dense"})
 
     def unavailable_reason(self) -> str | None:
         """Why this backend cannot run on this machine at all (None: it can).
@@ -128,6 +140,55 @@ class Backend:
         """
         raise NotImplementedError(f"backend {self.name!r} does not implement forward")
 
+    def forward_varlen(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        params: AttentionParams,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Packed variable-length attention (layout "varlen"); contract.md, Varlen.
+
+        Shapes: query (Tq, Hq, D), key (Tk, Hkv, D), value (Tk, Hkv, Dv); sequence b
+        is query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` against key rows
+        ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` (``cu_seqlens_*`` validated int32 or
+        int64 (B + 1,) on the query's device; ``max_seqlen_*`` at least every
+        sequence's length). ``causal`` and ``window`` are aligned per sequence.
+        Returns the output (Tq, Hq, Dv) in the query's dtype, or ``(output, lse)``
+        with a float32 (Tq, Hq) log-sum-exp. Differentiable where ``backward`` is
+        declared.
+        """
+        raise NotImplementedError(f"backend {self.name!r} does not implement forward_varlen")
+
+    def forward_kvcache(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seqlens_k: torch.Tensor,
+        block_table: torch.Tensor | None,
+        params: AttentionParams,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention against a KV cache (layouts "kvcache" and "paged"); contract.md.
+
+        Shapes: query (B, Hq, Nq, D); ``seqlens_k`` int32 or int64 (B,): sequence b
+        has ``seqlens_k[b]`` keys (any new keys already appended by attnhub). Without
+        ``block_table`` ("kvcache"), k_cache (B, Hkv, Nmax, D) and v_cache
+        (B, Hkv, Nmax, Dv), keys ``[:seqlens_k[b]]`` of row b. With it ("paged"),
+        k_cache (num_pages, page_size, Hkv, D), v_cache (num_pages, page_size, Hkv,
+        Dv), block_table int32 (B, pages_per_seq): key position p of sequence b is
+        slot ``p % page_size`` of page ``block_table[b, p // page_size]``. The
+        positions are bottom-right aligned by default (query i at key position
+        ``seqlens_k[b] - Nq + i``; ``params.alignment``). Returns the output
+        (B, Hq, Nq, Dv) in the query's dtype, or ``(output, lse)`` with a float32
+        (B, Hq, Nq) log-sum-exp. The backend must not write to the caches.
+        """
+        raise NotImplementedError(f"backend {self.name!r} does not implement forward_kvcache")
+
     def capabilities(self) -> dict[str, str]:
         """The declarations as readable text, for ``attnhub info`` and the docs."""
         low, high = self.head_dims
@@ -149,6 +210,7 @@ class Backend:
             if self.backward
             else "no",
             "memory": self.memory,
+            "layouts": ", ".join(sorted(self.layouts)),
         }
 
 
@@ -170,6 +232,15 @@ _FEATURE_ROWS: tuple[tuple[str, str, str], ...] = (
 )
 
 _Check = Callable[[Backend, AttentionRequest], "str | None"]
+
+
+def _layout(b: Backend, r: AttentionRequest) -> str | None:
+    # A dense AttentionRequest has no layout field; the serving calls' requests
+    # (attnhub.serving_validation.ServingRequest) do.
+    layout = getattr(r, "layout", "dense")
+    if layout not in b.layouts:
+        return f"{layout} layout is not supported (layouts: {_names(b.layouts)})"
+    return None
 
 
 def _device(b: Backend, r: AttentionRequest) -> str | None:
@@ -232,6 +303,7 @@ def _deterministic(b: Backend, r: AttentionRequest) -> str | None:
 
 
 _CHECKS: tuple[_Check, ...] = (
+    _layout,
     _device,
     _capability,
     _dtype,

@@ -47,7 +47,7 @@ import pluggy
 import torch
 
 from . import env, hookspecs
-from .backend import FLOAT_DTYPES, MEMORY_CLASSES, Backend
+from .backend import FLOAT_DTYPES, LAYOUTS, MEMORY_CLASSES, Backend
 from .request import ALIGNMENTS, MASK_KINDS
 
 log = logging.getLogger("attnhub")
@@ -211,6 +211,11 @@ _DECLARATIONS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         f"causal_alignments must be within {ALIGNMENTS}, got {{value!r}}",
     ),
     (
+        "layouts",
+        _collection_of(lambda k: k in LAYOUTS, nonempty=True),
+        f"layouts must be within {LAYOUTS} (a non-empty set), got {{value!r}}",
+    ),
+    (
         "memory",
         lambda v: v in MEMORY_CLASSES,
         f"memory must be one of {MEMORY_CLASSES}, got {{value!r}}",
@@ -237,7 +242,30 @@ def declaration_problems(backend: Backend) -> list[str]:
             continue
         if not valid:
             problems.append(message.format(value=value))
+    problems += _layout_methods(backend)
     return problems
+
+
+# The method that serves each layout beyond "dense" (whose ``forward`` is checked above).
+_LAYOUT_METHODS = {
+    "varlen": "forward_varlen",
+    "kvcache": "forward_kvcache",
+    "paged": "forward_kvcache",
+}
+
+
+def _layout_methods(backend: Backend) -> list[str]:
+    """A declared layout whose method the backend does not implement (it would raise
+    NotImplementedError at every call dispatch sends it)."""
+    try:
+        layouts = set(backend.layouts)
+    except Exception:
+        return []  # reported above
+    return [
+        f"layouts declares {layout!r} but {method} is not implemented"
+        for layout, method in sorted(_LAYOUT_METHODS.items())
+        if layout in layouts and getattr(type(backend), method, None) is getattr(Backend, method)
+    ]
 
 
 def _shown_name(backend: Backend) -> Any:

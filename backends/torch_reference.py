@@ -11,9 +11,14 @@ PyTorch operations" of a tolerance estimate); :func:`contract_attention`, what t
 backend runs, gives it float32 copies of half-precision inputs, because the contract
 accumulates in float32 or better: in float16, ``q @ k^T`` alone overflows (65504) on
 inputs as ordinary as 80 channels of 256, where every kernel stays finite.
+
+:func:`varlen_reference` and :func:`kvcache_reference` define the packed and KV-cache
+calls the same way, one dense call per sequence.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -145,7 +150,107 @@ class TorchReference(Backend):
     memory = "quadratic"
     compile_safe = True
     copies_strided = False
+    layouts = frozenset({"dense", "varlen", "kvcache", "paged"})
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         out, lse = contract_attention(query, key, value, attn_mask, params)
         return (out, lse) if params.return_lse else out
+
+    def forward_varlen(  # type: ignore[no-untyped-def]
+        self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params
+    ):
+        out, lse = varlen_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, params)
+        return (out, lse) if params.return_lse else out
+
+    def forward_kvcache(  # type: ignore[no-untyped-def]
+        self, query, k_cache, v_cache, seqlens_k, block_table, params
+    ):
+        out, lse = kvcache_reference(query, k_cache, v_cache, seqlens_k, block_table, params)
+        return (out, lse) if params.return_lse else out
+
+
+def varlen_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    params: AttentionParams,
+    attend: Callable[..., tuple[torch.Tensor, torch.Tensor]] = contract_attention,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed attention, sequence by sequence: the contract's definition of
+    :func:`attnhub.attention_varlen`.
+
+    query (Tq, Hq, D), key (Tk, Hkv, D), value (Tk, Hkv, Dv); sequence b is rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of the query against rows
+    ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of key and value, computed as one dense
+    call by ``attend`` (:func:`contract_attention`; the tests pass
+    :func:`reference_attention` on float64 copies). Returns ``(out, lse)``: out
+    (Tq, Hq, Dv) in the query's dtype, lse float32 (Tq, Hq). Differentiable.
+    """
+    cu_q = cu_seqlens_q.tolist()
+    cu_k = cu_seqlens_k.tolist()
+    hq, dv = query.shape[1], value.shape[2]
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        q = query[cu_q[b] : cu_q[b + 1]].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
+        k = key[cu_k[b] : cu_k[b + 1]].transpose(0, 1).unsqueeze(0)
+        v = value[cu_k[b] : cu_k[b + 1]].transpose(0, 1).unsqueeze(0)
+        out, lse = attend(q, k, v, None, params)
+        outs.append(out[0].transpose(0, 1))  # (n, Hq, Dv)
+        lses.append(lse[0].transpose(0, 1))
+    if not outs:  # no sequences (then Tq == 0)
+        return query.new_zeros((0, hq, dv)), query.new_zeros((0, hq), dtype=torch.float32)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def gather_cache(
+    cache: torch.Tensor, b: int, length: int, block_table: torch.Tensor | None
+) -> torch.Tensor:
+    """Sequence b's first ``length`` positions of a cache as (Hkv, length, D).
+
+    Contiguous cache (B, Hkv, Nmax, D): row b. Paged cache (num_pages, page_size,
+    Hkv, D): position p is slot ``p % page_size`` of page ``block_table[b, p //
+    page_size]``.
+    """
+    if block_table is None:
+        return cache[b, :, :length]
+    page_size = cache.shape[1]
+    used = -(-length // page_size)
+    pages = block_table[b, :used].to(torch.int64)
+    tokens = cache[pages].reshape(used * page_size, *cache.shape[2:])[:length]
+    return tokens.transpose(0, 1)
+
+
+def kvcache_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    block_table: torch.Tensor | None,
+    params: AttentionParams,
+    attend: Callable[..., tuple[torch.Tensor, torch.Tensor]] = contract_attention,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention against a KV cache, sequence by sequence: the contract's definition of
+    :func:`attnhub.attention_kvcache` (after any append).
+
+    query (B, Hq, Nq, D); sequence b has ``seqlens_k[b]`` keys, gathered by
+    :func:`gather_cache`, and is one dense call by ``attend`` with the params'
+    alignment. Returns ``(out, lse)``: out (B, Hq, Nq, Dv), lse float32 (B, Hq, Nq).
+    """
+    lengths = seqlens_k.tolist()
+    _, hq, nq, _ = query.shape
+    dv = v_cache.shape[-1]
+    outs, lses = [], []
+    for i, length in enumerate(lengths):
+        k = gather_cache(k_cache, i, length, block_table).unsqueeze(0)
+        v = gather_cache(v_cache, i, length, block_table).unsqueeze(0)
+        out, lse = attend(query[i : i + 1], k, v, None, params)
+        outs.append(out)
+        lses.append(lse)
+    if not outs:
+        return (
+            query.new_zeros((0, hq, nq, dv)),
+            query.new_zeros((0, hq, nq), dtype=torch.float32),
+        )
+    return torch.cat(outs), torch.cat(lses)

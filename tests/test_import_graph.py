@@ -22,8 +22,8 @@ RUNTIME_LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"cost_table"}),
     frozenset({"measured"}),
     frozenset({"dispatch", "validation"}),
-    frozenset({"autotune"}),
-    frozenset({"api"}),
+    frozenset({"autotune", "serving_validation"}),
+    frozenset({"api", "serving"}),
     frozenset({"patching", "integrations.transformers"}),
 )
 TOOLING = frozenset({"bench", "bench_report", "bench_workloads", "bench_models", "tune", "demo", "cli", "__main__"})  # fmt: skip

@@ -1,0 +1,308 @@
+"""The serving and packed-training calls: :func:`attention_varlen` and
+:func:`attention_kvcache`, with :func:`explain_varlen` and :func:`explain_kvcache`.
+
+Their meaning is contract.md's "Packed sequences and KV caches"; they dispatch through
+the same registry, policy and selection (``backend=``, ``use_backend``,
+``ATTNHUB_BACKEND``, strict mode) as :func:`attnhub.attention`, among the backends
+whose ``layouts`` declare "varlen", "kvcache" (contiguous cache) or "paged".
+
+Per-call cost: each call validates its index tensors' values on the host (one
+transfer, see :mod:`attnhub.serving_validation`) and looks its decision up in
+dispatch's cache; there is no per-signature fast path as for :func:`attnhub.attention`
+yet, and these calls are not capturable in a CUDA graph (the transfer synchronizes).
+Under ``torch.compile`` they run eagerly (the transfer is a graph break).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import call_stats, dispatch
+from .backend import Backend
+from .serving_validation import KVCacheCall, ServingRequest, VarlenCall, check_kvcache, check_varlen
+
+__all__ = ["attention_kvcache", "attention_varlen", "explain_kvcache", "explain_varlen"]
+
+_Output = Any  # torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _decide(request: ServingRequest, backend: str | Sequence[str] | None) -> dispatch.Decision:
+    """The decision for a request under the selection in force (as attnhub.attention's)."""
+    selection = dispatch.current_selection(backend)
+    if request.empty:
+        # No query rows or no keys anywhere: the reference returns the contract's
+        # answer (empty, or zeros with lse -inf), whatever was asked.
+        selection = dispatch.Selection((dispatch.REFERENCE,), False, "empty input")
+    return dispatch.decide(request, selection)
+
+
+def _choose(request: ServingRequest, backend: str | Sequence[str] | None) -> Backend:
+    chosen = dispatch.choose(_decide(request, backend))
+    call_stats.record(chosen.name)
+    return chosen
+
+
+def _varlen_call(
+    query: Any,
+    key: Any,
+    value: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: Any,
+    max_seqlen_k: Any,
+    causal: Any,
+    alignment: Any,
+    window: Any,
+    softcap: Any,
+    scale: Any,
+    return_lse: Any,
+) -> VarlenCall:
+    options = dict(
+        causal=causal, alignment=alignment, window=window, softcap=softcap, scale=scale,
+        return_lse=return_lse,
+    )  # fmt: skip
+    return check_varlen(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options
+    )
+
+
+def attention_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    causal: bool = False,
+    alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str | Sequence[str] | None = None,
+) -> _Output:
+    """Attention over B packed sequences of different lengths, without padding.
+
+    Sequence b is query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` attending to key
+    rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``; each is :func:`attnhub.attention` of
+    that sequence alone (contract.md, "Packed sequences and KV caches").
+
+    Args:
+        query: (Tq, Hq, D), Tq the total query tokens.
+        key: (Tk, Hkv, D); Hq must be a multiple of Hkv (grouped-query attention).
+        value: (Tk, Hkv, Dv).
+        cu_seqlens_q, cu_seqlens_k: int32 or int64 (B + 1,) on the query's device,
+            starting at 0, non-decreasing, ending at Tq and Tk.
+        max_seqlen_q, max_seqlen_k: None (computed from the cu_seqlens) or at least
+            the longest query / key sequence (flash-attn's arguments of that name).
+        causal, alignment, window, softcap, scale: as :func:`attnhub.attention`, with
+            the diagonal placed per sequence: query row i of a sequence with Nq_b
+            queries and Nk_b keys sits at key position i ("top_left") or
+            i + Nk_b - Nq_b ("bottom_right").
+        return_lse: also return the float32 (Tq, Hq) natural log-sum-exp.
+        backend: None, a backend name, or names to choose among (in that order).
+
+    Returns:
+        The output (Tq, Hq, Dv) in the query's dtype, or ``(output, lse)``. Gradients
+        flow to query, key and value.
+
+    Raises:
+        TypeError, ValueError: bad input, naming the argument, before any kernel runs.
+        NoBackendError: no backend (or none of those asked for) can serve the call.
+    """
+    call = _varlen_call(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        causal, alignment, window, softcap, scale, return_lse,
+    )  # fmt: skip
+    chosen = _choose(call.request, backend)
+    return chosen.forward_varlen(
+        query, key, value, cu_seqlens_q, cu_seqlens_k,
+        call.max_seqlen_q, call.max_seqlen_k, call.params,
+    )  # fmt: skip
+
+
+def explain_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    causal: bool = False,
+    alignment: str = "top_left",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str | Sequence[str] | None = None,
+) -> dispatch.Decision:
+    """The decision :func:`attention_varlen` would make, without running it.
+
+    As :func:`attnhub.explain`: ``str(decision)`` tables every backend with its
+    reasons (a backend without the "varlen" layout says so); bad input raises.
+    """
+    call = _varlen_call(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        causal, alignment, window, softcap, scale, return_lse,
+    )  # fmt: skip
+    return _decide(call.request, backend)
+
+
+def _kvcache_call(
+    query: Any,
+    k_cache: Any,
+    v_cache: Any,
+    cache_seqlens: Any,
+    block_table: Any,
+    k_new: Any,
+    v_new: Any,
+    causal: Any,
+    alignment: Any,
+    window: Any,
+    softcap: Any,
+    scale: Any,
+    return_lse: Any,
+) -> KVCacheCall:
+    options = dict(
+        causal=causal, alignment=alignment, window=window, softcap=softcap, scale=scale,
+        return_lse=return_lse,
+    )  # fmt: skip
+    return check_kvcache(query, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options)
+
+
+def attention_kvcache(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    block_table: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    causal: bool = False,
+    alignment: str = "bottom_right",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str | Sequence[str] | None = None,
+) -> _Output:
+    """Attention of new queries against a KV cache (decoding, speculative decoding,
+    chunked prefill), optionally appending new keys and values to it first.
+
+    Sequence b has ``L_b = cache_seqlens[b] + Nnew`` keys: the first
+    ``cache_seqlens[b]`` already in the cache, then ``k_new[b]``/``v_new[b]``, which
+    are written into the cache in place (positions ``cache_seqlens[b]`` to
+    ``L_b - 1``) before attention, as flash-attn's ``flash_attn_with_kvcache`` does.
+    ``cache_seqlens`` itself is not changed. Each sequence is
+    :func:`attnhub.attention` of ``query[b]`` against its ``L_b`` keys with the given
+    alignment, bottom-right by default: query i sees, with ``causal``, keys
+    ``<= L_b - Nq + i``.
+
+    Args:
+        query: (B, Hq, Nq, D), the layout of :func:`attnhub.attention`.
+        k_cache, v_cache: a contiguous cache (B, Hkv, Nmax, D) and (B, Hkv, Nmax, Dv)
+            (the layout of :func:`attnhub.attention`'s key and value), or with
+            ``block_table`` a paged cache (num_pages, page_size, Hkv, D) and
+            (num_pages, page_size, Hkv, Dv).
+        cache_seqlens: int32 or int64 (B,): keys already in the cache per sequence.
+        block_table: None, or int32 (B, pages_per_seq): key position p of sequence b
+            is slot ``p % page_size`` of page ``block_table[b, p // page_size]``.
+            Entries past the pages a sequence uses are not read (any value).
+        k_new, v_new: None, or (B, Hkv, Nnew, D) and (B, Hkv, Nnew, Dv): appended.
+            ``cache_seqlens[b] + Nnew`` must fit in the cache (Nmax, or
+            pages_per_seq * page_size). Two sequences appending to one shared page
+            slot write it in an unspecified order.
+        causal, alignment, window, softcap, scale: as :func:`attnhub.attention`;
+            ``alignment`` defaults to "bottom_right" here.
+        return_lse: also return the float32 (B, Hq, Nq) natural log-sum-exp.
+        backend: None, a backend name, or names to choose among (in that order).
+
+    Returns:
+        The output (B, Hq, Nq, Dv) in the query's dtype, or ``(output, lse)``. A query
+        row that keeps no key (``L_b == 0``, or causal with ``L_b - Nq + i < 0``)
+        gives zeros and an lse of -inf.
+
+    Raises:
+        TypeError, ValueError: bad input, naming the argument, before any kernel runs
+            or anything is written.
+        NoBackendError: no backend (or none of those asked for) can serve the call.
+    """
+    call = _kvcache_call(
+        query, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+        causal, alignment, window, softcap, scale, return_lse,
+    )  # fmt: skip
+    # Decided (and so refused, if nothing serves it) before anything is written.
+    chosen = _choose(call.request, backend)
+    seqlens_k = cache_seqlens
+    if call.new:
+        append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)  # type: ignore[arg-type]
+        seqlens_k = cache_seqlens + call.new
+    return chosen.forward_kvcache(query, k_cache, v_cache, seqlens_k, block_table, call.params)
+
+
+def explain_kvcache(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    block_table: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    causal: bool = False,
+    alignment: str = "bottom_right",
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str | Sequence[str] | None = None,
+) -> dispatch.Decision:
+    """The decision :func:`attention_kvcache` would make, without running it or
+    writing to the cache; bad input raises as the call would."""
+    call = _kvcache_call(
+        query, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+        causal, alignment, window, softcap, scale, return_lse,
+    )  # fmt: skip
+    return _decide(call.request, backend)
+
+
+def append_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+) -> None:
+    """Write ``k_new``/``v_new`` (B, Hkv, Nnew, D|Dv) into the cache in place at
+    positions ``cache_seqlens[b] ...`` of each sequence (validated: they fit).
+
+    One indexed write per tensor on the device (no host loop). Autograd records it
+    as any in-place write, so gradients flow to ``k_new``/``v_new`` through a cache
+    that is not a leaf.
+    """
+    b, _, new, _ = k_new.shape
+    if b == 0 or new == 0:
+        return
+    device = k_cache.device
+    positions = cache_seqlens.to(torch.int64).unsqueeze(1) + torch.arange(new, device=device)
+    rows = torch.arange(b, device=device).unsqueeze(1).expand(b, new)
+    # Advanced indices around a slice put their (B, Nnew) dims first: the values go
+    # in as (B, Nnew, Hkv, D).
+    if block_table is None:
+        k_cache[rows, :, positions] = k_new.transpose(1, 2)
+        v_cache[rows, :, positions] = v_new.transpose(1, 2)
+    else:
+        page_size = k_cache.shape[1]
+        pages = block_table.to(torch.int64)[rows, positions // page_size]
+        slots = positions % page_size
+        k_cache[pages, slots] = k_new.transpose(1, 2)
+        v_cache[pages, slots] = v_new.transpose(1, 2)
