@@ -18,7 +18,8 @@ it cannot or must not:
 - calls with dropout (timing would draw from the caller's random stream);
 - in a ``torch.distributed`` job of more than one process: every rank must pick the
   same backend for the same call, and timings differ between ranks, so ranks rank by
-  the (deterministic) table or priority instead;
+  the one measurement file ``ATTNHUB_MEASUREMENTS`` names for all of them (written
+  beforehand by ``attnhub tune``), or else by the (deterministic) table or priority;
 - where fewer than two backends are eligible.
 
 Timing never touches the caller's tensors (they are read, never written; gradients go
@@ -47,16 +48,6 @@ REPEATS = 5  # timed calls per backend, after one warm-up call
 _lock = threading.Lock()
 
 
-def _distributed_job() -> bool:
-    distributed: Any = getattr(torch, "distributed", None)
-    return bool(
-        distributed is not None
-        and distributed.is_available()
-        and distributed.is_initialized()
-        and distributed.get_world_size() > 1
-    )
-
-
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -69,7 +60,7 @@ def wanted(decision: Decision, params: AttentionParams, device: torch.device) ->
         return False
     if sum(c.eligible for c in decision.candidates) < 2:
         return False
-    if torch.compiler.is_compiling() or _capturing(device) or _distributed_job():
+    if torch.compiler.is_compiling() or _capturing(device) or measured.distributed_job():
         return False
     return measured.store_for(device).get(decision.request) is None
 

@@ -11,10 +11,14 @@ variable                             kind    read by
 ``ATTNHUB_TRACE_PLUGINS``            flag    the registry, when it loads
 ``ATTNHUB_AUTOTUNE``                 flag    autotune, when a new call signature runs
                                              (on where unset: ``0`` turns measuring off)
+``ATTNHUB_MEASUREMENTS``             path    measured, when a store is first read: the
+                                             measurement file, instead of the one per
+                                             device in the user's cache directory
 ===================================  ======  =======================================
 
-(``ATTNHUB_TRITON_BWD``, an A/B switch of the triton_flash backend, is checked by that
-backend, ``backends/triton_flash/configs.py``.)
+Tuning runs of the Triton backends (forced launch configurations, the backward's launch
+mode) use a scoped context, ``attnhub.backends.triton_flash.tuning.override``, not a
+variable.
 
 The grammar, the same for every variable of a kind:
 
@@ -26,6 +30,8 @@ The grammar, the same for every variable of a kind:
   (the empty tuple), the same as unset: ``ATTNHUB_BACKEND=",,,"`` restricts nothing.
 - **choice**: one of the variable's words, any case, surrounding blanks ignored;
   unset, empty or blank is its default.
+- **path**: a file's path, ``~`` expanded, surrounding blanks ignored; unset, empty
+  or blank is no path.
 
 Anything else is a ``ValueError`` that names the variable, the value and the accepted
 values: a typo never silently means "on" (``ATTNHUB_STRICT=false`` used to) or "off".
@@ -42,6 +48,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 FLAG_ON = ("1", "true", "yes", "on")
 FLAG_OFF = ("0", "false", "no", "off")
@@ -54,6 +61,7 @@ DISABLE_PLUGIN_AUTOLOAD = "ATTNHUB_DISABLE_PLUGIN_AUTOLOAD"
 DISABLE_PLUGINS = "ATTNHUB_DISABLE_PLUGINS"
 TRACE_PLUGINS = "ATTNHUB_TRACE_PLUGINS"
 AUTOTUNE = "ATTNHUB_AUTOTUNE"
+MEASUREMENTS = "ATTNHUB_MEASUREMENTS"
 
 
 @functools.lru_cache(maxsize=256)
@@ -115,3 +123,9 @@ def names(name: str) -> tuple[str, ...]:
 def choice(name: str, words: tuple[tuple[str, str], ...], default: str) -> str:
     """Choice variable ``name`` as it is now: the value its word maps to, or ``default``."""
     return parse_choice(name, os.environ.get(name), words, default)
+
+
+def path(name: str) -> Path | None:
+    """Path variable ``name`` as it is now, or None where it is unset or blank."""
+    raw = (os.environ.get(name) or "").strip()
+    return Path(raw).expanduser() if raw else None

@@ -9,6 +9,9 @@ again::
 
     ~/.cache/attnhub/measured-<device>-torch<version>-attnhub<version>.json
 
+``ATTNHUB_MEASUREMENTS`` names another file instead: the one file every rank of a
+``torch.distributed`` job reads (see :func:`distributed_job`).
+
 A signature is an :class:`~attnhub.request.AttentionRequest` (its sequence lengths
 bucketed to powers of two). :class:`MeasuredPolicy` ranks a request's eligible backends
 by its measurement, fastest first within each memory class, and hands requests it has
@@ -27,9 +30,11 @@ import re
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from . import env
 from .backend import Backend
 from .cost_table import cache_dir
 from .jsonfile import write_json
@@ -82,7 +87,11 @@ def _file_name(device_type: str, index: int | None) -> str:
 
 
 def store_path(device: torch.device) -> Path:
-    """The measurement file of ``device`` in the user's cache directory."""
+    """The measurement file of ``device``: ``ATTNHUB_MEASUREMENTS`` where it names one,
+    else the device's file in the user's cache directory."""
+    shared = env.path(env.MEASUREMENTS)
+    if shared is not None:
+        return shared
     index = device.index
     if device.type == "cuda" and index is None:
         index = torch.cuda.current_device()
@@ -176,10 +185,31 @@ def now() -> str:
 DEVICES = frozenset({"cuda"})
 
 
+def distributed_job() -> bool:
+    """This process is one of several ranks of an initialized ``torch.distributed`` job."""
+    distributed: Any = getattr(torch, "distributed", None)
+    return bool(
+        distributed is not None
+        and distributed.is_available()
+        and distributed.is_initialized()
+        and distributed.get_world_size() > 1
+    )
+
+
 def _request_device(request: AttentionRequest) -> torch.device | None:
-    """The device whose measurements rank ``request``, or None (not measured there, or a
-    request described for a device this process does not have)."""
+    """The device whose measurements rank ``request``, or None (not measured there, a
+    request described for a device this process does not have, or a rank of a
+    distributed job without a shared measurement file).
+
+    Every rank of a ``torch.distributed`` job must pick the same backend for the same
+    call (the ranks' collectives and numerics must agree), and each machine's own file
+    holds its own timings, or none: so ranks read measurements only from the one file
+    that ``ATTNHUB_MEASUREMENTS`` names for all of them (``attnhub tune`` writes it), and
+    otherwise rank by the deterministic policies beneath.
+    """
     if request.device_type not in DEVICES:
+        return None
+    if distributed_job() and env.path(env.MEASUREMENTS) is None:
         return None
     if request.device_type == "cuda" and not torch.cuda.is_available():
         return None
@@ -240,6 +270,7 @@ __all__ = [
     "MeasuredPolicy",
     "Measurement",
     "MeasurementStore",
+    "distributed_job",
     "forget_stores",
     "over",
     "request_key",

@@ -57,7 +57,8 @@ def tuned(monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
     monkeypatch.setattr(registry_module, "_registry", fresh)
     monkeypatch.setattr(measured, "DEVICES", frozenset({"cpu"}))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    for name in ("ATTNHUB_BACKEND", "ATTNHUB_STRICT", "ATTNHUB_AUTOTUNE", "ATTNHUB_RANKING"):
+    for name in ("ATTNHUB_BACKEND", "ATTNHUB_STRICT", "ATTNHUB_AUTOTUNE", "ATTNHUB_RANKING",
+                 "ATTNHUB_MEASUREMENTS"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     slow, fast = _backend("slow", 100, 0.004), _backend("fast", 10, 0.0)
     fresh.add(slow)
@@ -136,13 +137,38 @@ def test_no_measuring_where_it_must_not(tuned, monkeypatch, setting):
     elif setting == "named backends":
         options["backend"] = ["slow", "fast"]
     elif setting == "distributed":
-        monkeypatch.setattr(autotune, "_distributed_job", lambda: True)
+        monkeypatch.setattr(measured, "distributed_job", lambda: True)
     else:
         registry.remove("fast")
     attnhub.attention(q, k, v, **options)
     assert slow.calls == 1  # served once, never timed
     assert fast.calls == 0
     assert measured.store_for(q.device).get(attnhub.explain(q, k, v).request) is None
+
+
+def test_ranks_of_a_distributed_job_read_only_a_shared_measurement_file(
+    tuned, monkeypatch, tmp_path
+):
+    """Every rank must pick the same backend: a rank ignores its machine's own file
+    (another machine's may differ, or be missing) and reads the file that
+    ATTNHUB_MEASUREMENTS names for all of them."""
+    q, k, v = _qkv()
+    attnhub.attention(q, k, v)  # measured into this machine's file, as one process
+    assert attnhub.explain(q, k, v).chosen == "fast"
+    monkeypatch.setattr(measured, "distributed_job", lambda: True)
+    measured.forget_stores()
+    decision = attnhub.explain(q, k, v)
+    assert decision.chosen == "slow" and "measured" not in decision.why  # declared priority
+    shared = tmp_path / "shared" / "measurements.json"
+    monkeypatch.setenv("ATTNHUB_MEASUREMENTS", str(shared))
+    measured.forget_stores()
+    assert attnhub.explain(q, k, v).chosen == "slow"  # the shared file has no entry yet
+    (local,) = (tmp_path / "attnhub").glob("measured-*.json")
+    shared.parent.mkdir()
+    shared.write_text(local.read_text())  # e.g. written by `attnhub tune` on one machine
+    measured.forget_stores()
+    decision = attnhub.explain(q, k, v)
+    assert decision.chosen == "fast" and "measurements.json" in decision.why
 
 
 def test_a_backend_that_fails_while_timed_is_left_out_with_its_reason(tuned):
