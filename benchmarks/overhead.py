@@ -35,6 +35,7 @@ now: +1.3 to +2.6 us).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -69,21 +70,37 @@ def _calls(args: argparse.Namespace) -> tuple[dict[str, Callable[[], object]], s
         "named": lambda: attnhub.attention(q, k, v, backend="torch_sdpa"),
         "auto": lambda: attnhub.attention(q, k, v),
     }
+    if device.type == "cuda" and torch.backends.cuda.is_flash_attention_available():
+        # A pinned kernel against its own ATen op, the way torch_sdpa_flash calls it.
+        flash = torch.ops.aten._scaled_dot_product_flash_attention
+        calls["flash_direct"] = lambda: flash(q, k, v, 0.0, False, False)
+        calls["flash_named"] = lambda: attnhub.attention(q, k, v, backend="torch_sdpa_flash")
     return calls, f"input {shape} {dtype} on {device}; attnhub's own choice: {chosen}"
 
 
-def _report(title: str, values: dict[str, float], unit: str, digits: int) -> None:
-    direct = values["direct"]
+_LABELS = (
+    # (variant, label, the variant it is the overhead over)
+    ("direct", "F.scaled_dot_product_attention", None),
+    ("named", "attnhub.attention(backend='torch_sdpa')", "direct"),
+    ("auto", "attnhub.attention()", "direct"),
+    ("flash_direct", "aten._scaled_dot_product_flash_attention", None),
+    ("flash_named", "attnhub.attention(backend='torch_sdpa_flash')", "flash_direct"),
+)
+
+
+def _report(title: str, values: dict[str, float], unit: str, digits: int) -> dict[str, float]:
+    """Prints each variant and its overhead; returns the overheads."""
     print(title)
-    for label, name in (
-        ("F.scaled_dot_product_attention         ", "direct"),
-        ("attnhub.attention(backend='torch_sdpa')", "named"),
-        ("attnhub.attention()                    ", "auto"),
-    ):
-        line = f"  {label}  {values[name]:10,.{digits}f} {unit}"
-        if name != "direct":
-            line += f"  (+{values[name] - direct:,.{digits}f} {unit})"
+    overheads = {}
+    for name, label, base in _LABELS:
+        if name not in values:
+            continue
+        line = f"  {label:<46}  {values[name]:10,.{digits}f} {unit}"
+        if base is not None:
+            overheads[name] = values[name] - values[base]
+            line += f"  (+{overheads[name]:,.{digits}f} {unit})"
         print(line)
+    return overheads
 
 
 def wall_times(args: argparse.Namespace) -> None:
@@ -105,7 +122,22 @@ def wall_times(args: argparse.Namespace) -> None:
             sync()
             best[name] = min(best[name], (time.perf_counter() - start) / repeat * 1e6)
     print(header)
-    _report(f"wall time per call, best of {args.rounds} rounds x {repeat}:", best, "us", 2)
+    title = f"wall time per call, best of {args.rounds} rounds x {repeat}:"
+    overheads = _report(title, best, "us", 2)
+    if args.json:
+        data = {
+            "kind": "attnhub-overhead/1",
+            "header": header,
+            "device": torch.cuda.get_device_name() if cuda else args.device,
+            "torch": torch.__version__,
+            "attnhub": attnhub.__version__,
+            "rounds": args.rounds,
+            "repeat": repeat,
+            "us_per_call": best,
+            "overhead_us": overheads,
+        }
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
 
 
 def _count_instructions(args: argparse.Namespace, helper: str, out_dir: str) -> None:
@@ -181,6 +213,7 @@ def main() -> None:
         "--instructions", action="store_true", help="count instructions under callgrind"
     )
     parser.add_argument("--calls", type=int, default=1000, help="calls counted per variant")
+    parser.add_argument("--json", help="also write the wall times and overheads to this file")
     parser.add_argument("--_callgrind-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._callgrind_child:
