@@ -1,0 +1,441 @@
+"""KV-cache decoding on the GPU: triton_flash's split-KV op against PyTorch and Flex.
+
+Usage (on the H200 machine, after ``pip install --no-build-isolation --no-deps -e .``)::
+
+    python benchmarks/decode_gpu.py OUT_DIR [--quick] [--no-flex] [--no-sweep]
+
+Writes ``OUT_DIR/decode-gpu.json`` and ``OUT_DIR/decode-gpu.md`` and prints the table.
+Meant to finish within about three minutes (a deadline skips what is left, and says so).
+
+Issue 17's shapes, bf16, B=8, Hq 32 / Hkv 8, D=128, every sequence at the cache's full
+length Nk (so PyTorch's kernels read exactly the same keys from the un-sliced cache):
+
+- ``nq1``: Nq=1, Nk 4K / 32K / 128K: ours (contiguous cache), SDPA's flash, cuDNN and
+  memory-efficient kernels (``enable_gqa=True``, each forced alone through
+  ``sdpa_kernel``; one that refuses the call is listed with its error), and compiled
+  FlexAttention (its decoding kernel).
+- ``softcap_window``: softcap 50 and a (4096, 0) window, Nk 32K and 128K: ours and Flex
+  (a score_mod and a block mask); PyTorch's kernels cannot serve it.
+- ``paged``: ours on a paged copy of the same cache (shuffled pages of 16 and 256
+  keys), Nk 32K and 128K, against ours on the contiguous cache.
+- ``nq4``: Nq=4 bottom-right causal, Nk 32K: ours, Flex (block mask), and SDPA's
+  cuDNN / efficient kernels with a bool mask.
+- ``sweep`` (not with --no-sweep): launch configurations of ours (BLOCK_N, warps,
+  stages, splits) at Nq=1 Nk=32K, contiguous and 16-key pages: data for
+  decode.default_config and the split heuristic.
+- ``host``: wall time per call of a tiny decode (B=1, Hq 8 / Hkv 2, Nk 256, D=64),
+  launch-bound, ours against F.scaled_dot_product_attention.
+
+Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs), median.
+Bandwidth: bytes of K and V the call must read (B * Hkv * keys * D * 2 tensors * 2 bytes;
+keys = min(Nk, window + Nq) with the window) over the median time. Every output is
+compared with a float32 reference (max abs error, beside SDPA flash's where present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from attnhub.backends.triton_flash import decode
+
+DEV = "cuda"
+B, HQ, HKV, D = 8, 32, 8, 128
+DTYPE = torch.bfloat16
+DEADLINE_S = 170.0  # the lead's call is limited; stop starting new sections after this
+START = time.monotonic()
+
+
+def _elapsed() -> float:
+    return time.monotonic() - START
+
+
+def env() -> dict:
+    commit = None
+    try:
+        proc = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+        commit = proc.stdout.strip() or None
+    except OSError:
+        pass
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "attnhub_commit": commit,
+    }
+
+
+def bench_ms(fn: Callable[[], Any]) -> float:
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def make_cache(nk: int, nq: int, seed: int = 0):  # type: ignore[no-untyped-def]
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(B, HQ, nq, D, device=DEV, dtype=DTYPE, generator=g)
+    k = torch.randn(B, HKV, nk, D, device=DEV, dtype=DTYPE, generator=g)
+    v = torch.randn(B, HKV, nk, D, device=DEV, dtype=DTYPE, generator=g)
+    seqlens = torch.full((B,), nk, device=DEV, dtype=torch.int32)
+    return q, k, v, seqlens
+
+
+def to_paged(cache: torch.Tensor, page_size: int, seed: int = 1):  # type: ignore[no-untyped-def]
+    """(paged (B * pages, page_size, Hkv, D), block table (B, pages) int32): the same
+    keys as ``cache`` in shuffled pages."""
+    b, h, n, d = cache.shape
+    pages = n // page_size
+    logical = cache.view(b, h, pages, page_size, d).permute(0, 2, 3, 1, 4)
+    logical = logical.reshape(b * pages, page_size, h, d)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    perm = torch.randperm(b * pages, device=DEV, generator=g)
+    paged = torch.empty_like(logical)
+    paged[perm] = logical
+    return paged, perm.view(b, pages).to(torch.int32)
+
+
+def reference(q, k, v, *, scale, window=None, softcap=None):  # type: ignore[no-untyped-def]
+    """float32 bottom-right causal attention (GQA by reshape, no expanded K/V)."""
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    qg = q.float().view(b, hkv, (hq // hkv) * nq, d)
+    s = qg @ k.float().transpose(-1, -2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(nq, device=q.device).repeat(hq // hkv)[:, None]
+    j = torch.arange(nk, device=q.device)[None, :]
+    pos = i + nk - nq
+    keep = j <= pos
+    if window is not None:
+        keep &= j >= pos - window[0]
+    s = s.masked_fill(~keep, float("-inf"))
+    out = torch.softmax(s, -1) @ v.float()
+    return out.view(b, hq, nq, -1)
+
+
+def kv_bytes(nk: int, nq: int, window: int | None) -> int:
+    keys = nk if window is None else min(nk, window + nq)
+    return B * HKV * keys * D * 2 * DTYPE.itemsize
+
+
+def row(case: str, impl: str, ms: float | None, nbytes: int, err: float | None = None,
+        error: str | None = None, **extra: Any) -> dict:  # fmt: skip
+    tbs = nbytes / (ms * 1e-3) / 1e12 if ms else None
+    r = {"case": case, "impl": impl, "ms": ms, "tb_s": tbs, "max_abs_err": err, **extra}
+    if error:
+        r["error"] = error[:300]
+    tag = f"{ms:.4f} ms  {tbs:.2f} TB/s" if ms else f"failed: {error and error[:120]}"
+    print(f"  {case:<28} {impl:<22} {tag}  err={err}", flush=True)
+    return r
+
+
+def measure(case: str, impl: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor | None,
+            nbytes: int, **extra: Any) -> dict:  # fmt: skip
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        err = (out.float() - ref).abs().max().item() if ref is not None else None
+        return row(case, impl, bench_ms(fn), nbytes, err, **extra)
+    except Exception as exc:  # a kernel that refuses the call: recorded, not fatal
+        return row(case, impl, None, nbytes, None, f"{type(exc).__name__}: {exc}", **extra)
+
+
+def sdpa_impls() -> dict[str, Any]:
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+        "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+        "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+
+
+def sdpa_fn(q, k, v, kernel, mask=None):  # type: ignore[no-untyped-def]
+    from torch.nn.attention import sdpa_kernel
+
+    def fn() -> torch.Tensor:
+        with sdpa_kernel([kernel]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    return fn
+
+
+_FLEX: dict[str, Any] = {}
+
+
+def flex_fn(q, k, v, *, nq: int, window: int | None = None, softcap: float | None = None):  # type: ignore[no-untyped-def]
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "compiled" not in _FLEX:
+        _FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
+    nk = k.shape[2]
+    offset = nk - nq
+    block_mask = None
+    if nq > 1 or window is not None:
+
+        def mask_mod(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            keep = kv_idx <= q_idx + offset
+            if window is not None:
+                keep = keep & (kv_idx >= q_idx + offset - window)
+            return keep
+
+        block_mask = create_block_mask(mask_mod, None, None, nq, nk, device=DEV)
+    score_mod = None
+    if softcap is not None:
+
+        def score_mod(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            return softcap * torch.tanh(score / softcap)
+
+    compiled = _FLEX["compiled"]
+
+    def fn() -> torch.Tensor:
+        return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
+
+    return fn
+
+
+def ours_fn(q, k, v, seqlens, *, block_table=None, window=None, softcap=None, config=None):  # type: ignore[no-untyped-def]
+    scale = 1.0 / math.sqrt(D)
+    win = (window, 0) if window is not None else None
+
+    def fn() -> torch.Tensor:
+        return decode.decode_attention(q, k, v, seqlens, block_table=block_table, scale=scale,
+                                       window=win, softcap=softcap, config=config)  # fmt: skip
+
+    return fn
+
+
+def section_nq1(rows: list[dict], nks: list[int], flex: bool) -> None:
+    for nk in nks:
+        q, k, v, sl = make_cache(nk, 1)
+        ref = reference(q, k, v, scale=D**-0.5)
+        nb = kv_bytes(nk, 1, None)
+        case = f"nq1-{nk // 1024}K"
+        rows.append(measure(case, "triton_decode", ours_fn(q, k, v, sl), ref, nb))
+        for name, kernel in sdpa_impls().items():
+            rows.append(measure(case, name, sdpa_fn(q, k, v, kernel), ref, nb))
+        if flex:
+            rows.append(measure(case, "flex", flex_fn(q, k, v, nq=1), ref, nb))
+        del q, k, v, ref
+        torch.cuda.empty_cache()
+
+
+def section_softcap_window(rows: list[dict], nks: list[int], flex: bool) -> None:
+    for nk in nks:
+        q, k, v, sl = make_cache(nk, 1, seed=2)
+        ref = reference(q, k, v, scale=D**-0.5, window=(4096, 0), softcap=50.0)
+        nb = kv_bytes(nk, 1, 4096)
+        case = f"softcap50-window4096-{nk // 1024}K"
+        fn = ours_fn(q, k, v, sl, window=4096, softcap=50.0)
+        rows.append(measure(case, "triton_decode", fn, ref, nb))
+        if flex:
+            rows.append(measure(case, "flex", flex_fn(q, k, v, nq=1, window=4096, softcap=50.0),
+                                ref, nb))  # fmt: skip
+        del q, k, v, ref
+        torch.cuda.empty_cache()
+
+
+def section_paged(rows: list[dict], nks: list[int], page_sizes: list[int]) -> None:
+    for nk in nks:
+        q, k, v, sl = make_cache(nk, 1, seed=3)
+        ref = reference(q, k, v, scale=D**-0.5)
+        nb = kv_bytes(nk, 1, None)
+        case = f"paged-{nk // 1024}K"
+        rows.append(measure(case, "triton_decode", ours_fn(q, k, v, sl), ref, nb))
+        for p in page_sizes:
+            kp, table = to_paged(k, p)
+            vp, _ = to_paged(v, p)
+            fn = ours_fn(q, kp, vp, sl, block_table=table)
+            rows.append(measure(case, f"triton_decode_paged{p}", fn, ref, nb))
+            del kp, vp
+        del q, k, v, ref
+        torch.cuda.empty_cache()
+
+
+def section_nq4(rows: list[dict], flex: bool) -> None:
+    nk, nq = 32768, 4
+    q, k, v, sl = make_cache(nk, nq, seed=4)
+    ref = reference(q, k, v, scale=D**-0.5)
+    nb = kv_bytes(nk, nq, None)
+    case = "nq4-causal-32K"
+    rows.append(measure(case, "triton_decode", ours_fn(q, k, v, sl), ref, nb))
+    mask = torch.arange(nk, device=DEV)[None, :] <= torch.arange(nq, device=DEV)[:, None] + nk - nq
+    for name, kernel in sdpa_impls().items():
+        if name != "sdpa_flash":  # flash takes no mask, and its is_causal is top-left
+            rows.append(measure(case, name + "_boolmask", sdpa_fn(q, k, v, kernel, mask), ref, nb))
+    if flex:
+        rows.append(measure(case, "flex", flex_fn(q, k, v, nq=nq), ref, nb))
+    del q, k, v, ref
+    torch.cuda.empty_cache()
+
+
+def section_sweep(rows: list[dict], quick: bool) -> None:
+    nk = 32768
+    q, k, v, sl = make_cache(nk, 1, seed=5)
+    ref = reference(q, k, v, scale=D**-0.5)
+    nb = kv_bytes(nk, 1, None)
+    kp, table = to_paged(k, 16)
+    vp, _ = to_paged(v, 16)
+    default = decode.default_config(D, 2, None)
+    base_splits = decode.num_splits_for(B * HKV, nk // default.block_n, decode._sm_count(q.device))
+    configs = [
+        (bn, w, s, sp)
+        for bn, w, s in ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2),
+                         (128, 8, 2), (64, 2, 3))
+        for sp in (None, base_splits * 2, max(base_splits // 2, 1))
+    ]  # fmt: skip
+    if quick:
+        configs = configs[:6]
+    for bn, w, s, sp in configs:
+        if _elapsed() > DEADLINE_S:
+            rows.append({"case": "sweep", "skipped": "deadline"})
+            break
+        cfg = decode.DecodeConfig(bn, w, s, sp)
+        label = f"bn{bn}-w{w}-s{s}-splits{sp or 'auto'}"
+        rows.append(measure("sweep-32K", label, ours_fn(q, k, v, sl, config=cfg), ref, nb))
+        fn = ours_fn(q, kp, vp, sl, block_table=table, config=cfg)
+        rows.append(measure("sweep-32K-paged16", label, fn, ref, nb))
+
+
+def section_host(rows: list[dict]) -> None:
+    """Wall time per call, CPU-bound: a tiny call whose kernels take a few us."""
+    q = torch.randn(1, 8, 1, 64, device=DEV, dtype=DTYPE)
+    k = torch.randn(1, 2, 256, 64, device=DEV, dtype=DTYPE)
+    v = torch.randn(1, 2, 256, 64, device=DEV, dtype=DTYPE)
+    sl = torch.full((1,), 256, device=DEV, dtype=torch.int32)
+    calls = {
+        "triton_decode": lambda: decode.decode_attention(q, k, v, sl, scale=0.125),
+        "sdpa_default": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+    }
+    for name, fn in calls.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        best = math.inf
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                fn()
+            torch.cuda.synchronize()
+            best = min(best, (time.perf_counter() - t0) / 200 * 1e6)
+        rows.append({"case": "host-tiny", "impl": name, "us_per_call": best})
+        print(f"  host-tiny {name:<22} {best:.1f} us/call", flush=True)
+
+
+def summary(rows: list[dict]) -> dict:
+    """Issue 17's criteria, as far as this run's rows decide them."""
+    timed = [r for r in rows if r.get("ms")]
+
+    def ms(case: str, impl: str) -> float | None:
+        return next((r["ms"] for r in timed if r["case"] == case and r["impl"] == impl), None)
+
+    out: dict[str, Any] = {}
+    for case in sorted({r["case"] for r in timed}):
+        ours = ms(case, "triton_decode")
+        others = {r["impl"]: r["ms"] for r in timed if r["case"] == case
+                  and not r["impl"].startswith("triton_decode")}  # fmt: skip
+        if ours is None or case.startswith("sweep"):
+            continue
+        entry: dict[str, Any] = {"ours_tb_s": next(r["tb_s"] for r in timed if r["case"] == case
+                                                   and r["impl"] == "triton_decode")}  # fmt: skip
+        if others:
+            best = min(others, key=others.__getitem__)
+            entry["fastest_other"] = best
+            entry["speed_vs_fastest_other"] = others[best] / ours  # > 1: ours faster
+        for r in timed:
+            if r["case"] == case and r["impl"].startswith("triton_decode_paged"):
+                entry[r["impl"] + "_vs_contiguous"] = ours / r["ms"]  # < 0.9: >10% slower
+        out[case] = entry
+    return out
+
+
+def markdown(meta: dict, rows: list[dict], summ: dict) -> str:
+    lines = [
+        "# KV-cache decode on the GPU (benchmarks/decode_gpu.py)",
+        "",
+        f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
+        f"commit {meta['attnhub_commit']}. bf16, B={B}, Hq {HQ} / Hkv {HKV}, D={D}. TB/s: bytes "
+        "of K/V the call must read over the do_bench median.",
+        "",
+        "| case | impl | ms | TB/s | max abs err vs fp32 | note |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "ms" not in r:
+            continue
+        ms = f"{r['ms']:.4f}" if r["ms"] else "-"
+        tbs = f"{r['tb_s']:.2f}" if r.get("tb_s") else "-"
+        err = f"{r['max_abs_err']:.2e}" if r.get("max_abs_err") is not None else "-"
+        lines.append(f"| {r['case']} | {r['impl']} | {ms} | {tbs} | {err} | "
+                     f"{r.get('error', '')[:80]} |")  # fmt: skip
+    host = [r for r in rows if r.get("case") == "host-tiny"]
+    if host:
+        lines += ["", "| host, tiny call | us/call |", "|---|---|"]
+        lines += [f"| {r['impl']} | {r['us_per_call']:.1f} |" for r in host]
+    lines += ["", "## Against issue 17's criteria", "", "```", json.dumps(summ, indent=1), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--quick", action="store_true", help="Nk 4K and 32K only, a short sweep")
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    meta = env()
+    print(json.dumps(meta), flush=True)
+    flex = not args.no_flex
+    nks = [4096, 32768] if args.quick else [4096, 32768, 131072]
+    long = [32768] if args.quick else [32768, 131072]
+    rows: list[dict] = []
+    sections: list[tuple[str, Callable[[], None]]] = [
+        ("nq1", lambda: section_nq1(rows, nks, flex)),
+        ("softcap_window", lambda: section_softcap_window(rows, long, flex)),
+        ("paged", lambda: section_paged(rows, long, [16, 256])),
+        ("nq4", lambda: section_nq4(rows, flex)),
+        ("host", lambda: section_host(rows)),
+    ]
+    if not args.no_sweep:
+        sections.append(("sweep", lambda: section_sweep(rows, args.quick)))
+    skipped = []
+    for name, run in sections:
+        if _elapsed() > DEADLINE_S:
+            skipped.append(name)
+            continue
+        print(f"[{_elapsed():6.1f}s] {name}", flush=True)
+        try:
+            run()
+        except Exception as exc:  # keep what the other sections measured
+            rows.append({"case": name, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            print(f"  section {name} failed: {exc}", flush=True)
+    summ = summary(rows)
+    meta["elapsed_s"] = round(_elapsed(), 1)
+    meta["skipped_sections"] = skipped
+    result = {"meta": meta, "rows": rows, "summary": summ}
+    with open(os.path.join(args.out_dir, "decode-gpu.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    md = markdown(meta, rows, summ)
+    with open(os.path.join(args.out_dir, "decode-gpu.md"), "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
