@@ -165,10 +165,22 @@ SEQLENS = [0, 13, 5, 1]
 @pytest.mark.parametrize(("nq", "new"), [(1, 0), (1, 1), (3, 3), (2, 0)])
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(map(str, o)) or "plain")
 def test_matches_a_loop_of_dense_calls(layout, backend, dtype, nq, new, options):
-    if layout not in attnhub.get_registry().get(backend).layouts:
-        pytest.skip(f"{backend} does not declare {layout}")
-    setup = Setup(SEQLENS, nq, new, dtype=dtype, seed=nq + new)
-    _check(_problems(setup, backend, layout == "paged", options))
+    """Every CPU backend serving the layout (triton_flash's decode kernel too, under
+    TRITON_INTERPRET=1), on the cases it declares it serves (explain() says which)."""
+    setup = Setup(SEQLENS, nq, new, d=16, dtype=dtype, seed=nq + new)
+    paged = layout == "paged"
+    _skip_unless_chosen(setup, backend, paged, options)
+    _check(_problems(setup, backend, paged, options))
+
+
+def _skip_unless_chosen(setup: Setup, backend: str, paged: bool, options: dict[str, Any]) -> None:
+    k, v = (setup.k_pages, setup.v_pages) if paged else (setup.k_cache, setup.v_cache)
+    decision = attnhub.explain_kvcache(
+        setup.query, k, v, setup.cache_seqlens, block_table=setup.block_table if paged else None,
+        k_new=setup.k_new, v_new=setup.v_new, return_lse=True, backend=backend, **options,
+    )  # fmt: skip
+    if decision.chosen != backend:
+        pytest.skip(f"{backend}: {'; '.join(decision.reasons()[backend])}")
 
 
 @pytest.mark.parametrize("options", OPTIONS[:3], ids=lambda o: ",".join(map(str, o)) or "plain")
@@ -400,11 +412,5 @@ def test_gpu_bf16_matches_a_loop_of_dense_calls(layout, backend, nq, new, page_s
         pages_per_seq=pages_per_seq, dtype=torch.bfloat16, device="cuda", seed=nq,
     )  # fmt: skip
     paged = layout == "paged"
-    k, v = (setup.k_pages, setup.v_pages) if paged else (setup.k_cache, setup.v_cache)
-    decision = attnhub.explain_kvcache(
-        setup.query, k, v, setup.cache_seqlens, block_table=setup.block_table if paged else None,
-        k_new=setup.k_new, v_new=setup.v_new, return_lse=True, backend=backend, **options,
-    )  # fmt: skip
-    if decision.chosen != backend:
-        pytest.skip(f"{backend}: {'; '.join(decision.reasons()[backend])}")
+    _skip_unless_chosen(setup, backend, paged, options)
     _check(_problems(setup, backend, paged, options))

@@ -30,6 +30,7 @@ class TritonBlockSparse(TritonFlash):
     name = "triton_blocksparse"
     description = "block-sparse FlashAttention in Triton (visits only kept blocks)"
     block_sparse = True
+    layouts = frozenset({"dense"})  # not triton_flash's KV-cache layouts: no block layouts there
 
     def extra_reasons(self, request: AttentionRequest) -> list[str]:
         if not request.block_sparse:

@@ -62,6 +62,8 @@ class TritonFlash(Backend):
     # benchmarks/results/gpu-compile-2026-11-30.log).
     compile_safe = True
     copies_strided = False
+    # attnhub.attention_kvcache through the split-KV decode kernel (serving.py).
+    layouts = frozenset({"dense", "kvcache", "paged"})
 
     @property  # type: ignore[override]
     def priority(self) -> int:  # type: ignore[override]
@@ -89,7 +91,18 @@ class TritonFlash(Backend):
             # Seen with triton 3.6: tl.dot on bf16 returns values near 1e10 in the
             # interpreter (shared/gpu.md). Lift when the interpreter handles bf16.
             return ["bfloat16 is not reliable in Triton's CPU interpreter"]
+        if getattr(request, "layout", "dense") != "dense":
+            from .serving import kvcache_reasons
+
+            return kvcache_reasons(request)
         return []
+
+    def forward_kvcache(  # type: ignore[no-untyped-def]
+        self, query, k_cache, v_cache, seqlens_k, block_table, params
+    ):
+        from .serving import forward_kvcache
+
+        return forward_kvcache(query, k_cache, v_cache, seqlens_k, block_table, params)
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         from .ops import flash_attention
