@@ -24,7 +24,7 @@ RUNTIME_LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"dispatch", "validation"}),
     frozenset({"autotune", "serving_validation"}),
     frozenset({"api", "serving"}),
-    frozenset({"patching", "integrations.transformers"}),
+    frozenset({"patching", "integrations.transformers", "distributed"}),
 )
 TOOLING = frozenset({"bench", "bench_report", "bench_workloads", "bench_models", "tune", "demo", "cli", "__main__"})  # fmt: skip
 

@@ -1,0 +1,717 @@
+"""Context parallelism: one attention call over a sequence sharded across processes.
+
+Each rank of a ``torch.distributed`` process group holds a shard of the sequence:
+query, key and value of shape (B, H, N_local, D). :func:`context_parallel_attention`
+returns each rank's rows of what one :func:`attnhub.attention` over the gathered
+sequence returns, forward and backward, within the contract's tolerance.
+
+How (ring attention, the FlashAttention merge across devices): the key/value shards
+travel around the ring of ranks; at every step a rank attends its queries to the
+key/value block it holds with an ordinary ``attnhub.attention(..., return_lse=True)``
+call, dispatched like any other (any backend that returns the log-sum-exp), and merges
+the partial outputs exactly through their log-sum-exps::
+
+    lse = logaddexp(lse_a, lse_b)
+    out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
+
+the same rescaling the online softmax does inside a kernel. The next block's transfer
+is started before the current block is computed (batched ``isend``/``irecv``), so a
+step takes about max(compute, transfer).
+
+Sharding (:func:`shard`, :func:`unshard`, :func:`positions`): the sequence is cut into
+chunks of equal length. ``layout="zigzag"`` (the default) cuts it into 2R chunks and
+gives rank r chunks r and 2R-1-r, so that under a causal mask every rank has the same
+work (an early chunk and a late one); ``layout="contiguous"`` gives rank r chunk r of
+R. Chunk pairs a mask hides entirely are skipped, not computed.
+
+Masks between chunks: a pair of chunks whose global positions differ is a band of the
+(query, key) grid, ``key - query`` in ``[lo, hi]``. Every such band is expressed as a
+contract call on a slice of the chunks: keys that no query of the chunk can see and
+queries that see no key are cut off, and what remains is top-left ``causal`` and/or a
+``window`` with non-negative sides, both of which every window-capable backend serves
+(the contract needed no extension; see docs/distributed.md for the cost). A pair that
+is fully visible is a call without a mask; a rank's own block under causal is one
+causal call (the zigzag order keeps positions ascending within a shard).
+
+Backward (:class:`_RingAttention`): the ring runs again. The block's key/value travel
+as in the forward, and their gradient accumulators travel with them, one hop behind,
+until they come home to their rank after R hops. Each step recomputes its partial
+``(out_j, lse_j)`` under autograd and differentiates it with
+
+    d out_j = w_j * d out,      d lse_j = w_j * (d out . out_j - d out . out + d lse)
+
+where ``w_j = exp(lse_j - lse)`` is the step's weight in the merge (the lse term is
+exact: the merge depends on lse_j). So a ring step's backend must return an lse that
+carries a gradient (torch_reference and triton_flash do; PyTorch's fused kernels,
+called through their ATen ops, do not: a clear RuntimeError says so). The recompute
+costs one forward per step in the backward, the price of calling any backend through
+its public interface (a kernel's backward fed the global output and lse would not
+need it).
+
+Failure: a peer that never takes part makes the call raise once the process group's
+timeout expires (gloo raises from the wait; NCCL's watchdog aborts the communicator),
+it does not hang forever. Shapes are compared across ranks (one small all-gather) the
+first time a signature is used in a group, so that mismatched shards raise the same
+ValueError on every rank instead of corrupting a transfer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import api
+from .validation import _check_window, make_params
+
+__all__ = [
+    "LAYOUTS",
+    "chunk_ids",
+    "context_parallel_attention",
+    "gather",
+    "positions",
+    "shard",
+    "unshard",
+]
+
+LAYOUTS = ("zigzag", "contiguous")
+
+# ---------------------------------------------------------------------------
+# Sharding helpers
+
+
+def _check_layout(layout: Any) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return str(layout)
+
+
+def _check_world(world_size: Any, rank: Any) -> None:
+    for name, value in (("world_size", world_size), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+
+
+def chunk_ids(world_size: int, rank: int, layout: str = "zigzag") -> tuple[int, ...]:
+    """The global chunk indices rank ``rank`` holds, in its local order.
+
+    ``zigzag``: the sequence is cut into ``2 * world_size`` chunks and the rank holds
+    ``(rank, 2 * world_size - 1 - rank)``; ``contiguous``: ``world_size`` chunks, the
+    rank holds ``(rank,)``. Local order is ascending in position in both layouts.
+    """
+    _check_layout(layout)
+    _check_world(world_size, rank)
+    if layout == "zigzag":
+        return (rank, 2 * world_size - 1 - rank)
+    return (rank,)
+
+
+def _num_chunks(world_size: int, layout: str) -> int:
+    return 2 * world_size if layout == "zigzag" else world_size
+
+
+def _chunk_len(n: int, world_size: int, layout: str, what: str) -> int:
+    chunks = _num_chunks(world_size, layout)
+    if n % chunks:
+        raise ValueError(
+            f"{what} {n} is not a multiple of {chunks} ({layout} layout over {world_size} "
+            f"ranks cuts the sequence into {chunks} chunks of equal length); pad the "
+            f"sequence to a multiple of {chunks} (uneven chunks are not supported)"
+        )
+    return n // chunks
+
+
+def shard(
+    x: torch.Tensor, dim: int, world_size: int, rank: int, layout: str = "zigzag"
+) -> torch.Tensor:
+    """Rank ``rank``'s shard of the full sequence ``x`` along ``dim``.
+
+    Example: q of shape (B, H, N, D) -> ``shard(q, 2, R, r)`` of shape (B, H, N/R, D),
+    holding the chunks :func:`chunk_ids` names, concatenated. Position ids for the
+    shard (for rotary embeddings and the like) are :func:`positions`.
+
+    Raises:
+        ValueError: ``x.shape[dim]`` is not a multiple of the layout's chunk count
+            (``2 * world_size`` for zigzag, ``world_size`` for contiguous).
+    """
+    ids = chunk_ids(world_size, rank, layout)
+    n = x.shape[dim]
+    c = _chunk_len(n, world_size, layout, f"sequence length (dim {dim})")
+    return torch.cat([x.narrow(dim, i * c, c) for i in ids], dim=dim)
+
+
+def unshard(shards: Sequence[torch.Tensor], dim: int, layout: str = "zigzag") -> torch.Tensor:
+    """The full sequence from every rank's shard (``shards[r]`` is rank r's), the
+    inverse of :func:`shard` along ``dim``."""
+    world_size = len(shards)
+    if world_size < 1:
+        raise ValueError("shards must hold one tensor per rank, got none")
+    per_rank = len(chunk_ids(world_size, 0, layout))
+    lengths = {s.shape[dim] for s in shards}
+    if len(lengths) != 1:
+        raise ValueError(f"every shard must have the same length along dim {dim}, got {lengths}")
+    n_local = lengths.pop()
+    if n_local % per_rank:
+        raise ValueError(
+            f"a {layout} shard holds {per_rank} chunks of equal length; its length "
+            f"{n_local} along dim {dim} is not a multiple of {per_rank}"
+        )
+    c = n_local // per_rank
+    pieces: dict[int, torch.Tensor] = {}
+    for r, s in enumerate(shards):
+        for a, g in enumerate(chunk_ids(world_size, r, layout)):
+            pieces[g] = s.narrow(dim, a * c, c)
+    return torch.cat([pieces[g] for g in range(len(pieces))], dim=dim)
+
+
+def positions(
+    seq_len: int,
+    world_size: int,
+    rank: int,
+    layout: str = "zigzag",
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The global position ids (int64, shape (seq_len / world_size,)) of rank ``rank``'s
+    shard of a ``seq_len`` sequence, in the shard's order: feed them to rotary
+    embeddings (or anything positional) instead of ``arange(N_local)``."""
+    return shard(torch.arange(seq_len, device=device), 0, world_size, rank, layout)
+
+
+def gather(x: torch.Tensor, dim: int, group: Any = None, layout: str = "zigzag") -> torch.Tensor:
+    """The full sequence on every rank: an all-gather of ``x`` (this rank's shard along
+    ``dim``) and :func:`unshard`. Not differentiable; for evaluation and tests."""
+    world_size = dist.get_world_size(group)
+    parts = [torch.empty_like(x) for _ in range(world_size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return unshard(parts, dim, layout)
+
+
+# ---------------------------------------------------------------------------
+# The plan: which calls a step makes
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One attnhub call of a ring step: local query rows ``[r0, r1)`` against the held
+    block's rows ``[k0, k1)``, with a top-left ``causal`` flag and ``window``."""
+
+    r0: int
+    r1: int
+    k0: int
+    k1: int
+    causal: bool
+    window: tuple[int | None, int | None] | None
+
+
+_INF = math.inf
+
+
+def _band(
+    q_off: int, k_off: int, c: int, causal: bool, window: tuple[int | None, int | None] | None
+) -> tuple[float, float]:
+    """Visible ``key - query`` offsets ``[lo, hi]`` (local indices j - i) of a chunk pair
+    of length c at global offsets q_off and k_off, clipped to the chunk's range."""
+    d = q_off - k_off  # global key pos - query pos = (j - i) - d
+    lo, hi = -_INF, _INF
+    if window is not None:
+        left, right = window
+        if left is not None:
+            lo = d - left
+        if right is not None:
+            hi = d + right
+    if causal:
+        hi = min(hi, d)
+    return max(lo, -(c - 1)), min(hi, c - 1)
+
+
+def _band_call(a_row: int, b_row: int, c: int, lo: int, hi: int) -> _Call:
+    """A non-empty band ``j - i in [lo, hi]`` of a c x c chunk pair as a top-left call:
+    cut the keys no query sees and the queries that see no key, then the band is
+    ``causal`` and/or ``window`` with non-negative sides (see the module doc)."""
+    t = max(0, -hi)  # rows i < -hi see no key (j <= i + hi < 0)
+    s = max(0, lo)  # keys j < lo are seen by no row (j >= i + lo >= lo)
+    r_end = c - max(lo, 0)  # rows i > c - 1 - lo see no key
+    k_end = c + min(hi, 0)  # keys j > c - 1 + hi are seen by no row
+    nq, nk = r_end - t, k_end - s
+    left, right = s - t - lo, hi - s + t  # relative band: j' - i' in [-left, right]
+    causal = right == 0
+    side_left: int | None = None if left >= nq - 1 else left
+    side_right: int | None = None if causal or right >= nk - 1 else right
+    window = None if side_left is None and side_right is None else (side_left, side_right)
+    return _Call(a_row + t, a_row + r_end, b_row + s, b_row + k_end, causal, window)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(
+    world_size: int,
+    rank: int,
+    src: int,
+    layout: str,
+    c: int,
+    causal: bool,
+    window: tuple[int | None, int | None] | None,
+) -> tuple[_Call, ...]:
+    """The calls rank ``rank`` makes against the block of rank ``src`` (chunk length c)."""
+    q_ids = chunk_ids(world_size, rank, layout)
+    k_ids = chunk_ids(world_size, src, layout)
+    if src == rank and window is None:
+        # One call on the whole shard: positions ascend within it, so top-left causal on
+        # local indices is global causal (a later chunk sees an earlier one fully).
+        n = c * len(q_ids)
+        return (_Call(0, n, 0, n, causal, None),)
+    bands = {
+        (a, b): _band(qa * c, kb * c, c, causal, window)
+        for a, qa in enumerate(q_ids)
+        for b, kb in enumerate(k_ids)
+    }
+    visible = {p: band for p, band in bands.items() if band[0] <= band[1]}
+    if not visible:
+        return ()
+    full = {p for p, (lo, hi) in visible.items() if lo == -(c - 1) and hi == c - 1}
+    rows = sorted({a for a, _ in visible})
+    cols = sorted({b for _, b in visible})
+    rectangle = {(a, b) for a in rows for b in cols}
+    if (
+        full == set(visible) == rectangle
+        and rows == list(range(rows[0], rows[-1] + 1))
+        and cols == list(range(cols[0], cols[-1] + 1))
+    ):
+        # Every visible pair is fully visible and they tile one rectangle: one call.
+        return (
+            _Call(rows[0] * c, (rows[-1] + 1) * c, cols[0] * c, (cols[-1] + 1) * c, False, None),
+        )
+    calls = []
+    for (a, b), (lo, hi) in sorted(visible.items()):
+        calls.append(_band_call(a * c, b * c, c, int(lo), int(hi)))
+    return tuple(calls)
+
+
+# ---------------------------------------------------------------------------
+# Communication
+
+
+class _Ring:
+    """Sends to the next rank and receives from the previous one, in batches.
+
+    ``torch.distributed.batch_isend_irecv`` of P2P ops: asynchronous on every backend
+    (gloo runs them on its own threads). On CUDA the ops are issued from a dedicated
+    side stream, which first waits for the compute stream (the sent tensors are ready),
+    so a transfer overlaps the compute that follows it; :meth:`wait` makes the compute
+    stream wait for the side stream before received tensors are read, and records the
+    tensors on the compute stream for the caching allocator.
+    """
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (rank + 1) % self.world_size)
+        self.prev = dist.get_global_rank(group, (rank - 1) % self.world_size)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def start(
+        self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]
+    ) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]:
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        if self.stream is None:
+            return dist.batch_isend_irecv(ops), list(send), list(recv)
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            works = dist.batch_isend_irecv(ops)
+        return works, list(send), list(recv)
+
+    def wait(self, handle: tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]) -> None:
+        works, send, recv = handle
+        if self.stream is None:
+            for work in works:
+                work.wait()  # raises when the process group's timeout expires (gloo)
+            return
+        with torch.cuda.stream(self.stream):
+            for work in works:
+                work.wait()  # NCCL: the side stream waits for the transfer
+        compute = torch.cuda.current_stream(self.stream.device)
+        compute.wait_stream(self.stream)
+        for t in (*send, *recv):
+            t.record_stream(compute)
+
+
+# ---------------------------------------------------------------------------
+# The ring
+
+
+@dataclass(frozen=True)
+class _Config:
+    group: Any
+    world_size: int
+    rank: int
+    layout: str
+    chunk: int
+    causal: bool
+    window: tuple[int | None, int | None] | None
+    softcap: float | None
+    scale: float
+    backend: Any
+
+    def calls(self, step: int) -> tuple[_Call, ...]:
+        src = (self.rank - step) % self.world_size
+        return _plan(
+            self.world_size, self.rank, src, self.layout, self.chunk, self.causal, self.window
+        )
+
+
+def _step(
+    cfg: _Config, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One attnhub call (``q``, ``k``, ``v`` already sliced to the call's rows)."""
+    result = api.attention(
+        q, k, v,
+        causal=call.causal, window=call.window, softcap=cfg.softcap, scale=cfg.scale,
+        return_lse=True, backend=cfg.backend,
+    )  # fmt: skip
+    return result
+
+
+def _merge(
+    acc_out: torch.Tensor,
+    acc_lse: torch.Tensor,
+    r0: int,
+    r1: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Merge a partial ``(out, lse)`` of rows [r0, r1) into the accumulators, in place.
+    Rows with no key yet (lse -inf on both sides) stay zeros with lse -inf."""
+    a_lse = acc_lse[..., r0:r1]
+    new = torch.logaddexp(a_lse, lse)
+    shift = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+    w_acc = torch.exp(a_lse - shift).unsqueeze(-1).to(acc_out.dtype)
+    w_new = torch.exp(lse - shift).unsqueeze(-1).to(acc_out.dtype)
+    rows = acc_out[..., r0:r1, :]
+    rows.mul_(w_acc).add_(out.to(acc_out.dtype) * w_new)
+    a_lse.copy_(new)
+
+
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _ring_forward(
+    cfg: _Config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, hq, n, _ = q.shape
+    acc_dtype = _accumulate_dtype(q.dtype)
+    acc_out = torch.zeros(b, hq, n, v.shape[-1], dtype=acc_dtype, device=q.device)
+    # The lse is float32 (the contract's); merged in the accumulation dtype.
+    acc_lse = torch.full((b, hq, n), -math.inf, dtype=acc_dtype, device=q.device)
+    ring = _Ring(cfg.group, q.device) if cfg.world_size > 1 else None
+    k_blk, v_blk = k.contiguous(), v.contiguous()
+    for step in range(cfg.world_size):
+        pending = None
+        if ring is not None and step < cfg.world_size - 1:
+            k_next, v_next = torch.empty_like(k_blk), torch.empty_like(v_blk)
+            pending = ring.start((k_blk, v_blk), (k_next, v_next))  # overlaps the compute
+        for call in cfg.calls(step):
+            out, lse = _step(
+                cfg, call, q[:, :, call.r0 : call.r1],
+                k_blk[:, :, call.k0 : call.k1], v_blk[:, :, call.k0 : call.k1],
+            )  # fmt: skip
+            _merge(acc_out, acc_lse, call.r0, call.r1, out, lse)
+        if pending is not None and ring is not None:
+            ring.wait(pending)
+            k_blk, v_blk = k_next, v_next
+    return acc_out.to(q.dtype), acc_lse.float()
+
+
+def _step_grads(
+    cfg: _Config,
+    call: _Call,
+    q: torch.Tensor,
+    k_blk: torch.Tensor,
+    v_blk: torch.Tensor,
+    dout: torch.Tensor,
+    delta: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one call's rows and keys: the call recomputed under autograd and
+    differentiated through its out and lse (see the module doc)."""
+    rows = slice(call.r0, call.r1)
+    qs = q[:, :, rows].detach().requires_grad_(True)
+    ks = k_blk[:, :, call.k0 : call.k1].detach().requires_grad_(True)
+    vs = v_blk[:, :, call.k0 : call.k1].detach().requires_grad_(True)
+    with torch.enable_grad():
+        out_j, lse_j = _step(cfg, call, qs, ks, vs)
+    if not lse_j.requires_grad:
+        raise RuntimeError(
+            "context_parallel_attention's backward differentiates each ring step through "
+            "its log-sum-exp, and the backend serving the step returned an lse that "
+            "carries no gradient (PyTorch's fused kernels, called through their ATen ops, "
+            "do not); pass backend= naming one whose lse does, e.g. 'triton_flash' or "
+            "'torch_reference'"
+        )
+    acc = delta.dtype
+    lse_rows = lse[:, :, rows].to(acc)
+    finite = torch.isfinite(lse_rows)
+    weight = torch.where(
+        finite, torch.exp(lse_j.detach().to(acc) - torch.where(finite, lse_rows, 0.0)), 0.0
+    )
+    dout_rows = dout[:, :, rows].to(acc)
+    d_out_j = (weight.unsqueeze(-1) * dout_rows).to(out_j.dtype)
+    d_lse_j = weight * ((dout_rows * out_j.detach().to(acc)).sum(-1) - delta[:, :, rows])
+    dq, dk, dv = torch.autograd.grad(
+        (out_j, lse_j), (qs, ks, vs), (d_out_j, d_lse_j.to(lse_j.dtype)), allow_unused=True
+    )
+    dq = torch.zeros_like(qs) if dq is None else dq
+    dk = torch.zeros_like(ks) if dk is None else dk
+    dv = torch.zeros_like(vs) if dv is None else dv
+    return dq, dk, dv
+
+
+def _ring_backward(
+    cfg: _Config,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor | None,
+    dlse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    acc = _accumulate_dtype(q.dtype)
+    if dout is None:
+        dout = torch.zeros_like(out)
+    # delta = d out . out - d lse, per row: the part of every step's lse gradient that
+    # depends on the merged result.
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)
+    if dlse is not None:
+        delta = delta - torch.where(torch.isfinite(lse), dlse.to(acc), 0.0)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    ring = _Ring(cfg.group, q.device) if cfg.world_size > 1 else None
+    k_blk, v_blk = k.contiguous(), v.contiguous()
+    dkv_pending = None
+    dk_in = dv_in = None
+    for step in range(cfg.world_size):
+        kv_pending = None
+        if ring is not None and step < cfg.world_size - 1:
+            k_next, v_next = torch.empty_like(k_blk), torch.empty_like(v_blk)
+            kv_pending = ring.start((k_blk, v_blk), (k_next, v_next))
+        dk_blk = torch.zeros(k_blk.shape, dtype=acc, device=k.device)
+        dv_blk = torch.zeros(v_blk.shape, dtype=acc, device=v.device)
+        for call in cfg.calls(step):
+            gq, gk, gv = _step_grads(cfg, call, q, k_blk, v_blk, dout, delta, lse)
+            dq[:, :, call.r0 : call.r1] += gq
+            dk_blk[:, :, call.k0 : call.k1] += gk
+            dv_blk[:, :, call.k0 : call.k1] += gv
+        if ring is not None:
+            # The block's gradient so far arrives from the previous rank one hop behind
+            # its key/value; add ours and pass it on (after R hops it is home).
+            if dkv_pending is not None and dk_in is not None and dv_in is not None:
+                ring.wait(dkv_pending)
+                dk_blk += dk_in
+                dv_blk += dv_in
+            dk_in, dv_in = torch.empty_like(dk_blk), torch.empty_like(dv_blk)
+            dkv_pending = ring.start((dk_blk, dv_blk), (dk_in, dv_in))
+        if kv_pending is not None and ring is not None:
+            ring.wait(kv_pending)
+            k_blk, v_blk = k_next, v_next
+    if ring is None:
+        dk_own, dv_own = dk_blk, dv_blk
+    else:
+        assert dkv_pending is not None and dk_in is not None and dv_in is not None
+        ring.wait(dkv_pending)
+        dk_own, dv_own = dk_in, dv_in
+    return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention with a ring backward (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Any, k: Any, v: Any, cfg: _Config) -> Any:
+        out, lse = _ring_forward(cfg, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = cfg
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: Any, dlse: Any) -> Any:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(ctx.cfg, q, k, v, out, lse, dout, dlse)
+        return dq, dk, dv, None
+
+
+# ---------------------------------------------------------------------------
+# Validation across ranks
+
+_DTYPE_CODES = {
+    torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4,
+}  # fmt: skip
+_checked: dict[tuple[Any, ...], None] = {}
+_CHECKED_LIMIT = 1024
+
+
+def _as_int(value: Any) -> int:
+    """An option as an int64 that means the same on every process (``hash`` of a str
+    does not: it is salted per process)."""
+    if value is None:
+        return -1
+    if isinstance(value, float):
+        return struct.unpack("<q", struct.pack("<d", value))[0]
+    return int(value)
+
+
+def _check_ranks(
+    group: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, facts: tuple[Any, ...]
+) -> None:
+    """The same shapes, dtype and options on every rank, checked once per signature and
+    group with one all-gather; every rank raises the same ValueError when they differ."""
+    signature = (id(group), tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, facts)
+    if signature in _checked:
+        return
+    mine = [*q.shape, *k.shape, *v.shape, _DTYPE_CODES.get(q.dtype, 0), *map(_as_int, facts)]
+    device = q.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+    local = torch.tensor(mine, dtype=torch.int64, device=device)
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    rows = [p.tolist() for p in parts]
+    if any(row != rows[0] for row in rows):
+        names = "q shape (4), k shape (4), v shape (4), dtype, options"
+        listing = "; ".join(f"rank {r}: {row[:12]}" for r, row in enumerate(rows))
+        raise ValueError(
+            "context_parallel_attention needs the same shard shapes, dtype and options "
+            f"on every rank (uneven shards are not supported: pad the sequence); "
+            f"got [{names}] {listing}"
+            + (
+                ""
+                if all(row[12:] == rows[0][12:] for row in rows)
+                else " (dtype or options differ)"
+            )
+        )
+    if len(_checked) >= _CHECKED_LIMIT:
+        _checked.clear()
+    _checked[signature] = None
+
+
+# ---------------------------------------------------------------------------
+# The call
+
+
+@torch.compiler.disable  # communication and Python control flow: runs eagerly, see docs
+def context_parallel_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    group: Any = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    layout: str = "zigzag",
+    backend: str | Sequence[str] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a sequence sharded across the ranks of ``group``.
+
+    Every rank passes its shard, as :func:`shard` cuts it (the same ``layout``), and
+    gets its shard of the output of one :func:`attnhub.attention` call on the full
+    sequence: ``unshard([out of rank r for r in ranks])`` equals
+    ``attnhub.attention(Q, K, V, causal=..., window=..., ...)`` on the gathered
+    Q, K, V, within the contract's tolerance, and so do the gradients.
+
+    Args:
+        query: (B, Hq, N_local, D), this rank's shard.
+        key: (B, Hkv, N_local, D); Hq a multiple of Hkv (grouped-query attention).
+        value: (B, Hkv, N_local, Dv).
+        group: the process group (None: the default group). One process per device.
+        causal, window, softcap, scale: as :func:`attnhub.attention`, in global
+            positions (the full query and key sequences have equal lengths, so
+            top-left and bottom-right alignment are the same).
+        return_lse: also return this rank's rows of the float32 (B, Hq, N_local) lse.
+        layout: "zigzag" (rank r holds chunks r and 2R-1-r of 2R: balanced under a
+            causal mask) or "contiguous" (rank r holds chunk r of R).
+        backend: passed to every ring step's ``attnhub.attention`` (None: dispatch
+            chooses among backends that return an lse). For gradients the backend's
+            lse must carry a gradient (see the module doc).
+
+    Returns:
+        This rank's output (B, Hq, N_local, Dv) in the query's dtype, or ``(out, lse)``.
+
+    Raises:
+        TypeError, ValueError: bad input (as :func:`attnhub.attention`, named), before
+            any communication; shards whose shapes, dtypes or options differ between
+            ranks (every rank raises), N_local not a multiple of the layout's chunks
+            per rank. Attention masks, dropout and block sparsity are not supported.
+        RuntimeError: a peer that does not take part, once the group's timeout expires.
+    """
+    layout = _check_layout(layout)
+    api._validate(
+        query, key, value, None,
+        {"causal": causal, "alignment": "top_left", "window": None, "softcap": softcap,
+         "scale": scale, "dropout_p": 0.0, "block_sparse": None, "return_lse": return_lse},
+    )  # fmt: skip
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(
+            "context_parallel_attention needs query and key shards of the same length "
+            f"(self-attention over one sharded sequence), got Nq={query.shape[2]} and "
+            f"Nk={key.shape[2]}"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "context_parallel_attention needs an initialized torch.distributed process "
+            "group (torch.distributed.init_process_group)"
+        )
+    if group is None:
+        group = dist.group.WORLD
+    world_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of group")
+    n_local = query.shape[2]
+    per_rank = len(chunk_ids(world_size, rank, layout))
+    if n_local % per_rank:
+        raise ValueError(
+            f"query's shard length {n_local} is not a multiple of {per_rank}: a {layout} "
+            f"shard holds {per_rank} chunks of equal length (shard a sequence whose length "
+            f"is a multiple of {per_rank * world_size} with attnhub.distributed.shard)"
+        )
+    n_total = n_local * world_size
+    resolved = make_params(
+        query, key=key, causal=causal, alignment="top_left", window=None, softcap=softcap,
+        scale=scale, dropout_p=0.0, block_sparse=None, return_lse=return_lse,
+    )  # fmt: skip
+    sides = _check_window(window, 2 * n_total)
+    options = (
+        LAYOUTS.index(layout), causal, *(sides or (None, None)), sides is None,
+        resolved.softcap, resolved.scale,
+    )  # fmt: skip
+    _check_ranks(group, query, key, value, options)
+    cfg = _Config(
+        group=group, world_size=world_size, rank=rank, layout=layout,
+        chunk=n_local // per_rank, causal=causal, window=sides, softcap=resolved.softcap,
+        scale=resolved.scale, backend=backend,
+    )  # fmt: skip
+    if n_local == 0:
+        b, hq = query.shape[:2]
+        out = query.new_zeros(b, hq, 0, value.shape[-1])
+        lse = query.new_zeros(b, hq, 0, dtype=torch.float32)
+        return (out, lse) if return_lse else out
+    needs_grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+    )
+    if needs_grad:
+        out, lse = _RingAttention.apply(query, key, value, cfg)
+    else:
+        out, lse = _ring_forward(cfg, query, key, value)
+    return (out, lse) if return_lse else out

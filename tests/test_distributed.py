@@ -1,0 +1,394 @@
+"""attnhub.distributed: context-parallel attention against the single-process call.
+
+The plan (which calls a ring step makes) is checked in-process against the contract's
+keep mask; the ring itself runs in 2, 3 and 4 spawned processes over gloo, every case
+of a world size in one group (each process pays one ``import torch``), each rank
+comparing its shard of the output, lse and gradients with its shard of one
+``attnhub.attention`` on the full sequence (float64 reference, contract tolerance).
+Workers run under a join timeout and are killed after it: no test can hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from attnhub import distributed as cp
+from attnhub.backends.torch_reference import keep_mask
+from attnhub.request import AttentionParams
+
+JOIN_TIMEOUT_S = 150.0
+
+# ---------------------------------------------------------------------------
+# In-process: sharding helpers and the plan
+
+
+def test_shard_unshard_positions_round_trip():
+    x = torch.arange(2 * 24).reshape(2, 24)
+    for layout in cp.LAYOUTS:
+        for world in (1, 2, 3, 4):
+            shards = [cp.shard(x, 1, world, r, layout) for r in range(world)]
+            assert torch.equal(cp.unshard(shards, 1, layout), x)
+            for r in range(world):
+                pos = cp.positions(24, world, r, layout)
+                assert torch.equal(shards[r][0], pos), (layout, world, r)
+    # zigzag: rank r holds chunks r and 2R-1-r
+    assert cp.positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert cp.positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert cp.positions(8, 2, 1, "contiguous").tolist() == [4, 5, 6, 7]
+
+
+def test_shard_rejects_uneven_lengths_and_bad_arguments():
+    with pytest.raises(ValueError, match=r"not a multiple of 4 \(zigzag layout over 2 ranks"):
+        cp.shard(torch.zeros(10), 0, 2, 0)
+    with pytest.raises(ValueError, match="not a multiple of 3"):
+        cp.shard(torch.zeros(10), 0, 3, 0, "contiguous")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        cp.shard(torch.zeros(8), 0, 2, 0, "striped")
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
+        cp.shard(torch.zeros(8), 0, 2, 2)
+    with pytest.raises(ValueError, match="same length"):
+        cp.unshard([torch.zeros(4), torch.zeros(6)], 0)
+
+
+def _expressed(call: Any, c_rows: int, c_keys: int) -> torch.Tensor:
+    """The (rows, keys) keep mask a planned call computes, placed in the full grid."""
+    nq, nk = call.r1 - call.r0, call.k1 - call.k0
+    params = AttentionParams(causal=call.causal, window=call.window)
+    local = keep_mask(nq, nk, params, torch.device("cpu"))
+    grid = torch.zeros(c_rows, c_keys, dtype=torch.bool)
+    grid[call.r0 : call.r1, call.k0 : call.k1] = True if local is None else local
+    return grid
+
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+def test_plan_covers_exactly_the_kept_positions(layout):
+    """Over every (rank, source block) pair, the planned calls keep exactly the positions
+    the contract's mask keeps on the full sequence, each once, for causal, windows of
+    every size (crossing chunk borders, wider than the sequence, zero) and none."""
+    options = [(False, None), (True, None)]
+    for left in (None, 0, 1, 2, 3, 5, 7, 100):
+        for right in (None, 0, 1, 4, 9):
+            if (left, right) != (None, None):
+                options += [(False, (left, right)), (True, (left, right))]
+    for world in (1, 2, 3, 4):
+        for c in (1, 3, 4):
+            n = c * (2 * world if layout == "zigzag" else world)
+            for causal, window in options:
+                full = keep_mask(n, n, AttentionParams(causal=causal, window=window), "cpu")
+                for rank in range(world):
+                    rows = cp.positions(n, world, rank, layout)
+                    for src in range(world):
+                        cols = cp.positions(n, world, src, layout)
+                        want = (
+                            torch.ones(len(rows), len(cols), dtype=torch.bool)
+                            if full is None
+                            else full[rows][:, cols]
+                        )
+                        calls = cp._plan(world, rank, src, layout, c, causal, window)
+                        count = torch.zeros(len(rows), len(cols), dtype=torch.int64)
+                        for call in calls:
+                            assert call.r1 > call.r0 and call.k1 > call.k0, call
+                            count += _expressed(call, len(rows), len(cols)).long()
+                        what = (layout, world, c, causal, window, rank, src, calls)
+                        assert torch.equal(count, want.long()), what
+
+
+def test_plan_skips_hidden_chunks_and_balances_causal_zigzag():
+    """Causal zigzag: every rank computes the same number of (query, key) scores, hidden
+    chunk pairs are not computed, and each step is a single call."""
+    world, c = 4, 8
+    areas = []
+    for rank in range(world):
+        area = 0
+        for src in range(world):
+            calls = cp._plan(world, rank, src, "zigzag", c, True, None)
+            assert len(calls) == 1, calls
+            area += sum((k.r1 - k.r0) * (k.k1 - k.k0) for k in calls)
+        areas.append(area)
+    assert len(set(areas)) == 1, areas
+    # Each rank: one causal 2c x 2c diagonal and R-1 blocks of 2c^2: (R + 1) * 2c^2 of
+    # the (2Rc)^2 grid in total over R ranks, half of it plus the diagonal chunks.
+    assert areas[0] == 4 * c * c + (world - 1) * 2 * c * c
+    # contiguous causal: rank r skips every later rank's block
+    assert cp._plan(4, 1, 3, "contiguous", c, True, None) == ()
+    # a narrow window skips far blocks: rank 0 (chunks 0, 7) sees nothing of rank 2's
+    # chunks (2, 5) under window (1, 0) with chunks of 8
+    assert cp._plan(4, 0, 2, "zigzag", c, False, (1, 0)) == ()
+
+
+# ---------------------------------------------------------------------------
+# Spawned process groups
+
+
+def _start(target: str, rank: int, world: int, tmp_path: Path, *args: Any) -> Any:
+    """Start rank ``rank`` of ``target`` as a process running this file (pytest imports
+    test files in importlib mode: a spawned ``multiprocessing`` child could not)."""
+    argv = [sys.executable, __file__, target, str(rank), str(world), str(tmp_path), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _finish(procs: list[Any], deadline: float) -> tuple[list[Any], list[str]]:
+    """Wait for ``procs`` until ``deadline``, then kill those still running; returns the
+    killed ones and every process's output."""
+    killed = []
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+            killed.append(p)
+    return killed, [p.stdout.read().decode(errors="replace")[-3000:] for p in procs]
+
+
+def _spawn(target: str, world: int, tmp_path: Path, *args: Any) -> list[dict[str, Any]]:
+    """Run ``target(rank, world, tmp_dir, *args)`` in ``world`` processes under a join
+    timeout (killed after it); return each rank's JSON result."""
+    (tmp_path / "out").mkdir(exist_ok=True)
+    procs = [_start(target, r, world, tmp_path, *args) for r in range(world)]
+    killed, logs = _finish(procs, time.monotonic() + JOIN_TIMEOUT_S)
+    results = []
+    for r in range(world):
+        path = tmp_path / "out" / f"{r}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else {"missing": logs[r]})
+    assert not killed, f"ranks still running after {JOIN_TIMEOUT_S} s (killed): {logs}"
+    return results
+
+
+def _init(rank: int, world: int, tmp: str, timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"file://{Path(tmp, 'init')}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _write(tmp: str, rank: int, result: dict[str, Any]) -> None:
+    Path(tmp, "out", f"{rank}.json").write_text(json.dumps(result))
+
+
+# (name, options, heads (Hq, Hkv), chunk length, Dv)
+CASES: list[tuple[str, dict[str, Any], tuple[int, int], int, int]] = [
+    ("causal", {"causal": True}, (2, 2), 3, 8),
+    ("full", {}, (2, 2), 3, 8),
+    ("window", {"window": (4, 2)}, (2, 2), 3, 8),
+    ("window_right_only", {"window": (None, 3)}, (2, 2), 3, 8),
+    ("causal_window", {"causal": True, "window": (5, None)}, (2, 2), 3, 8),
+    ("window_zero", {"window": (0, 0)}, (2, 2), 2, 8),
+    ("softcap_gqa", {"causal": True, "softcap": 1.5}, (4, 2), 3, 8),
+    ("mqa_scale_window", {"scale": -0.7, "window": (2, 2)}, (4, 1), 3, 6),
+    ("contiguous_causal", {"causal": True, "layout": "contiguous"}, (2, 2), 4, 8),
+    ("contiguous_window", {"window": (3, 0), "layout": "contiguous"}, (2, 1), 4, 8),
+]
+
+
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict[str, Any], dout, dlse
+) -> list[torch.Tensor]:
+    """Output, lse and (dq, dk, dv) of one attnhub call on the full sequence."""
+    import attnhub
+
+    options = {key: val for key, val in options.items() if key != "layout"}
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out, lse = attnhub.attention(q, k, v, **options, return_lse=True, backend="torch_reference")
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout.to(out.dtype), dlse))
+    return [out, lse, *grads]
+
+
+def _correctness_worker(rank: int, world: int, tmp: str) -> None:
+    from attnhub.testing.tolerance import compare
+
+    result: dict[str, Any] = {"problems": [], "checked": 0}
+    try:
+        _init(rank, world, tmp, 60.0)
+        for name, options, (hq, hkv), c, dv in CASES:
+            layout = options.get("layout", "zigzag")
+            n = c * (2 * world if layout == "zigzag" else world)
+            gen = torch.Generator().manual_seed(1234 + len(name))
+            b, d = 2, 8
+            q64 = torch.randn(b, hq, n, d, generator=gen, dtype=torch.float64)
+            k64 = torch.randn(b, hkv, n, d, generator=gen, dtype=torch.float64)
+            v64 = torch.randn(b, hkv, n, dv, generator=gen, dtype=torch.float64)
+            dout = torch.randn(b, hq, n, dv, generator=gen, dtype=torch.float64)
+            dlse = torch.randn(b, hq, n, generator=gen).float()
+            r64 = _reference(q64, k64, v64, options, dout, dlse)
+            r32 = _reference(q64.float(), k64.float(), v64.float(), options, dout, dlse)
+            for dtype in (torch.float64, torch.float32):
+                q, k, v = (
+                    cp.shard(t, 2, world, rank, layout).to(dtype).requires_grad_(True)
+                    for t in (q64, k64, v64)
+                )
+                o, lse = cp.context_parallel_attention(
+                    q, k, v, **options, return_lse=True, backend="torch_reference"
+                )
+                upstream = (cp.shard(dout, 2, world, rank, layout).to(o.dtype),
+                            cp.shard(dlse, 2, world, rank, layout))  # fmt: skip
+                grads = torch.autograd.grad((o, lse), (q, k, v), upstream)
+                lp = r64 if dtype == torch.float64 else r32
+                for what, x, r_lp, r_64 in zip(
+                    ("out", "lse", "dq", "dk", "dv"), (o, lse, *grads), lp, r64
+                ):
+                    problem = compare(
+                        f"{name} {dtype} {what}",
+                        x,
+                        cp.shard(r_lp, 2, world, rank, layout),
+                        cp.shard(r_64, 2, world, rank, layout),
+                    )
+                    result["checked"] += 1
+                    if problem:
+                        result["problems"].append(problem)
+        # Without gradients, and without return_lse: the plain forward path.
+        q = cp.shard(torch.randn(1, 2, 4 * world, 8, dtype=torch.float64), 2, world, rank)
+        o = cp.context_parallel_attention(q, q, q, causal=True, backend="torch_reference")
+        import attnhub
+
+        full = cp.gather(q, 2)
+        want = cp.shard(attnhub.attention(full, full, full, causal=True), 2, world, rank)
+        # float64 within 1e-5, not exactly: every step's lse is float32 (the contract's)
+        problem = compare("no-grad forward", o, want, want)
+        if problem:
+            result["problems"].append(problem)
+        result["checked"] += 1
+        if world == 2:
+            result["errors"] = _error_cases(rank, world)
+            result["compile"] = _compile_case(rank, world)
+        torch.distributed.destroy_process_group()
+    except BaseException as exc:  # reported to the parent, which fails the test
+        result["problems"].append(f"rank {rank} raised {type(exc).__name__}: {exc}")
+    _write(tmp, rank, result)
+
+
+def _error_cases(rank: int, world: int) -> list[str]:
+    """Uneven and mismatched shards and bad options: the same clear error on every rank,
+    and the group still works afterwards."""
+    seen = []
+    x = torch.randn(1, 2, 4, 8)
+    attempts = [
+        # an odd shard cannot hold two zigzag chunks of equal length
+        lambda: cp.context_parallel_attention(x[:, :, :3], x[:, :, :3], x[:, :, :3]),
+        # different shard lengths on the two ranks (checked across ranks)
+        lambda: cp.context_parallel_attention(*(torch.randn(1, 2, 4 + 2 * rank, 8),) * 3),
+        # Hq not a multiple of Hkv: the contract's error, before any communication
+        lambda: cp.context_parallel_attention(torch.randn(1, 3, 4, 8), x, x),
+        lambda: cp.context_parallel_attention(x, x, x, window=(-1, 2)),
+        lambda: cp.context_parallel_attention(x, x[:, :, :2], x[:, :, :2]),
+        lambda: cp.context_parallel_attention(x, x, x, layout="ring"),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+            seen.append("no error")
+        except ValueError as exc:
+            seen.append(str(exc).split(":")[0])
+    out = cp.context_parallel_attention(x, x, x, causal=True, backend="torch_reference")
+    seen.append(f"works after: {tuple(out.shape)}")
+    return seen
+
+
+def _compile_case(rank: int, world: int) -> str:
+    """torch.compile of a function around the call: the call runs eagerly (a graph
+    break), the result and gradients are those of the eager call."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 8, 8, generator=gen, requires_grad=True) for _ in range(3))
+
+    def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        o = cp.context_parallel_attention(
+            q * 2, k, v, causal=True, window=(3, None), backend="torch_reference"
+        )
+        return torch.tanh(o).sum()
+
+    eager = block(q, k, v)
+    g_eager = torch.autograd.grad(eager, (q, k, v))
+    compiled = torch.compile(block, backend="eager")(q, k, v)
+    g_compiled = torch.autograd.grad(compiled, (q, k, v))
+    same = torch.allclose(eager, compiled) and all(
+        torch.allclose(a, b) for a, b in zip(g_eager, g_compiled)
+    )
+    return "same" if same else f"differs: {float(eager)} vs {float(compiled)}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_matches_the_single_process_call(world, tmp_path):
+    results = _spawn("correctness", world, tmp_path)
+    for rank, result in enumerate(results):
+        assert not result.get("missing"), f"rank {rank} wrote no result"
+        assert result["problems"] == [], (rank, result["problems"])
+        assert result["checked"] == len(CASES) * 2 * 5 + 1
+    if world == 2:
+        errors = [r["errors"] for r in results]
+        assert errors[0] == errors[1], errors  # every rank raises the same
+        want = [
+            "query's shard length 3 is not a multiple of 2",
+            "context_parallel_attention needs the same shard shapes, dtype and options on "
+            "every rank (uneven shards are not supported",
+            "query heads Hq=3 must be a multiple of key/value heads Hkv=2 (grouped-query "
+            "attention)",
+            "window sides must be >= 0 (or None for unbounded), got left=-1",
+            "context_parallel_attention needs query and key shards of the same length "
+            "(self-attention over one sharded sequence), got Nq=4 and Nk=2",
+            "layout must be one of ('zigzag', 'contiguous'), got 'ring'",
+            "works after: (1, 2, 4, 8)",
+        ]
+        assert errors[0] == want, errors[0]
+        assert [r["compile"] for r in results] == ["same", "same"]
+
+
+def _hang_worker(rank: int, world: int, tmp: str, timeout_s: str) -> None:
+    result: dict[str, Any] = {}
+    try:
+        _init(rank, world, tmp, float(timeout_s))
+        x = torch.randn(1, 2, 4, 8)
+        # One call together (the shapes are checked and remembered), then rank 1 stops
+        # taking part: rank 0's next call waits on the ring's transfers.
+        cp.context_parallel_attention(x, x, x, causal=True, backend="torch_reference")
+        if rank == 1:
+            result["sleeping"] = True
+            _write(tmp, rank, result)
+            time.sleep(3600)  # never participates again; the parent kills it
+        start = time.monotonic()
+        try:
+            cp.context_parallel_attention(x, x, x, causal=True, backend="torch_reference")
+            result["outcome"] = "returned"
+        except RuntimeError as exc:
+            result["outcome"] = f"RuntimeError: {exc}"
+        result["seconds"] = time.monotonic() - start
+    except BaseException as exc:
+        result["outcome"] = f"unexpected {type(exc).__name__}: {exc}"
+    _write(tmp, rank, result)
+    os._exit(0)  # skip destroy_process_group: the peer is gone
+
+
+def test_a_hung_peer_makes_the_call_fail_with_the_group_timeout(tmp_path):
+    timeout_s = 3.0
+    (tmp_path / "out").mkdir()
+    procs = [_start("hang", r, 2, tmp_path, timeout_s) for r in range(2)]
+    # Rank 0 must finish on its own; rank 1 sleeps and is killed.
+    killed, logs = _finish(procs[:1], time.monotonic() + JOIN_TIMEOUT_S)
+    _finish(procs[1:], time.monotonic())
+    assert not killed, f"rank 0 hung past the join timeout: {logs}"
+    result = json.loads((tmp_path / "out" / "0.json").read_text())
+    assert result["outcome"].startswith("RuntimeError"), result
+    assert "timed out" in result["outcome"].lower(), result
+    assert timeout_s * 0.5 <= result["seconds"] <= timeout_s + 20, result
+    assert json.loads((tmp_path / "out" / "1.json").read_text()) == {"sleeping": True}
+
+
+if __name__ == "__main__":  # a worker process (see _start)
+    _target, _rank, _world, _tmp, *_args = sys.argv[1:]
+    {"correctness": _correctness_worker, "hang": _hang_worker}[_target](
+        int(_rank), int(_world), _tmp, *_args
+    )
