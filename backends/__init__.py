@@ -12,6 +12,7 @@ from attnhub.registry import BackendRegistry
 
 from .torch_reference import TorchReference
 from .torch_sdpa import PINNED, TorchSDPA
+from .torch_varlen import TorchVarlen
 from .triton_blocksparse import TritonBlockSparse
 from .triton_flash import TritonFlash
 from .xformers_backend import XFormers
@@ -19,5 +20,7 @@ from .xformers_backend import XFormers
 
 @hookimpl
 def attnhub_register_backends(registry: BackendRegistry) -> None:
-    for backend in (TorchReference, TorchSDPA, *PINNED, XFormers, TritonFlash, TritonBlockSparse):
+    for backend in (
+        TorchReference, TorchSDPA, *PINNED, TorchVarlen, XFormers, TritonFlash, TritonBlockSparse,
+    ):  # fmt: skip
         registry.add(backend())

@@ -395,7 +395,8 @@ def test_stats_count_the_serving_backend():
 
 # -- GPU (the lead runs these on the H200) ---------------------------------------------
 
-GPU_LENGTHS = ([128, 1, 300, 77, 0, 512], [128, 40, 300, 600, 16, 512])
+# A sequence without queries (0, 16) and one without keys (5, 0), where lengths differ.
+GPU_LENGTHS = ([128, 1, 300, 77, 0, 512, 5], [128, 40, 300, 600, 16, 512, 0])
 GPU_OPTIONS: list[dict[str, Any]] = [
     {},
     {"causal": True},
