@@ -334,6 +334,8 @@ class FlexAttention(Backend):
     memory = "linear"
     compile_safe = True
     copies_strided = False
+    # attnhub.attention_varlen and attention_kvcache as document and paged masks (serving.py).
+    layouts = frozenset({"dense", "varlen", "kvcache", "paged"})
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -383,6 +385,39 @@ class FlexAttention(Backend):
             out, aux = result
             return out, aux.lse.float()
         return result
+
+    def forward_varlen(  # type: ignore[no-untyped-def]
+        self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params
+    ):
+        from . import serving
+
+        flex = _flex_module()
+        run = _runner(query.device)
+        return serving.varlen(run, flex, query, key, value, cu_seqlens_q, cu_seqlens_k, params)
+
+    def forward_kvcache(  # type: ignore[no-untyped-def]
+        self, query, k_cache, v_cache, seqlens_k, block_table, params
+    ):
+        from . import serving
+
+        flex = _flex_module()
+        run = _runner(query.device)
+        return serving.kvcache(run, flex, query, k_cache, v_cache, seqlens_k, block_table, params)
+
+
+def _runner(device: torch.device) -> Any:
+    """flex_attention as :meth:`FlexAttention.forward` runs it: compiled on CUDA, eager
+    (its warning silenced) elsewhere."""
+    if device.type == "cuda":
+        return _compiled_flex()
+    flex = _flex_module()
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return flex.flex_attention(*args, **kwargs)
+
+    return run
 
 
 @hookimpl
