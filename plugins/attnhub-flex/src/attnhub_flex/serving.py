@@ -139,11 +139,12 @@ def kvcache(
             return k
 
     else:
-        pages, page_size, hkv, _ = k_cache.shape
+        pages, page_size = k_cache.shape[:2]
         nk = pages * page_size
-        # (1, Hkv, pool, D) views of the pool, expanded (stride 0) over the batch.
-        key = k_cache.view(nk, hkv, -1).transpose(0, 1).unsqueeze(0).expand(b, -1, -1, -1)
-        value = v_cache.view(nk, hkv, -1).transpose(0, 1).unsqueeze(0).expand(b, -1, -1, -1)
+        # (1, Hkv, pool, D) views of the pool (flatten copies only a pool whose pages
+        # are not evenly strided), expanded (stride 0) over the batch.
+        key = k_cache.flatten(0, 1).transpose(0, 1).unsqueeze(0).expand(b, -1, -1, -1)
+        value = v_cache.flatten(0, 1).transpose(0, 1).unsqueeze(0).expand(b, -1, -1, -1)
         inverse = _inverse_table(block_table, lengths, page_size, pages)
 
         def position(batch: Any, k: Any) -> Any:
