@@ -26,11 +26,13 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from attnhub.backend import FLOAT_DTYPES, Backend, Runner
 from attnhub.request import AttentionParams, AttentionRequest
@@ -165,6 +167,67 @@ def _mask_within_inputs(request: AttentionRequest) -> bool:
     return mask_bytes <= request.batch * per_row * element
 
 
+def _sdpa_arguments(
+    query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, params: AttentionParams
+) -> tuple[torch.Tensor | None, bool, torch.Tensor | None]:
+    """(attn_mask, is_causal, key-less rows or None) to hand SDPA for this call."""
+    attn_mask, is_causal = _sdpa_mask(query, key, attn_mask, params)
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask.to(query.dtype)
+    empty_rows = None
+    if attn_mask is not None and query.device.type != "cpu":
+        attn_mask, empty_rows = _open_rows_without_keys(attn_mask)
+    return attn_mask, is_causal, empty_rows
+
+
+class _BuiltMasks:
+    """The masks built for calls, per mask tensor and the lengths and options they were
+    built for: the layers of one model step share their mask, and each would otherwise
+    build the same (B, 1, Nq, Nk) mask again (PyTorch's SDPA does not: the model built
+    it once). What was built for a mask lives as long as the mask (weakly keyed by its
+    identity; its version counter tells an in-place change). Calls without a mask (a
+    causal mask built for the lengths) keep a few. Not while tracing, and not for a mask
+    that needs a gradient (the build must be part of its graph)."""
+
+    PLAIN_SLOTS = 8
+
+    def __init__(self) -> None:
+        self._by_mask: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._plain: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(query: torch.Tensor, key: torch.Tensor, attn_mask: Any, params: AttentionParams) -> Any:  # fmt: skip
+        if torch.compiler.is_compiling() or (attn_mask is not None and attn_mask.requires_grad):
+            return None
+        version = None if attn_mask is None else attn_mask._version
+        return (version, query.shape[2], key.shape[2], query.dtype, query.device,
+                params.causal, params.alignment)  # fmt: skip
+
+    def get(self, query: torch.Tensor, key: torch.Tensor, attn_mask: Any, params: AttentionParams) -> Any:  # fmt: skip
+        k = self._key(query, key, attn_mask, params)
+        if k is None:
+            return None
+        built = self._plain if attn_mask is None else self._by_mask.get(attn_mask, {})
+        return built.get(k)
+
+    def put(self, query: torch.Tensor, key: torch.Tensor, attn_mask: Any, params: AttentionParams, built: Any) -> Any:  # fmt: skip
+        k = self._key(query, key, attn_mask, params)
+        if k is None:
+            return built
+        with self._lock:
+            if attn_mask is None:
+                if len(self._plain) >= self.PLAIN_SLOTS:
+                    self._plain.clear()
+                self._plain[k] = built
+            else:  # one entry per mask: a mask changed in place needs no older build
+                self._by_mask[attn_mask] = {k: built}
+        return built
+
+
+_built_masks = _BuiltMasks()
+
+
 class TorchSDPA(Backend):
     name = "torch_sdpa"
     description = "torch.nn.functional.scaled_dot_product_attention, PyTorch picks the kernel"
@@ -242,12 +305,10 @@ class TorchSDPA(Backend):
         )
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
-        attn_mask, is_causal = _sdpa_mask(query, key, attn_mask, params)
-        if attn_mask is not None and attn_mask.dtype != torch.bool:
-            attn_mask = attn_mask.to(query.dtype)
-        empty_rows = None
-        if attn_mask is not None and query.device.type != "cpu":
-            attn_mask, empty_rows = _open_rows_without_keys(attn_mask)
+        cached = _built_masks.get(query, key, attn_mask, params)
+        if cached is None:
+            cached = _built_masks.put(query, key, attn_mask, params, _sdpa_arguments(query, key, attn_mask, params))  # fmt: skip
+        attn_mask, is_causal, empty_rows = cached
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=params.dropout_p,
             is_causal=is_causal, scale=params.scale,
@@ -377,6 +438,21 @@ class _PinnedSDPA(Backend):
     def _contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
         return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
+    def _op_call(
+        self, request: AttentionRequest, params: AttentionParams
+    ) -> tuple[Any, tuple[Any, ...], float]:
+        """(the ATen op overload, its arguments after q, k, v, scale) for this call."""
+        raise NotImplementedError
+
+    def prepare(self, request: AttentionRequest, params: AttentionParams) -> Runner:
+        # The commonest call (contiguous last dims, output only) calls the op overload
+        # with its arguments decided here, once per signature: a kernel's dispatch then
+        # costs about what calling the op does (benchmarks/overhead.py).
+        if not request.last_dim_contiguous or params.return_lse:
+            return super().prepare(request, params)
+        op, args, scale = self._op_call(request, params)
+        return lambda query, key, value, attn_mask: op(query, key, value, *args, scale=scale)[0]
+
 
 def _positive_scale_only(request: AttentionRequest) -> list[str]:
     # Seen on the H200 (torch 2.11): NaN outputs and gradients for every scale <= 0,
@@ -411,6 +487,10 @@ class TorchSDPAFlash(_PinnedSDPA):
             + super().extra_reasons(request)
         )
 
+    def _op_call(self, request, params):  # type: ignore[no-untyped-def]
+        op = torch.ops.aten._scaled_dot_product_flash_attention.default
+        return op, (params.dropout_p, params.causal, False), params.scale
+
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         query, key, value = self._contiguous(query, key, value)
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
@@ -432,6 +512,11 @@ class TorchSDPAEfficient(_PinnedSDPA):
     value_head_dim = True
     dropout = True
     _check = "can_use_efficient_attention"
+
+    def _op_call(self, request, params):  # type: ignore[no-untyped-def]
+        # The backward reads the lse: asked for exactly when the call needs gradients.
+        op = torch.ops.aten._scaled_dot_product_efficient_attention.default
+        return op, (None, request.needs_grad, params.dropout_p, params.causal), params.scale
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         query, key, value = self._contiguous(query, key, value)
@@ -469,6 +554,10 @@ class TorchSDPACudnn(_PinnedSDPA):
         if why is None and not torch.backends.cudnn.is_available():
             why = "cuDNN is not available"
         return why
+
+    def _op_call(self, request, params):  # type: ignore[no-untyped-def]
+        op = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+        return op, (None, request.needs_grad, 0.0, params.causal, False), params.scale
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         query, key, value = self._contiguous(query, key, value)

@@ -170,3 +170,32 @@ def test_gpu_torch_sdpa_gives_zeros_and_finite_grads_on_rows_without_keys(dtype,
     for g, w in zip(got, want):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g.double(), w, atol=5e-2, rtol=5e-2)
+
+
+def test_a_mask_built_for_a_call_is_built_once_per_mask_tensor_and_version(monkeypatch):
+    """The layers of one step share their mask: causal folded into it is built once,
+    again after an in-place change, and never reused for another mask tensor."""
+    builds = []
+    real = torch_sdpa._sdpa_mask
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        builds.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(torch_sdpa, "_sdpa_mask", counting)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 40, 16) for _ in range(3))
+    mask = torch.rand(2, 1, 1, 40) > 0.2
+
+    def check(m):  # type: ignore[no-untyped-def]
+        out = attnhub.attention(q, k, v, m, causal=True, backend="torch_sdpa")
+        ref, _ = _float64(q, k, v, m, causal=True)
+        torch.testing.assert_close(out.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+
+    for _ in range(3):
+        check(mask)
+    assert len(builds) == 1
+    mask[0, 0, 0, :5] = ~mask[0, 0, 0, :5]  # in place: a new version
+    check(mask)
+    check(mask.clone())  # another tensor
+    assert len(builds) == 3
