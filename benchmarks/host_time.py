@@ -1,27 +1,159 @@
 """Host (CPU) time per attention call on a CUDA machine.
 
-For each case: *enqueue* (seconds to issue 50 calls without waiting, per call) against
-*wall* (the same 50 calls and a synchronize, per call), then a cProfile of 50
-forward+backward calls. When enqueue is about equal to wall the call is host-bound:
-the GPU waits for Python. A diagnostic for benchmarks/NOTES.md (issue 4's N=1K points,
-issue 5's low densities); prints to stdout.
+1. **Tiny call** (default; issue 17, item 3: triton_flash <= +10 us over
+   ``F.scaled_dot_product_attention``): q, k, v of shape ``--shape`` (default
+   (1, 1, 16, 64)), ``--dtype`` (default bf16), no gradient, as a decode step calls
+   attention. Times, in interleaved rounds (a slow spell of the shared host hits every
+   call alike), ``--calls`` calls of each of:
 
-    python3 benchmarks/host_time.py
+   - ``sdpa``: ``F.scaled_dot_product_attention(q, k, v)``;
+   - ``triton_flash_op``: ``ops.flash_attention(q, k, v, return_lse=False)``, the
+     backend's op without dispatch (what ``attnhub.attention`` runs once it has chosen);
+   - ``triton_flash_op_lse``: the same returning the lse (one more output);
+   - ``attnhub_pinned``: ``attnhub.attention(q, k, v, backend="triton_flash")``;
+   - ``attnhub_auto``: ``attnhub.attention(q, k, v)`` (attnhub's own choice, named in
+     the output).
+
+   A kernel of this size takes a few microseconds on the GPU, so the calls are
+   host-bound and the time to issue them is the host time per call. Each round issues
+   the calls without waiting and synchronizes after (outside the timed loop); a call's
+   time is the median over rounds (and the fastest round, beside it), and its
+   overhead the median over rounds of its time minus sdpa's in the same round.
+   Outputs are checked against sdpa's first. Writes ``host-time-tiny.json`` and
+   ``host-time-tiny.md`` to the directory argument.
+2. ``--profile``: the earlier diagnostic (enqueue against wall time and a cProfile of
+   50 forward+backward calls for dense N=1K, block-sparse density 0.05 and SDPA
+   flash), printed to stdout.
+
+    python3 benchmarks/host_time.py OUT_DIR [--calls 200] [--rounds 50] [--profile]
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
+import datetime
+import json
+import os
 import pstats
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 import attnhub
-from attnhub.bench import build_layout
 
 CALLS = 50
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def tiny_calls(
+    shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[dict[str, Callable[[], Any]], str, torch.Tensor]:
+    """The calls of the tiny section, attnhub's own choice for them, and sdpa's output."""
+    from attnhub.backends.triton_flash import ops
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
+    calls: dict[str, Callable[[], Any]] = {
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
+        "triton_flash_op": lambda: ops.flash_attention(q, k, v, return_lse=False)[0],
+        "triton_flash_op_lse": lambda: ops.flash_attention(q, k, v)[0],
+        "attnhub_pinned": lambda: attnhub.attention(q, k, v, backend="triton_flash"),
+        "attnhub_auto": lambda: attnhub.attention(q, k, v),
+    }
+    chosen = attnhub.explain(q, k, v).chosen
+    return calls, str(chosen), calls["sdpa"]()
+
+
+def time_tiny(
+    calls: dict[str, Callable[[], Any]], n: int, rounds: int
+) -> dict[str, dict[str, float]]:
+    """Per call: median and fastest round (us per call), and the median over rounds of
+    its time minus sdpa's in the same round."""
+    for fn in calls.values():  # warm up: compile, build plans, fill caches
+        for _ in range(200):
+            fn()
+    torch.cuda.synchronize()
+    per_round: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            per_round[name].append((time.perf_counter() - start) / n * 1e6)
+    torch.cuda.synchronize()
+    sdpa = per_round["sdpa"]
+    return {
+        name: {
+            "median_us": round(statistics.median(times), 3),
+            "fastest_us": round(min(times), 3),
+            "over_sdpa_median_us": round(statistics.median(t - s for t, s in zip(times, sdpa)), 3),
+        }
+        for name, times in per_round.items()
+    }
+
+
+def _env() -> dict[str, Any]:
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def tiny(out_dir: str, shape: tuple[int, ...], dtype_name: str, n: int, rounds: int) -> dict:
+    calls, chosen, reference = tiny_calls(shape, DTYPES[dtype_name])
+    checks = {
+        name: float((fn().float() - reference.float()).abs().max())
+        for name, fn in calls.items()
+        if name != "sdpa"
+    }
+    results = time_tiny(calls, n, rounds)
+    report = {
+        "env": _env(),
+        "shape": list(shape),
+        "dtype": dtype_name,
+        "grad": False,
+        "calls_per_round": n,
+        "rounds": rounds,
+        "attnhub_auto_chose": chosen,
+        "max_abs_diff_vs_sdpa": checks,
+        "us_per_call": results,
+        "bar": "triton_flash tiny call <= +10 us over F.scaled_dot_product_attention (issue 17)",
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "host-time-tiny.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    lines = [
+        f"# Host time per call, {tuple(shape)} {dtype_name}, no grad",
+        "",
+        f"{report['env']['gpu']}, torch {report['env']['torch']}, triton "
+        f"{report['env']['triton']}, {report['env']['date']}; {rounds} interleaved rounds of "
+        f"{n} calls; attnhub's own choice: {chosen}.",
+        "",
+        "| call | median us/call | fastest round | over sdpa (median of rounds) | max abs diff vs sdpa |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        diff = "" if name == "sdpa" else f"{checks[name]:.2e}"
+        over = "" if name == "sdpa" else f"{r['over_sdpa_median_us']:+.2f}"
+        lines.append(f"| {name} | {r['median_us']:.2f} | {r['fastest_us']:.2f} | {over} | {diff} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "host-time-tiny.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return report
+
+
+# ---------------------------------------------------------------- --profile
 
 
 def case(
@@ -34,6 +166,7 @@ def case(
     layout: Any = None,
     causal: bool = False,
 ) -> None:
+    """Enqueue against wall time of forward and forward+backward, then a cProfile."""
     q, k, v = (
         torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for _ in range(3)
@@ -73,12 +206,29 @@ def case(
     pstats.Stats(profile).sort_stats("cumulative").print_stats(25)
 
 
-def main() -> None:
+def profile_cases() -> None:
+    from attnhub.bench import build_layout
+
     case("dense D64 N1K", 16, 32, 1024, 64, "triton_flash")
     case("dense D128 N1K causal", 16, 16, 1024, 128, "triton_flash", causal=True)
     layout = build_layout(("random", 0.05), 8192, 128, device="cuda")
     case("bs random 0.05", 2, 16, 8192, 128, "triton_blocksparse", layout)
     case("sdpa flash D64 N1K", 16, 32, 1024, 64, "torch_sdpa_flash")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", help="directory for host-time-tiny.json and .md")
+    parser.add_argument("--shape", default="1,1,16,64", help="B,H,N,D (default %(default)s)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--calls", type=int, default=200, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=50)
+    parser.add_argument("--profile", action="store_true", help="also the profile section")
+    args = parser.parse_args()
+    shape = tuple(int(s) for s in args.shape.split(","))
+    tiny(args.out_dir, shape, args.dtype, args.calls, args.rounds)
+    if args.profile:
+        profile_cases()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnhub.backends.triton_flash import configs
+from attnhub.backends.triton_flash import tuning
 from attnhub.backends.triton_flash.ops import flash_attention
 
 
@@ -232,7 +232,16 @@ def registers() -> None:
     """ptxas registers, spills and spills inside loops of the plain loop compiled for
     sm_90 without a GPU (aot_check's ahead-of-time path), at the launches the probe times
     and the two-programs-per-SM cap."""
-    from attnhub.backends.triton_flash import aot_check
+    import importlib.util
+    from pathlib import Path
+
+    # The ahead-of-time checker is a developer script beside this one (not in the package).
+    spec = importlib.util.spec_from_file_location(
+        "aot_check", Path(__file__).with_name("aot_check.py")
+    )
+    assert spec is not None and spec.loader is not None
+    aot_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(aot_check)
 
     x = torch.empty(16, 16, 1024, 128, dtype=torch.bfloat16)
     for causal, stages, cap in ((0, 3, None), (0, 2, 128), (1, 3, None), (1, 2, 128)):
@@ -275,40 +284,39 @@ def main() -> None:
         # Resident programs per SM at these tiles: D=64 (4 warps) fits two, D=128 one.
         programs = _sms() * (2 if d == 64 else 1)
         for i, cfg in enumerate(CONFIGS[d]):
-            configs.OVERRIDE["fwd"] = configs.LaunchConfig(*cfg)
-            trials = {
-                "triton_flash": lambda q=q, k=k, v=v: flash_attention(q, k, v, causal=causal)[0],
-                "plain": lambda q=q, k=k, v=v, cfg=cfg: plain(q, k, v, cfg, False, int(causal)),
-                "persistent": lambda q=q, k=k, v=v, cfg=cfg, p=programs: persistent(
-                    q, k, v, cfg, p, int(causal), False),
-                "persistent_flat": lambda q=q, k=k, v=v, cfg=cfg, p=programs: persistent(
-                    q, k, v, cfg, p, 2 * int(causal), True),
-            }  # fmt: skip
-            trials["plain_tma"] = lambda q=q, k=k, v=v, cfg=cfg: plain_tma(
-                q, k, v, cfg, int(causal)
-            )
-            if d == 128 and cfg[1] == 64:
-                # Two resident programs per SM: two stages (96 KiB of shared memory each)
-                # and at most 128 registers a thread.
-                two = (*cfg[:3], 2, 128)
-                trials["plain_2cta"] = lambda q=q, k=k, v=v, c=two: plain(q, k, v, c, False,
-                                                                          int(causal))  # fmt: skip
-            if i == 0:
-                trials["torch_sdpa_flash"] = lambda q=q, k=k, v=v: flash(q, k, v)
-                trials["torch_sdpa_cudnn"] = lambda q=q, k=k, v=v: cudnn(q, k, v)
-            for name, fn in trials.items():
-                row = {"kernel": name, "D": d, "N": n, "B": b, "H": h, "causal": causal,
-                       "config": cfg}  # fmt: skip
-                try:
-                    err = (fn().float() - ref.float()).abs().max().item()
-                    ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-                    row.update(max_abs_diff_vs_sdpa=err, ms=round(ms, 4),
-                               tflops=round(flops / ms / 1e9, 1))  # fmt: skip
-                except Exception as exc:  # a variant that does not compile is a result too
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                print(row, flush=True)
-                rows.append(row)
-            configs.OVERRIDE.clear()
+            with tuning.override(fwd=cfg):
+                trials = {
+                    "triton_flash": lambda q=q, k=k, v=v: flash_attention(q, k, v, causal=causal)[0],
+                    "plain": lambda q=q, k=k, v=v, cfg=cfg: plain(q, k, v, cfg, False, int(causal)),
+                    "persistent": lambda q=q, k=k, v=v, cfg=cfg, p=programs: persistent(
+                        q, k, v, cfg, p, int(causal), False),
+                    "persistent_flat": lambda q=q, k=k, v=v, cfg=cfg, p=programs: persistent(
+                        q, k, v, cfg, p, 2 * int(causal), True),
+                }  # fmt: skip
+                trials["plain_tma"] = lambda q=q, k=k, v=v, cfg=cfg: plain_tma(
+                    q, k, v, cfg, int(causal)
+                )
+                if d == 128 and cfg[1] == 64:
+                    # Two resident programs per SM: two stages (96 KiB of shared memory each)
+                    # and at most 128 registers a thread.
+                    two = (*cfg[:3], 2, 128)
+                    trials["plain_2cta"] = lambda q=q, k=k, v=v, c=two: plain(q, k, v, c, False,
+                                                                              int(causal))  # fmt: skip
+                if i == 0:
+                    trials["torch_sdpa_flash"] = lambda q=q, k=k, v=v: flash(q, k, v)
+                    trials["torch_sdpa_cudnn"] = lambda q=q, k=k, v=v: cudnn(q, k, v)
+                for name, fn in trials.items():
+                    row = {"kernel": name, "D": d, "N": n, "B": b, "H": h, "causal": causal,
+                           "config": cfg}  # fmt: skip
+                    try:
+                        err = (fn().float() - ref.float()).abs().max().item()
+                        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                        row.update(max_abs_diff_vs_sdpa=err, ms=round(ms, 4),
+                                   tflops=round(flops / ms / 1e9, 1))  # fmt: skip
+                    except Exception as exc:  # a variant that does not compile is a result too
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    print(row, flush=True)
+                    rows.append(row)
     with open(args.output, "w") as f:
         json.dump(rows, f, indent=1)
 

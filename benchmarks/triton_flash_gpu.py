@@ -16,26 +16,15 @@ Usage (on the H200 machine, after ``pip install --no-build-isolation --no-deps -
    rep=100, median)) beside SDPA flash, in the same process on the same inputs.
 6. A sweep of a few launch configurations at N=4096, each checked against SDPA flash,
    then timed (data for the configuration table).
-7. ``--only fold``: the forward with and without the scale folded into the exponent
-   (kernels' FOLD_SCALE) on the grid, at the table's and the probe's configurations.
-8. ``--only bwd_ab``: the backward as two launches or one (``ATTNHUB_TRITON_BWD`` =
-   split, merged, merged_heads) on the timing grid, each
-   mode's gradients checked bitwise against split's first.
-9. ``--only window_ab``: sliding-window tiles chosen by the band's width against by the
-   sequence length (and split against the library's backward launch), at the issue's
-   window shape.
-10. ``--only window_sweep``: a few forward and backward configurations for W = 256 and
-    1024 at that shape, each compared with the table's choice, then timed.
-11. ``--only strides_ab``: row strides as runtime values against compile-time constants
-    (ops.SPECIALIZE_ROW_STRIDES) on the grid, forward and backward alone, and forward
-    configurations that fit more programs per SM.
-12. ``--only bs_strides_ab``: the same switch for triton_blocksparse, on flat-loop and
-    per-block-loop calls (BS_STRIDES_AB_CASES), forward and forward+backward.
+7. ``--only window_sweep``: a few forward and backward configurations for W = 256 and
+   1024 at the issue's sliding-window shape, each compared with the table's choice, then
+   timed.
 
-``--bwd MODE`` sets ``ATTNHUB_TRITON_BWD`` for the whole run (default: the library's).
-The merged-vs-split A/B in one call::
-
-    python benchmarks/triton_flash_gpu.py OUT.json --only bwd_ab [--quick]
+The sweeps force their candidates with ``tuning.override`` (backends/triton_flash/
+tuning.py), the one switch for tuning runs. The finished A/B sections (scale fold,
+merged-vs-split backward, window tiles, row-stride constants) were removed once their
+results were in the tables; their files stay in benchmarks/results/ and their code in
+git history (before the tuning context replaced the switches they flipped).
 
 Writes JSON to OUT.json and prints the timing table last.
 """
@@ -86,7 +75,6 @@ def env(commit: str | None = None) -> dict:
         "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "attnhub_commit": commit or _git_head(),
-        "ATTNHUB_TRITON_BWD": os.environ.get("ATTNHUB_TRITON_BWD"),
         "note": "working tree may differ from the commit (uncommitted changes)",
     }
 
@@ -366,7 +354,7 @@ def sweep(seqlens: tuple[int, ...] = (4096,)) -> list[dict]:
     """A few launch configurations per direction at each N (bf16; B = 16384 / N tokens,
     H = 2048 / D as the benchmark grid), each checked against SDPA flash before it is
     timed: data for the configuration table (issue 4)."""
-    from attnhub.backends.triton_flash import configs
+    from attnhub.backends.triton_flash import tuning
 
     rows = []
     for n, d in ((n, d) for n in seqlens for d in (64, 128)):
@@ -382,92 +370,28 @@ def sweep(seqlens: tuple[int, ...] = (4096,)) -> list[dict]:
             trials = [("fwd", c, None) for c in SWEEP_FWD[d]]
             trials += [("bwd", kv, dq) for kv, dq in SWEEP_BWD[d]]
             for kind, first, second in trials:
-                configs.OVERRIDE.clear()
-                if kind == "fwd":
-                    configs.OVERRIDE["fwd"] = configs.LaunchConfig(*first)
-                else:
-                    configs.OVERRIDE["bwd_kv"] = configs.LaunchConfig(*first)
-                    configs.OVERRIDE["bwd_q"] = configs.LaunchConfig(*second)
+                forced = {"fwd": first} if kind == "fwd" else {"bwd_kv": first, "bwd_q": second}
                 row = {"kind": kind, "D": d, "N": n, "B": b, "H": h, "causal": causal,
                        "config": first if second is None else [first, second]}  # fmt: skip
-                try:
-                    out = _ours(q, k, v, causal)
-                    err = (out.float() - ref.float()).abs().max().item()
-                    if kind == "bwd":
-                        grads = torch.autograd.grad(out, (q, k, v), dout)
-                        err = max([err] + [(a.float() - r.float()).abs().max().item()
-                                           for a, r in zip(grads, ref_grads)])  # fmt: skip
-                    t_f, t_fb = _bench(_ours, q, k, v, dout, causal)
-                    ms = t_f if kind == "fwd" else t_fb - t_f
-                    fl = flops if kind == "fwd" else 2.5 * flops
-                    row.update(max_abs_diff_vs_sdpa_flash=err, ms=round(ms, 4),
-                               tflops=round(fl / ms / 1e9, 1))  # fmt: skip
-                except Exception as exc:
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                with tuning.override(**forced):
+                    try:
+                        out = _ours(q, k, v, causal)
+                        err = (out.float() - ref.float()).abs().max().item()
+                        if kind == "bwd":
+                            grads = torch.autograd.grad(out, (q, k, v), dout)
+                            err = max([err] + [(a.float() - r.float()).abs().max().item()
+                                               for a, r in zip(grads, ref_grads)])  # fmt: skip
+                        t_f, t_fb = _bench(_ours, q, k, v, dout, causal)
+                        ms = t_f if kind == "fwd" else t_fb - t_f
+                        fl = flops if kind == "fwd" else 2.5 * flops
+                        row.update(max_abs_diff_vs_sdpa_flash=err, ms=round(ms, 4),
+                                   tflops=round(fl / ms / 1e9, 1))  # fmt: skip
+                    except Exception as exc:
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(f"sweep {row}", flush=True)
                 rows.append(row)
-            configs.OVERRIDE.clear()
         del q, k, v, dout
     return rows
-
-
-FOLD_CONFIGS = {  # the table's row first, then the plain-Triton probe's best (anchors-h200)
-    64: [(128, 64, 4, 4), (128, 128, 4, 3), (64, 64, 4, 3)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 3)],
-}
-
-
-def _fwd_ms(q, k, v, causal: bool) -> float:  # type: ignore[no-untyped-def]
-    def fwd() -> None:
-        with torch.no_grad():
-            _ours(q, k, v, causal)
-
-    return triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
-
-
-def fold(seqlens: tuple[int, ...] = (1024, 4096, 16384)) -> list[dict]:
-    """Forward with the scale folded into the exponent (kernels' FOLD_SCALE) against the
-    unfolded form, on the benchmark grid (bf16, B = 16384 / N, H = 2048 / D), at the
-    table's configuration and the probe's; each checked against SDPA flash."""
-    import dataclasses
-
-    from attnhub.backends.triton_flash import configs, ops
-
-    setup = ops._setup
-    rows = []
-    for n, d in ((n, d) for n in seqlens for d in (64, 128)):
-        b, h = max(1, 16384 // n), 2048 // d
-        torch.manual_seed(5)
-        q, k, v = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16) for _ in range(3))
-        for causal in (False, True):
-            flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
-            ref = _sdpa_flash(q, k, v, causal)
-            trials = [(c, True) for c in FOLD_CONFIGS[d]] + [(FOLD_CONFIGS[d][0], False)]
-            for cfg, folded in trials:
-                configs.OVERRIDE["fwd"] = configs.LaunchConfig(*cfg)
-                if not folded:
-                    ops._setup = lambda *a, **kw: dataclasses.replace(
-                        setup(*a, **kw), fold_scale=False
-                    )
-                row = {"D": d, "N": n, "B": b, "H": h, "causal": causal, "config": cfg,
-                       "fold": folded}  # fmt: skip
-                try:
-                    err = (_ours(q, k, v, causal).float() - ref.float()).abs().max().item()
-                    ms = _fwd_ms(q, k, v, causal)
-                    row.update(max_abs_diff_vs_sdpa_flash=err, ms=round(ms, 4),
-                               tflops=round(flops / ms / 1e9, 1))  # fmt: skip
-                except Exception as exc:
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                finally:
-                    ops._setup = setup
-                    configs.OVERRIDE.clear()
-                print(f"fold {row}", flush=True)
-                rows.append(row)
-        del q, k, v
-    return rows
-
-
-BWD_AB_MODES = ("split", "merged", "merged_heads")
 
 
 def _raw_backward(q, k, v, dout, out, lse, causal: bool, window: tuple[int, int] | None = None):  # type: ignore[no-untyped-def]
@@ -485,255 +409,8 @@ def _raw_backward(q, k, v, dout, out, lse, causal: bool, window: tuple[int, int]
                              left, right, 0.0, q.shape[-1] ** -0.5, 0.0)  # fmt: skip
 
 
-def bwd_ab(quick: bool) -> list[dict]:
-    """Split vs merged backward on the timing grid (bf16, D 64/128, N 1K/4K/16K, B = 16384/N,
-    H = 2048/D, causal and not). Per point and mode: the gradients, checked bitwise equal
-    to split's; the backward alone (do_bench median of the implementation on saved
-    forward outputs: preprocess plus the dK/dV and dQ launches, host time included, as a
-    training step pays it); forward+backward through autograd as in ``timing``. The modes
-    run twice within a point, in A B C C B A order, and report the mean of the two runs:
-    the first run of a point measured up to 8% slow in A B C order (a 16K forward that
-    every mode runs alike: 3.10 ms first, 2.83-2.85 after)."""
-
-    rows = []
-    ns = (1024, 4096) if quick else (1024, 4096, 16384)
-    for d, n, causal in ((d, n, c) for d in (64, 128) for n in ns for c in (False, True)):
-        rows += _bwd_ab_point(d, n, causal)
-        torch.cuda.empty_cache()
-    print_bwd_ab(rows)
-    return rows
-
-
-def _bwd_ab_point(d: int, n: int, causal: bool) -> list[dict]:
-    from attnhub.backends.triton_flash import configs, ops
-
-    b, h = 16384 // n, 2048 // d
-    torch.manual_seed(6)
-    q, k, v = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))  # fmt: skip
-    dout = torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16)
-    with torch.no_grad():
-        out, lse = ops.flash_attention(q, k, v, causal=causal)
-    # The configurations ops._bwd_impl picks for this call (no attn_mask: lean).
-    cfgs = configs.backward_configs(
-        d, 2, causal, torch.cuda.get_device_capability(), False, n, True
-    )
-    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
-
-    def bwd() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _raw_backward(q, k, v, dout, out, lse, causal)
-
-    # A B C C B A: a drift within the point (the clock, the allocator's first large
-    # blocks) weighs on every mode alike; each mode reports the mean of its two runs.
-    runs: dict[str, list[tuple[float, float]]] = {m: [] for m in BWD_AB_MODES}
-    rows, reference = [], None
-    for mode in BWD_AB_MODES + BWD_AB_MODES[::-1]:
-        with configs.backward_mode(mode):
-            if not runs[mode]:
-                grads = bwd()
-                torch.cuda.synchronize()
-                reference = grads if reference is None else reference
-                rows.append({"D": d, "N": n, "B": b, "H": h, "causal": causal, "mode": mode,
-                             "launch": configs.backward_launch(*cfgs),
-                             "configs": [[c.block_m, c.block_n, c.num_warps, c.num_stages] for c in cfgs],
-                             "bitwise_equal_to_split": all(torch.equal(x, r) for x, r in zip(grads, reference))})  # fmt: skip
-            t_b = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
-            t_fb = triton.testing.do_bench(lambda: _fwd_bwd(q, k, v, dout, causal), warmup=25, rep=100,
-                                           grad_to_none=[q, k, v], return_mode="median")  # fmt: skip
-        runs[mode].append((t_b, t_fb))
-    for row in rows:
-        t_b, t_fb = (sum(x) / 2 for x in zip(*runs[row["mode"]]))
-        row.update(bwd_ms=round(t_b, 4), bwd_tflops=round(2.5 * flops / t_b / 1e9, 1),
-                   fwd_bwd_ms=round(t_fb, 4),
-                   runs_ms=[[round(x, 4) for x in r] for r in runs[row["mode"]]])  # fmt: skip
-        print(f"bwd_ab {row}", flush=True)
-    return rows
-
-
-def _fwd_bwd(q, k, v, dout, causal: bool) -> None:  # type: ignore[no-untyped-def]
-    out = _ours(q, k, v, causal)
-    out.backward(dout)
-
-
-def print_bwd_ab(rows: list[dict]) -> None:
-    by = {(r["D"], r["N"], r["causal"], r["mode"]): r for r in rows}
-    print("\nbf16 backward alone, ms (do_bench median); x = split / mode (> 1: mode faster)")
-    print(f"{'D':>4} {'N':>6} {'causal':>6} | {'split':>7} | " + " | ".join(
-        f"{m:>12} {'x':>5}" for m in BWD_AB_MODES[1:]) + " | bitwise")  # fmt: skip
-    for d, n, causal in sorted({(r["D"], r["N"], r["causal"]) for r in rows}):
-        split = by[(d, n, causal, "split")]["bwd_ms"]
-        cells, same = [], True
-        for m in BWD_AB_MODES[1:]:
-            r = by[(d, n, causal, m)]
-            same &= r["bitwise_equal_to_split"]
-            cells.append(f"{r['bwd_ms']:>12} {split / r['bwd_ms']:>5.2f}")
-        print(f"{d:>4} {n:>6} {causal!s:>6} | {split:>7} | " + " | ".join(cells) + f" | {same}")
-
-
-def _abba(variants: list, run) -> dict:  # type: ignore[no-untyped-def]
-    """Each variant run twice, in A B .. B A order, so that a drift (the clock, the
-    allocator's first large blocks) weighs on every variant alike. ``run(variant)``
-    returns (outputs, [ms, ...]); the result maps each variant to (its first outputs,
-    the mean of each time over its two runs, the runs)."""
-    outputs: dict = {}
-    runs: dict = {x: [] for x in variants}
-    for variant in variants + variants[::-1]:
-        out, times = run(variant)
-        outputs.setdefault(variant, out)
-        runs[variant].append(times)
-    return {x: (outputs[x], [sum(t) / len(t) for t in zip(*runs[x])], runs[x]) for x in variants}
-
-
 def _max_abs_diff(xs, ys) -> float:  # type: ignore[no-untyped-def]
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(xs, ys))
-
-
-# Forward candidates that let more programs share an SM (maxnreg caps the registers;
-# aot_check --registers: no spills in the loop, bar (128, 64, 8, 2, 128) with 2/3 STL/LDL),
-# timed beside the table's row with packed row strides. D=64: three programs; D=128: two.
-STRIDES_AB_FWD = {
-    64: ((128, 32, 4, 3, 168), (64, 64, 4, 3)),
-    128: ((128, 64, 8, 2, 128), (128, 32, 8, 2, 128), (128, 32, 8, 3, 128)),
-}
-
-
-def strides_ab(quick: bool) -> list[dict]:
-    """Row strides as runtime values against compile-time constants
-    (ops.SPECIALIZE_ROW_STRIDES), forward and backward alone, on the timing grid (bf16,
-    B = 16384/N, H = 2048/D); then, with constants, the forward at STRIDES_AB_FWD's
-    configurations. Per point the variants run twice, in A B .. B A order (``_abba``);
-    outputs and gradients compared with the first variant's (max abs diff)."""
-    rows = []
-    ns = (1024, 4096) if quick else (1024, 4096, 16384)
-    for d, n, causal in ((d, n, c) for d in (64, 128) for n in ns for c in (False, True)):
-        rows += _strides_ab_point(d, n, causal)
-        torch.cuda.empty_cache()
-    return rows
-
-
-def _strides_ab_point(d: int, n: int, causal: bool) -> list[dict]:
-    from attnhub.backends.triton_flash import configs, ops
-
-    b, h = 16384 // n, 2048 // d
-    torch.manual_seed(7)
-    q, k, v, dout = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16)
-                     for _ in range(4))  # fmt: skip
-    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
-
-    def run(variant: tuple) -> tuple[tuple, list[float]]:
-        strides, cfg = variant
-        ops.SPECIALIZE_ROW_STRIDES = strides == "packed"
-        if cfg is not None:
-            configs.OVERRIDE["fwd"] = configs.LaunchConfig(*cfg)
-        try:
-            with torch.no_grad():
-                out, lse = ops.flash_attention(q, k, v, causal=causal)
-            timed = [_fwd_ms(q, k, v, causal)]
-            if cfg is not None:  # a forward candidate: the forward alone
-                return (out,), timed
-            grads = _raw_backward(q, k, v, dout, out, lse, causal)
-            timed.append(triton.testing.do_bench(
-                lambda: _raw_backward(q, k, v, dout, out, lse, causal),
-                warmup=25, rep=100, return_mode="median"))  # fmt: skip
-            return (out, *grads), timed
-        finally:
-            ops.SPECIALIZE_ROW_STRIDES = True
-            configs.OVERRIDE.clear()
-
-    variants = [("runtime", None), ("packed", None)]
-    variants += [("packed", c) for c in STRIDES_AB_FWD[d]]
-    timed = _abba(variants, run)
-    first = timed[variants[0]][0]
-    rows = []
-    for (strides, cfg), (outs, mean, times) in timed.items():
-        row = {"D": d, "N": n, "B": b, "H": h, "causal": causal, "strides": strides,
-               "fwd_config": list(cfg) if cfg else "table",
-               "max_abs_diff_vs_first": _max_abs_diff(outs, first), "fwd_ms": round(mean[0], 4),
-               "fwd_tflops": round(flops / mean[0] / 1e9, 1),
-               "runs_ms": [[round(x, 4) for x in r] for r in times]}  # fmt: skip
-        if len(mean) > 1:
-            row.update(bwd_ms=round(mean[1], 4), bwd_tflops=round(2.5 * flops / mean[1] / 1e9, 1))
-        print(f"strides_ab {row}", flush=True)
-        rows.append(row)
-    return rows
-
-
-# Block-sparse calls for bs_strides_ab (bf16, B=2, H=16, block 128): at N=8192 a layout
-# without a band runs the flat loops (EVEN_BLOCKS, every layout of the bench extra); a
-# ragged N (8000) or a causal call runs the per-block loops, where ptxas showed the
-# constants cutting registers and spills (NOTES, "Block-sparse row strides").
-BS_STRIDES_AB_CASES = (
-    (8192, ("random", 0.25), False),
-    (8192, ("bigbird", 2), False),
-    (8192, ("sliding_window", 1024), False),
-    (8000, ("sliding_window", 1024), False),
-    (8192, ("causal", 0), True),
-    (8000, ("random", 0.25), True),
-)
-
-
-def bs_strides_ab(quick: bool) -> list[dict]:
-    """triton_blocksparse with row strides as runtime values against compile-time
-    constants (ops.SPECIALIZE_ROW_STRIDES) on BS_STRIDES_AB_CASES, D 64 and 128: the
-    forward (no grad) and forward+backward through autograd, A B B A (``_abba``);
-    outputs and gradients compared with the runtime variant's (max abs diff)."""
-    # quick: one flat-loop call and two per-block ones (ragged N, causal)
-    cases = [BS_STRIDES_AB_CASES[i] for i in (0, 3, 4)] if quick else BS_STRIDES_AB_CASES
-    rows = []
-    for d in (64, 128):
-        for n, spec, causal in cases:
-            rows += _bs_strides_case(d, n, spec, causal)
-            torch.cuda.empty_cache()
-    return rows
-
-
-def _bs_strides_case(d: int, n: int, spec: tuple, causal: bool) -> list[dict]:
-    from attnhub.backends.triton_blocksparse.ops import block_sparse_attention
-    from attnhub.backends.triton_flash import ops
-    from attnhub.bench import build_layout, kept_pairs
-
-    b, h = 2, 16
-    torch.manual_seed(8)
-    layout = build_layout(spec, n, 128, seed=0, device=DEV)
-    q, k, v, dout = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16)
-                     for _ in range(4))  # fmt: skip
-    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-
-    def fwd() -> torch.Tensor:
-        with torch.no_grad():
-            return block_sparse_attention(q, k, v, layout, causal=causal)[0]
-
-    def fwd_bwd() -> tuple[torch.Tensor, ...]:
-        out = block_sparse_attention(qg, kg, vg, layout, causal=causal)[0]
-        out.backward(dout)
-        return out, qg.grad, kg.grad, vg.grad
-
-    def run(strides: str) -> tuple[tuple, list[float]]:
-        ops.SPECIALIZE_ROW_STRIDES = strides == "packed"
-        try:
-            for t in (qg, kg, vg):
-                t.grad = None
-            outs = tuple(x.detach().clone() for x in fwd_bwd())
-            t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
-            t_fb = triton.testing.do_bench(fwd_bwd, warmup=25, rep=100,
-                                           grad_to_none=[qg, kg, vg], return_mode="median")  # fmt: skip
-            return outs, [t_f, t_fb]
-        finally:
-            ops.SPECIALIZE_ROW_STRIDES = True
-
-    timed = _abba(["runtime", "packed"], run)
-    flops = 4 * b * h * kept_pairs(layout, n) * d * (0.5 if causal else 1.0)
-    rows = []
-    for strides, (outs, (t_f, t_fb), times) in timed.items():
-        row = {"D": d, "N": n, "B": b, "H": h, "layout": list(spec), "causal": causal,
-               "strides": strides,
-               "max_abs_diff_vs_runtime": _max_abs_diff(outs, timed["runtime"][0]),
-               "fwd_ms": round(t_f, 4), "fwd_bwd_ms": round(t_fb, 4),
-               "approx_fwd_tflops": round(flops / t_f / 1e9, 1),
-               "runs_ms": [[round(x, 4) for x in r] for r in times]}  # fmt: skip
-        print(f"bs_strides_ab {row}", flush=True)
-        rows.append(row)
-    return rows
 
 
 WINDOW_SHAPE = (2, 16, 16384, 128)  # B, H, N, D: the issue's sliding-window extra
@@ -761,58 +438,6 @@ def _window_calls(q, k, v, dout, w: int):  # type: ignore[no-untyped-def]
     return fwd, bwd, 4 * d * b * h * (w * n - w * (w - 1) // 2)
 
 
-WINDOW_AB = (256, 1024, 4096)  # W keys: window = (W - 1, 0), causal
-# (tiles chosen by, backward launch): the library's choice first.
-WINDOW_AB_VARIANTS = (("walk", ""), ("seqlen", ""), ("walk", "split"), ("seqlen", "split"))
-
-
-def window_ab() -> list[dict]:
-    """Sliding-window tiles: chosen by the band's width (ops._Setup.walk: a W-key window
-    takes the tiles of a W-token sequence) against by the sequence length, each with the
-    library's backward launch and with the split one, at the issue's window shape (bf16,
-    B=2, H=16, N=16384, D=128, causal, window=(W-1, 0)). The forward and the backward
-    alone (as in ``bwd_ab``), each variant timed twice (A B C D D C B A); outputs and
-    gradients compared with the first variant's (max abs diff)."""
-    import dataclasses
-
-    from attnhub.backends.triton_flash import configs, ops
-
-    b, h, n, d = WINDOW_SHAPE
-    q, k, v, dout = _window_inputs()
-    setup = ops._setup
-    rows = []
-    for w in WINDOW_AB:
-        fwd, bwd, flops = _window_calls(q, k, v, dout, w)
-
-        def run(variant: tuple[str, str]) -> tuple[tuple, list[float]]:
-            tiles_by, mode = variant
-            if tiles_by == "seqlen":
-                ops._setup = lambda *a, **kw: dataclasses.replace(setup(*a, **kw), walk=n)
-            try:
-                with configs.backward_mode(mode):
-                    out, lse = fwd()  # noqa: B023
-                    outs = (out, lse, *bwd(out, lse))  # noqa: B023
-                    t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")  # noqa: B023
-                    t_b = triton.testing.do_bench(lambda: bwd(out, lse), warmup=25, rep=100,  # noqa: B023
-                                                  return_mode="median")  # fmt: skip
-                return outs, [t_f, t_b]
-            finally:
-                ops._setup = setup
-
-        timed = _abba(list(WINDOW_AB_VARIANTS), run)
-        first = timed[WINDOW_AB_VARIANTS[0]][0]
-        for variant, (outs, (t_f, t_b), times) in timed.items():
-            row = {"W": w, "B": b, "H": h, "N": n, "D": d, "tiles_by": variant[0],
-                   "bwd_launch": variant[1] or "library",
-                   "max_abs_diff_vs_first": _max_abs_diff(outs, first),
-                   "fwd_ms": round(t_f, 4), "fwd_tflops": round(flops / t_f / 1e9, 1),
-                   "bwd_ms": round(t_b, 4), "bwd_tflops": round(2.5 * flops / t_b / 1e9, 1),
-                   "runs_ms": [[round(x, 4) for x in r] for r in times]}  # fmt: skip
-            print(f"window_ab {row}", flush=True)
-            rows.append(row)
-    return rows
-
-
 # Window sweep candidates (D=128); each is compared with the table's own choice at its
 # W. First run (707a7e2): the general forward row and the short causal backward pair
 # (one launch) were the table's choice at both W; then the first five backward pairs.
@@ -837,40 +462,36 @@ def window_sweep() -> list[dict]:
     H=16, N=16384, D=128, causal, window=(W-1, 0), W 256 and 1024), forward and backward
     alone (the library's launch: one for these D=128 pairs), each compared with the
     table's choice (max abs diff) and timed (do_bench median)."""
-    from attnhub.backends.triton_flash import configs
+    from attnhub.backends.triton_flash import tuning
 
     b, h, n, d = WINDOW_SHAPE
     q, k, v, dout = _window_inputs()
     rows = []
     for w in (256, 1024):
         fwd, bwd, flops = _window_calls(q, k, v, dout, w)
-        configs.OVERRIDE.clear()
         out, lse = fwd()
         ref = (out, *bwd(out, lse))
         trials = [("fwd", {"fwd": c}) for c in WINDOW_SWEEP_FWD]
         trials += [("bwd", {"bwd_kv": kv, "bwd_q": dq}) for kv, dq in WINDOW_SWEEP_BWD]
         for kind, chosen in trials:
-            configs.OVERRIDE.clear()
-            configs.OVERRIDE.update({k_: configs.LaunchConfig(*c) for k_, c in chosen.items()})
             row = {"kind": kind, "W": w, "B": b, "H": h, "N": n, "D": d,
                    "config": list(chosen.values())}  # fmt: skip
-            try:
-                if kind == "fwd":
-                    got = fwd()[:1]
-                    ms = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
-                else:
-                    got = bwd(out, lse)
-                    ms = triton.testing.do_bench(lambda: bwd(out, lse), warmup=25, rep=100,  # noqa: B023
-                                                 return_mode="median")  # fmt: skip
-                expected = ref[:1] if kind == "fwd" else ref[1:]
-                err = _max_abs_diff(got, expected)
-                fl = flops if kind == "fwd" else 2.5 * flops
-                row.update(max_abs_diff_vs_table=err, ms=round(ms, 4),
-                           tflops=round(fl / ms / 1e9, 1))  # fmt: skip
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            finally:
-                configs.OVERRIDE.clear()
+            with tuning.override(**chosen):
+                try:
+                    if kind == "fwd":
+                        got = fwd()[:1]
+                        ms = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+                    else:
+                        got = bwd(out, lse)
+                        ms = triton.testing.do_bench(lambda: bwd(out, lse), warmup=25, rep=100,  # noqa: B023
+                                                     return_mode="median")  # fmt: skip
+                    expected = ref[:1] if kind == "fwd" else ref[1:]
+                    err = _max_abs_diff(got, expected)
+                    fl = flops if kind == "fwd" else 2.5 * flops
+                    row.update(max_abs_diff_vs_table=err, ms=round(ms, 4),
+                               tflops=round(fl / ms / 1e9, 1))  # fmt: skip
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             print(f"window_sweep {row}", flush=True)
             rows.append(row)
     return rows
@@ -902,11 +523,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma list of sections to run")
     parser.add_argument("--sweep-seqlens", default="4096", help="comma list of N for the sweep")
     parser.add_argument("--commit", help="the tree's commit, recorded in env (default: git HEAD)")
-    parser.add_argument("--bwd", choices=BWD_AB_MODES,
-                        help="set ATTNHUB_TRITON_BWD for the whole run")  # fmt: skip
     args = parser.parse_args()
-    if args.bwd:
-        os.environ["ATTNHUB_TRITON_BWD"] = args.bwd
     torch.set_float32_matmul_precision("highest")
     sections = set(args.only.split(",")) if args.only else {
         "correctness", "determinism", "sanitizer", "memory", "long", "timing", "sweep"}  # fmt: skip
@@ -927,12 +544,7 @@ def main() -> None:
         ("long", long_run),
         ("timing", lambda: timing(args.quick)),
         ("sweep", lambda: sweep(tuple(int(n) for n in args.sweep_seqlens.split(",")))),
-        ("fold", fold),
-        ("bwd_ab", lambda: bwd_ab(args.quick)),
-        ("window_ab", window_ab),
         ("window_sweep", window_sweep),
-        ("strides_ab", lambda: strides_ab(args.quick)),
-        ("bs_strides_ab", lambda: bs_strides_ab(args.quick)),
     )
     for name, step in steps:
         if name not in sections:

@@ -8,6 +8,7 @@ The tolerance rule is contract.md's: max|x - r64| <= 2 * max|r_lp - r64| + 1e-5.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -266,7 +267,7 @@ def test_merged_backward_bitwise_equals_split(
     the same outputs and gradients, dropout included (same seed): the same programs
     compute the same sums in the same order, whichever launch runs them. The merged
     launch gets each role's edge-segment flags as the split kernels get theirs."""
-    from attnhub.backends.triton_flash import configs
+    from attnhub.backends.triton_flash import configs, tuning
 
     torch.manual_seed(hash(case.id) % 1000)
     q, k, v, mask = _inputs(case, torch.float16)
@@ -290,10 +291,10 @@ def test_merged_backward_bitwise_equals_split(
 
             return Grid()
 
-        monkeypatch.setenv(configs.BWD_ENV, mode)
         monkeypatch.setattr(ops, "_launcher", recording)
         torch.manual_seed(5)  # the dropout seed
-        results[mode] = _run_flash(case, q, k, v, mask, dout, dropout_p=dropout_p)
+        with tuning.override(backward_launch=mode):
+            results[mode] = _run_flash(case, q, k, v, mask, dout, dropout_p=dropout_p)
         launched[mode] = calls
     # These cases' configurations (the interpreter's; D <= 64 on a GPU) allow the merged
     # launch: check that it did run, not the split fallback, with the split kernels' flags.
@@ -321,11 +322,11 @@ def test_merged_backward_bitwise_equals_split(
             assert torch.equal(a, b), f"{mode}: {name} differs from split"
 
 
-def test_backward_launch_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The table (or ATTNHUB_TRITON_BWD over it) picks the launch where the two roles'
-    configurations (the split path's own, lean or not) share their launch options
-    (warps, stages, register cap), and split elsewhere."""
-    from attnhub.backends.triton_flash import configs
+def test_backward_launch_mode() -> None:
+    """The table (or tuning.override(backward_launch=...) over it) picks the launch where
+    the two roles' configurations (the split path's own, lean or not) share their launch
+    options (warps, stages, register cap), and split elsewhere."""
+    from attnhub.backends.triton_flash import configs, tuning
 
     sm90 = (9, 0)
 
@@ -335,47 +336,78 @@ def test_backward_launch_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     def table(d: int, esize: int, causal: bool, n: int = 4096, lean: bool = True) -> str:
         return configs.backward_launch(*pair(d, esize, causal, n, lean), d, esize, lean)
 
-    monkeypatch.delenv(configs.BWD_ENV, raising=False)
-    # Without the variable, the table: one launch for lean 2-byte D=128 calls only.
+    assert tuning.current() is None
+    # Outside every override, the table: one launch for lean 2-byte D=128 calls only.
     for causal, n in ((False, 1024), (True, 1024), (False, 16384), (True, 4096)):
         assert table(128, 2, causal, n) == "merged_heads"
     assert table(128, 2, True, lean=False) == configs.BWD_DEFAULT  # a mask tile: unmeasured
     assert table(128, 4, True) == configs.BWD_DEFAULT
     assert table(64, 2, True) == table(64, 2, False) == configs.BWD_DEFAULT
     assert configs.backward_launch(*pair(128, 2, True)) == configs.BWD_DEFAULT
-    monkeypatch.setenv(configs.BWD_ENV, "split")
-    assert table(128, 2, True) == "split"  # the variable overrides the table
+    with tuning.override(backward_launch="split"):
+        assert table(128, 2, True) == "split"  # the override wins over the table
     for mode in configs.BWD_MODES:
-        monkeypatch.setenv(configs.BWD_ENV, mode)
-        # Equal warps and stages (2-byte D <= 128, lean or not, short or not; fp32 rows).
-        for d, esize, causal, n, lean in ((64, 2, False, 4096, True), (128, 2, True, 1024, True),
-                                          (128, 2, False, 1024, True), (128, 2, False, 4096, False),
-                                          (256, 4, True, 4096, True)):  # fmt: skip
-            assert configs.backward_launch(*pair(d, esize, causal, n, lean)) == mode
-        # 2-byte D=256: 4 vs 8 warps, one launch cannot have both: split.
-        assert configs.backward_launch(*pair(256, 2, False)) == "split"
-        kv, q = configs.LaunchConfig(32, 64, 4, 3), configs.LaunchConfig(64, 32, 4, 2)
-        assert configs.backward_launch(kv, q) == "split"  # stages differ
-        capped = configs.LaunchConfig(64, 32, 4, 3, maxnreg=128)
-        assert configs.backward_launch(kv, capped) == "split"  # one role's register cap
-        assert configs.backward_launch(capped, capped) == mode
-        assert configs.merged_meta(capped, capped, mode)["maxnreg"] == 128
+        with tuning.override(backward_launch=mode):
+            # Equal warps and stages (2-byte D <= 128, lean or not, short or not; fp32 rows).
+            for d, esize, causal, n, lean in ((64, 2, False, 4096, True), (128, 2, True, 1024, True),
+                                              (128, 2, False, 1024, True), (128, 2, False, 4096, False),
+                                              (256, 4, True, 4096, True)):  # fmt: skip
+                assert configs.backward_launch(*pair(d, esize, causal, n, lean)) == mode
+            # 2-byte D=256: 4 vs 8 warps, one launch cannot have both: split.
+            assert configs.backward_launch(*pair(256, 2, False)) == "split"
+            kv, q = configs.LaunchConfig(32, 64, 4, 3), configs.LaunchConfig(64, 32, 4, 2)
+            assert configs.backward_launch(kv, q) == "split"  # stages differ
+            capped = configs.LaunchConfig(64, 32, 4, 3, maxnreg=128)
+            assert configs.backward_launch(kv, capped) == "split"  # one role's register cap
+            assert configs.backward_launch(capped, capped) == mode
+            assert configs.merged_meta(capped, capped, mode)["maxnreg"] == 128
     # The lean D=128 tiles reach the merged kernel as its two roles' tiles.
     merged = configs.merged_meta(*pair(128, 2, False), "merged_heads")
     assert merged == {"BLOCK_M1": 64, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 64,
                       "HEAD_MAJOR": True, "num_warps": 8, "num_stages": 3}  # fmt: skip
-    monkeypatch.setenv(configs.BWD_ENV, "fused")
-    with pytest.raises(ValueError, match="ATTNHUB_TRITON_BWD='fused'"):
-        configs.backward_launch(*pair(64, 2, False))
-    # backward_mode (A/B tools): the mode inside, the previous value or absence after.
-    with configs.backward_mode("merged"):
-        assert table(64, 2, False) == "merged"
-    assert os.environ[configs.BWD_ENV] == "fused"
-    monkeypatch.delenv(configs.BWD_ENV)
-    with pytest.raises(RuntimeError), configs.backward_mode("split"):
-        assert table(128, 2, False) == "split"
-        raise RuntimeError
-    assert configs.BWD_ENV not in os.environ
+
+
+def test_tuning_override_is_scoped_validated_and_nests() -> None:
+    """tuning.override: bad values raise before the block; inner blocks change only the
+    fields they name; the enclosing value comes back after a block, also when it
+    raises; another thread does not see it (a context variable, not os.environ)."""
+    import threading
+
+    from attnhub.backends.triton_flash import configs, tuning
+
+    sm90 = (9, 0)
+    table_fwd = configs.launch_config("fwd", 64, 2, False, sm90, False, 4096)
+    bad: list[tuple[type[Exception], str, dict]] = [
+        (ValueError, "backward_launch='fused'", {"backward_launch": "fused"}),
+        (TypeError, "fwd=", {"fwd": (128, 64)}),
+        (TypeError, "packed_row_strides", {"packed_row_strides": 0}),
+    ]
+    for error, match, kwargs in bad:
+        entered = False
+        with pytest.raises(error, match=match), tuning.override(**kwargs):
+            entered = True
+        assert not entered and tuning.current() is None
+    seen_in_thread: list[object] = []
+    with tuning.override(fwd=(64, 32, 4, 2), backward_launch="merged") as outer:
+        assert configs.launch_config("fwd", 64, 2, False, sm90, False, 4096) == (
+            configs.LaunchConfig(64, 32, 4, 2)
+        )
+        # A forced direction holds in the interpreter too; others keep the table.
+        assert configs.launch_config("fwd", 64, 2, False, None, True) == outer.config("fwd")
+        assert configs.launch_config("bwd_q", 64, 2, False, None, True) == configs.INTERPRETER_BWD_Q
+        thread = threading.Thread(target=lambda: seen_in_thread.append(tuning.current()))
+        thread.start()
+        thread.join()
+        with pytest.raises(RuntimeError), tuning.override(bwd_q=configs.LaunchConfig(16, 16, 4, 1)):
+            inner = tuning.current()
+            assert inner is not None and inner.backward_launch == "merged"
+            assert inner.config("fwd") == configs.LaunchConfig(64, 32, 4, 2)
+            assert inner.config("bwd_q") == configs.LaunchConfig(16, 16, 4, 1)
+            raise RuntimeError
+        assert tuning.current() == outer
+    assert seen_in_thread == [None]
+    assert tuning.current() is None
+    assert configs.launch_config("fwd", 64, 2, False, sm90, False, 4096) == table_fwd
 
 
 def _dropout_case() -> Case:
@@ -616,6 +648,7 @@ def test_tiles_are_chosen_by_the_keys_a_row_walks(causal, window, walk, monkeypa
 
     monkeypatch.setattr(ops, "launch_config", spy)
     monkeypatch.setattr(configs, "launch_config", spy)  # backward_configs' two calls
+    ops.clear_plans()  # on a GPU, a cached plan of an earlier call would skip launch_config
     k = torch.randn(1, 1, 50, 16, requires_grad=True)
     qg = torch.randn(1, 1, 40, 16, requires_grad=True)
     win = None if window == (None, None) else window
@@ -624,17 +657,21 @@ def test_tiles_are_chosen_by_the_keys_a_row_walks(causal, window, walk, monkeypa
     assert seen == [walk] * 3  # forward, dK/dV, dQ
 
 
-def test_row_strides_are_constants_only_for_packed_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_row_strides_are_constants_only_for_packed_rows() -> None:
     """A streamed tensor's row stride becomes a kernel constant where its rows are packed
-    (stride == head dim), else 0 (the kernel reads the runtime stride)."""
+    (stride == head dim), else 0 (the kernel reads the runtime stride); inside
+    tuning.override(packed_row_strides=False), 0 for all."""
+    from attnhub.backends.triton_flash import tuning
+
     packed = torch.empty(2, 3, 40, 24)
     view = torch.empty(2, 40, 3, 24).transpose(1, 2)  # (B, N, H, D) storage: stride 72
     narrow_v = torch.empty(2, 3, 40, 16)
     assert ops._row_strides(K=packed, V=narrow_v, Q=view) == {
         "STRIDE_KN": 24, "STRIDE_VN": 16, "STRIDE_QM": 0
     }  # fmt: skip
-    monkeypatch.setattr(ops, "SPECIALIZE_ROW_STRIDES", False)
-    assert ops._row_strides(K=packed, DO=packed) == {"STRIDE_KN": 0, "STRIDE_DOM": 0}
+    with tuning.override(packed_row_strides=False):
+        assert ops._row_strides(K=packed, DO=packed) == {"STRIDE_KN": 0, "STRIDE_DOM": 0}
+    assert ops._row_strides(K=packed) == {"STRIDE_KN": 24}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
@@ -829,3 +866,227 @@ def test_one_key_per_row_has_exactly_zero_dq_and_dk(dtype: torch.dtype, d: int) 
     # (exactly 1 once rounded to half precision for the dot).
     rtol = 1e-5 if dtype == torch.float32 else 0.0
     torch.testing.assert_close(dv, dout[:, :, 1:], rtol=rtol, atol=0.0)
+
+
+def test_cached_launch_passes_tensors_then_the_recorded_arguments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """launch.CachedLaunch (the eager plans' launch, issue 17.3) calls the compiled
+    launcher as Triton's own launch does: grid, stream, function, flags, metadata, then
+    every kernel parameter in signature order (the call's tensors first, then the
+    recorded positional, constexpr and defaulted values); no launch hooks unless one is
+    set, and then with the launch metadata. Checked on CPU with a stand-in compiled
+    kernel: the real one needs a GPU (test_gpu_cached_plans_match_the_full_path)."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    from attnhub.backends.triton_flash import launch as launch_mod
+
+    names = ["A", "B", "n", "x", "BLOCK", "FLAG"]
+    defaults = {"FLAG": "default"}
+    kernel = SimpleNamespace(
+        params=[SimpleNamespace(name=n, num=i, default=defaults.get(n)) for i, n in enumerate(names)],
+        fn=SimpleNamespace(__name__="k"),
+    )  # fmt: skip
+    seen: list[tuple] = []
+    launcher = SimpleNamespace(
+        global_scratch_size=0, profile_scratch_size=0, launch_cooperative_grid=False,
+        launch_pdl=True, launch=lambda *a: seen.append(a),
+    )  # fmt: skip
+    compiled = SimpleNamespace(
+        run=launcher, function="fn", packed_metadata=(4, 1, 0),
+        launch_metadata=lambda grid, stream, *args: ("meta", grid, len(args)),
+    )  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    a0, b0 = torch.zeros(2), torch.ones(2)
+    cached = launch_mod.CachedLaunch(kernel, compiled, (3, 2), (a0, b0, 5, 0.5), {"BLOCK": 64}, 2)
+    a1, b1 = torch.zeros(3), torch.ones(3)
+    cached(a1, b1)
+    head = (3, 2, 1, 77, "fn", False, True, None, None, (4, 1, 0), None, None, None)
+    assert len(seen) == 1 and seen[0][: len(head)] == head
+    assert seen[0][len(head) :][0] is a1 and seen[0][len(head) :][1] is b1
+    assert seen[0][len(head) + 2 :] == (5, 0.5, 64, "default")
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        cached(a1, b1)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert seen[1][10] == ("meta", (3, 2, 1), 6)
+    assert seen[1][11] is knobs.runtime.launch_enter_hook
+    with pytest.raises(ValueError, match="first 3 arguments must be the tensors"):
+        launch_mod.CachedLaunch(kernel, compiled, (1,), (a0, b0, 5, 0.5), {"BLOCK": 64}, 3)
+
+
+def test_calls_on_cpu_or_recorded_launches_make_no_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans are for eager CUDA calls only: none is keyed for CPU tensors (the
+    interpreter), and none while a tool has replaced the launcher."""
+    q = torch.randn(1, 1, 8, 16)
+    scalars = (False, False, ops.NO_WINDOW, ops.NO_WINDOW, 0.0, 0.25, 0.0)
+    assert ops._plan_key("fwd", q, q, q, None, None, scalars) is None
+    before = len(ops._PLANS)
+    ops.flash_attention(q.to(DEVICE), q.to(DEVICE), q.to(DEVICE), return_lse=False)
+    if not HAS_CUDA:
+        assert len(ops._PLANS) == before == 0
+    if HAS_CUDA:
+        monkeypatch.setattr(
+            ops, "_launcher", lambda kernel, like: ops._default_launcher(kernel, like)
+        )
+        assert ops._plan_key("fwd", q.cuda(), q.cuda(), q.cuda(), None, None, scalars) is None
+
+
+def test_return_lse_false_returns_no_lse_and_the_same_output() -> None:
+    """flash_attention(return_lse=False): lse None (not computed where no gradient is
+    recorded), the output bitwise as with it; with gradients the backward still runs."""
+    torch.manual_seed(12)
+    q, k, v = (torch.randn(1, 2, 24, 16, device=DEVICE) for _ in range(3))
+    out, lse = ops.flash_attention(q, k, v, causal=True)
+    out2, none = ops.flash_attention(q, k, v, causal=True, return_lse=False)
+    assert lse is not None and none is None and torch.equal(out, out2)
+    qg = q.clone().requires_grad_()
+    out3, none = ops.flash_attention(qg, k, v, causal=True, return_lse=False)
+    assert none is None and torch.equal(out3.detach(), out)
+    out3.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+
+
+@gpu
+@requires_cuda
+def test_gpu_cached_plans_match_the_full_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager CUDA calls reuse a cached launch plan (issue 17.3): the second call of a key
+    launches without Triton's binder (the JIT's run is not called) and gives bitwise the
+    forward of the full path, for masks, GQA, dropout, strided and misaligned inputs
+    (a 16-byte misaligned view is its own key: Triton specializes on alignment), with
+    and without lse, fp32 under both matmul precisions; tuning overrides key apart."""
+    from attnhub.backends.triton_flash import kernels, tuning
+
+    torch.manual_seed(13)
+    dt = torch.bfloat16
+    base = torch.randn(2 * 4 * 77 * 64 + 1, device="cuda", dtype=dt)
+    misaligned = base[1:].view(2, 4, 77, 64)  # storage offset of 2 bytes
+    assert misaligned.data_ptr() % 16 != 0
+    k = torch.randn(2, 2, 90, 64, device="cuda", dtype=dt)
+    v = torch.randn(2, 2, 90, 64, device="cuda", dtype=dt)
+    bnhd = torch.randn(2, 77, 4, 64, device="cuda", dtype=dt).transpose(1, 2)
+    mask_b = torch.rand(77, 90, device="cuda") > 0.3
+    mask_f = torch.randn(2, 1, 77, 90, device="cuda", dtype=dt)
+    calls = [
+        (misaligned.contiguous(), None, {}),
+        (misaligned, None, {}),
+        (bnhd, mask_b, {"causal": True, "bottom_right": True}),
+        (bnhd.contiguous(), mask_f, {"window": (20, 3), "softcap": 5.0}),
+        (bnhd.contiguous(), None, {"dropout_p": 0.2}),
+    ]
+    jit_runs = []
+    run = kernels.attn_fwd_kernel.run
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        jit_runs.append(1)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(kernels.attn_fwd_kernel, "run", counting)
+    for q, mask, kw in calls:
+        for return_lse in (True, False):
+            ops.clear_plans()
+            torch.manual_seed(1)
+            first = ops.flash_attention(q, k, v, mask, return_lse=return_lse, **kw)
+            assert len(jit_runs) == 1 and len(ops._PLANS) == 1
+            torch.manual_seed(1)
+            second = ops.flash_attention(q, k, v, mask, return_lse=return_lse, **kw)
+            assert len(jit_runs) == 1, "the second call went through Triton's binder"
+            with tuning.override():  # another key: the full path again
+                torch.manual_seed(1)
+                third = ops.flash_attention(q, k, v, mask, return_lse=return_lse, **kw)
+            assert len(jit_runs) == 2 and len(ops._PLANS) == 2
+            for a, b in ((first, second), (first, third)):
+                assert torch.equal(a[0], b[0])
+                assert (a[1] is None) == (b[1] is None) == (not return_lse)
+                if return_lse:
+                    assert torch.equal(a[1], b[1])
+            jit_runs.clear()
+    q32, k32 = (torch.randn(1, 2, 40, 32, device="cuda") for _ in range(2))
+    previous = torch.get_float32_matmul_precision()
+    try:
+        outs = {}
+        for precision in ("highest", "high", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            outs.setdefault(precision, []).append(ops.flash_attention(q32, k32, k32)[0])
+        assert torch.equal(*outs["highest"])
+        ref = reference_attention(q32.double(), k32.double(), k32.double(), None,
+                                  AttentionParams(scale=32**-0.5))[0]  # fmt: skip
+        assert (outs["highest"][1].double() - ref).abs().max() < 1e-5  # IEEE, not TF32's plan
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+@gpu
+@requires_cuda
+def test_gpu_cuda_graph_replays_a_planned_call_without_lse() -> None:
+    """A planned no-grad call (no lse) captured in a CUDA graph: the launch goes to the
+    capture stream, and replay on new inputs gives the eager output."""
+    q, k = (torch.randn(1, 4, 16, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    for _ in range(2):
+        ops.flash_attention(q, k, k, return_lse=False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out, none = ops.flash_attention(q, k, k, return_lse=False)
+    assert none is None
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, ops.flash_attention(q, k, k, return_lse=False)[0])
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("d", [64, 128], ids=["D64_split", "D128_merged"])
+def test_gpu_cached_backward_plans_match_the_full_path(
+    d: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backward's plan (preprocess, then the merged or the split launches) gives
+    bitwise the gradients of the full path, with a gradient on lse too (dlse), and its
+    second call runs no kernel through Triton's binder."""
+    from attnhub.backends.triton_flash import kernels, tuning
+
+    names = ("attn_bwd_preprocess_kernel", "attn_bwd_kernel", "attn_bwd_dkdv_kernel",
+             "attn_bwd_dq_kernel")  # fmt: skip
+    jit_runs: list[str] = []
+    for name in names:
+        kernel = getattr(kernels, name)
+
+        def counting(*args, _run=kernel.run, _name=name, **kwargs):  # type: ignore[no-untyped-def]
+            jit_runs.append(_name)
+            return _run(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", counting)
+    torch.manual_seed(14)
+    q = torch.randn(2, 4, 100, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 120, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))  # fmt: skip
+    dout = torch.randn(2, 4, 100, d, device="cuda", dtype=torch.bfloat16)
+    for with_lse in (False, True):
+        ops.clear_plans()
+        grads = []
+        for override in (False, False, True):
+            jit_runs.clear()
+            with tuning.override() if override else contextlib.nullcontext():
+                out, lse = ops.flash_attention(q, k, v, causal=True, bottom_right=True)
+                loss = (out * dout).sum() + (lse.sum() if with_lse else 0.0)
+                grads.append(torch.autograd.grad(loss, (q, k, v)))
+            backward_runs = [n for n in jit_runs if n != "attn_fwd_kernel"]
+            if len(grads) == 2:
+                assert backward_runs == [], "the second backward went through Triton's binder"
+            else:
+                assert backward_runs[0] == "attn_bwd_preprocess_kernel"
+                merged = (
+                    ["attn_bwd_kernel"]
+                    if d == 128
+                    else ["attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
+                )
+                assert backward_runs[1:] == merged
+        for a, b in zip(grads[0], grads[1]):
+            assert torch.equal(a, b)
+        for a, b in zip(grads[0], grads[2]):
+            assert torch.equal(a, b)

@@ -105,7 +105,13 @@ class TritonFlash(Backend):
         return forward_kvcache(query, k_cache, v_cache, seqlens_k, block_table, params)
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
-        from .ops import flash_attention
-
-        out, lse = flash_attention(query, key, value, attn_mask, **kernel_options(params))
+        global _flash_attention
+        if _flash_attention is None:  # imports Triton: on the first call, not at import
+            from .ops import flash_attention as _flash_attention
+        out, lse = _flash_attention(
+            query, key, value, attn_mask, return_lse=params.return_lse, **kernel_options(params)
+        )
         return (out, lse) if params.return_lse else out
+
+
+_flash_attention: Any = None

@@ -10,8 +10,9 @@ Provenance of the GPU entries: the half-precision D <= 128 entries were chosen b
 measured sweep on the H200 (cited beside each); the rest are first choices from the FA2
 structure (Triton's fused-attention tutorial; the plain-Triton probe in
 shared/perf/anchors-h200.md), sized so that shared memory fits the H200's 227 KiB with
-the stated pipelining depth (``python -m attnhub.backends.triton_flash.aot_check``
-reports each kernel's shared memory without a GPU). Issue 4 tunes further.
+the stated pipelining depth (``python benchmarks/aot_check.py``, a developer tool
+outside the package, reports each kernel's shared memory without a GPU). Issue 4 tunes
+further. Tuning runs force other configurations with ``tuning.override`` (tuning.py).
 
 The backward runs as one launch or two (:func:`backward_launch`): the "bwd_kv" and
 "bwd_q" entries (:func:`backward_configs`) then configure the two roles of the merged
@@ -20,11 +21,10 @@ kernel, or the two kernels.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from . import tuning
 
 
 @dataclass(frozen=True)
@@ -198,11 +198,6 @@ def _rows(direction: str, element_size: int, causal: bool) -> _Rows:
     return pair[0] if direction == "bwd_kv" else pair[1]
 
 
-# Tuning scripts (``benchmarks/triton_flash_gpu.py --only sweep``) put a direction's
-# candidate here to try it without editing the table. Empty in normal use.
-OVERRIDE: dict[str, LaunchConfig] = {}
-
-
 def launch_config(
     direction: str,
     block_d: int,
@@ -221,16 +216,20 @@ def launch_config(
     (``SHORT_N``) and the narrow ones (``NARROW_N``) where it is given: the most keys
     one row visits (ops passes the longer of Nq and Nk, or a sliding window's width
     where that is narrower). ``lean``: a dense call that streams no mask tile, which
-    may take the larger ``_LEAN_2B`` entries.
+    may take the larger ``_LEAN_2B`` entries. Inside a ``tuning.override`` block that
+    forces ``direction``, the forced configuration (the interpreter's included).
     """
+    tuned = tuning.current()
+    if tuned is not None:
+        forced = tuned.config(direction)
+        if forced is not None:
+            return forced
     if interpret:
         return {
             "fwd": INTERPRETER_FWD,
             "bwd_kv": INTERPRETER_BWD_KV,
             "bwd_q": INTERPRETER_BWD_Q,
         }[direction]
-    if direction in OVERRIDE:
-        return OVERRIDE[direction]
     if seqlen is not None and seqlen <= NARROW_N and element_size == 2:
         narrow = _NARROW_2B.get((direction, block_d, causal))
         if narrow is not None:
@@ -260,10 +259,9 @@ def backward_configs(*key: Any) -> tuple[LaunchConfig, LaunchConfig]:
 
 # The backward as one launch ("merged": kernels.attn_bwd_kernel, whose programs split
 # into a dK/dV role and a dQ role, as FlexAttention's backward) or two ("split":
-# attn_bwd_dkdv_kernel, then attn_bwd_dq_kernel). ATTNHUB_TRITON_BWD overrides the
-# table below (for A/B runs).
-BWD_ENV = "ATTNHUB_TRITON_BWD"
-BWD_MODES = ("split", "merged", "merged_heads")
+# attn_bwd_dkdv_kernel, then attn_bwd_dq_kernel). tuning.override(backward_launch=...)
+# forces a mode over the table below (tuning runs).
+BWD_MODES = tuning.BACKWARD_LAUNCHES
 BWD_DEFAULT = "split"
 
 # Lean calls with 2-byte dtypes, by padded head dim: the launch measured fastest on the
@@ -285,39 +283,21 @@ def backward_launch(
     head, its dK/dV programs, then its query heads' dQ programs). Every mode gives
     bitwise the same gradients: each program computes the same sums in the same order.
 
-    The choice: ``ATTNHUB_TRITON_BWD`` (split | merged | merged_heads) where it is set
-    and not empty, else ``_LEAN_LAUNCH_2B`` for a lean call (:func:`launch_config`)
-    with a 2-byte dtype and padded head dim ``block_d``, else ``BWD_DEFAULT``. The
-    variable is read on every backward, so a benchmark can switch it in-process; under
-    ``torch.compile`` the value at trace time is baked into the graph. A merged launch
-    is used only where ``kv`` and ``q`` have the same launch options (num_warps,
-    num_stages, maxnreg: a launch has one of each; the 2-byte D=256 rows have 4 vs 8
-    warps); elsewhere the backward is split whatever was asked. An unknown value raises, so that a typo
-    cannot silently time the wrong path.
+    The choice: the active ``tuning.override(backward_launch=...)``, else
+    ``_LEAN_LAUNCH_2B`` for a lean call (:func:`launch_config`) with a 2-byte dtype and
+    padded head dim ``block_d``, else ``BWD_DEFAULT``. A merged launch is used only
+    where ``kv`` and ``q`` have the same launch options (num_warps, num_stages, maxnreg:
+    a launch has one of each; the 2-byte D=256 rows have 4 vs 8 warps); elsewhere the
+    backward is split whatever was asked.
     """
-    table = _LEAN_LAUNCH_2B.get(block_d) if lean and element_size == 2 else None
-    mode = os.environ.get(BWD_ENV) or table or BWD_DEFAULT
-    if mode not in BWD_MODES:
-        raise ValueError(f"{BWD_ENV}={mode!r}: expected one of {', '.join(BWD_MODES)}")
+    tuned = tuning.current()
+    mode = tuned.backward_launch if tuned is not None else None
+    if mode is None:
+        table = _LEAN_LAUNCH_2B.get(block_d) if lean and element_size == 2 else None
+        mode = table or BWD_DEFAULT
     if mode != "split" and kv.options() != q.options():
         return "split"
     return mode
-
-
-@contextlib.contextmanager
-def backward_mode(mode: str) -> Iterator[None]:
-    """Inside the block, backwards launch as ``mode`` (``ATTNHUB_TRITON_BWD``; "" for
-    the table's choice); the variable's previous value, or its absence, comes back
-    after. For A/B runs and tools that try several modes in one process."""
-    previous = os.environ.get(BWD_ENV)
-    os.environ[BWD_ENV] = mode
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(BWD_ENV, None)
-        else:
-            os.environ[BWD_ENV] = previous
 
 
 def merged_meta(kv: LaunchConfig, q: LaunchConfig, mode: str) -> dict[str, int | bool]:

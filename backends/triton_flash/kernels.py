@@ -72,6 +72,8 @@ STRIDE_QM, STRIDE_DOM in the forward and dQ kernels, Q/dO in dK/dV) as a constan
                       stride. With a constant, each thread's row addresses are one base
                       plus immediates instead of a 64-bit register per row, live across
                       the loop (ops._row_strides has the measurements)
+STORE_LSE             forward only: write Lse (False where the caller wants neither the
+                      lse nor gradients: ops.flash_attention(return_lse=False) without grad)
 """
 
 from __future__ import annotations
@@ -383,8 +385,11 @@ def attn_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr, MASK_HEAD: tl.constexpr,
     MASK_TAIL: tl.constexpr, STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
+    STORE_LSE: tl.constexpr = True,
 ):  # fmt: skip
-    """Out (B, H, NQ, DV) and Lse (B, H, NQ) float32 natural log, for one row block."""
+    """Out (B, H, NQ, DV) and Lse (B, H, NQ) float32 natural log, for one row block.
+    STORE_LSE=False: Lse is not written (a call whose caller neither returns the lse nor
+    differentiates; Lse may then be any pointer)."""
     stride_kn = _row_stride(stride_kn, STRIDE_KN)
     stride_vn = _row_stride(stride_vn, STRIDE_VN)
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
@@ -463,7 +468,8 @@ def attn_fwd_kernel(
             o_ptrs, out.to(Out.dtype.element_ty),
             mask=(offs_m[:, None] < NQ) & (offs_dv[None, :] < HEAD_DV),
         )  # fmt: skip
-    tl.store(Lse + pid_bh * NQ + offs_m, lse, mask=offs_m < NQ)
+    if STORE_LSE:
+        tl.store(Lse + pid_bh * NQ + offs_m, lse, mask=offs_m < NQ)
 
 
 @triton.jit(do_not_specialize=["NQ"])

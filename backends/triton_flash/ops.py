@@ -11,7 +11,13 @@ through a small ``autograd.Function`` (the torch.library path costs 130-240 us o
 Python per forward on the dev CPU against 25-30 us for the implementation itself,
 which is most of the time of a small or very sparse call); anything being traced,
 compiled or intercepted (FakeTensor, FunctionalTensor, dispatch or function modes,
-functorch transforms) still goes through the op.
+functorch transforms) still goes through the op. A plain call that records no
+gradient skips the autograd.Function too, and computes no lse unless asked
+(``flash_attention(..., return_lse=False)``).
+
+Eager launches on CUDA reuse a plan per call signature (``_PLANS``: the compiled
+kernel, grid and arguments, launched without Triton's per-call binder; issue 17,
+item 3), so a repeated small call costs its output allocations and one launch each.
 
 Importing this module imports Triton and compiles nothing; kernels compile on first
 launch. Set ``TRITON_INTERPRET=1`` before importing it to run the kernels on CPU
@@ -28,11 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._library.triton import set_wrap_triton_enabled
+from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
 from torch.library import triton_op, wrap_triton
 
-from . import kernels
+from . import kernels, tuning
 from .configs import LaunchConfig, backward_configs, backward_launch, launch_config, merged_meta
+from .launch import CachedLaunch
 
 # Window sides and the causal clamp are passed as ints; this stands for "no window".
 NO_WINDOW = -1
@@ -67,6 +74,11 @@ def _launcher(kernel, like: torch.Tensor):  # type: ignore[no-untyped-def]
 
         return _NoLaunch() if is_fake(like) else _Serialized(kernel)
     return wrap_triton(kernel)
+
+
+# Plans are recorded and used only while _launcher is this function (a tool that
+# replaces it, to record launches, sees every launch).
+_default_launcher = _launcher
 
 
 # Triton's interpreter patches triton.language globals while a kernel runs, so two
@@ -251,9 +263,9 @@ def _edge_segments(
 # bitwise the same outputs and gradients. The constant is the tensor's actual stride,
 # so the addresses are the same either way; packing only decides where to specialize:
 # other layouts ((B, N, H, D) views) keep the runtime stride, so each head dim adds at
-# most one more compiled variant. A switch for A/B runs (benchmarks/triton_flash_gpu.py
-# --only strides_ab); True in normal use. triton_blocksparse's launches read it too.
-SPECIALIZE_ROW_STRIDES = True
+# most one more compiled variant. triton_blocksparse's launches take the same constants.
+# ``tuning.override(packed_row_strides=False)`` passes every stride at run time (the
+# A/B's "runtime" side).
 _ROW_STRIDE_ARGS = {"Q": "STRIDE_QM", "DO": "STRIDE_DOM", "K": "STRIDE_KN", "V": "STRIDE_VN"}
 
 
@@ -261,27 +273,29 @@ def _row_strides(**streamed: torch.Tensor) -> dict[str, int]:
     """The kernels' STRIDE_* constexprs for the tensors they stream, by argument name
     (Q, DO, K, V): the row stride where rows are packed, else 0 (use the runtime
     stride)."""
+    tuned = tuning.current()
+    packed_ok = tuned is None or tuned.packed_row_strides
     return {
-        _ROW_STRIDE_ARGS[name]: t.stride(2)
-        if SPECIALIZE_ROW_STRIDES and t.stride(2) == t.shape[-1]
-        else 0
+        _ROW_STRIDE_ARGS[name]: t.stride(2) if packed_ok and t.stride(2) == t.shape[-1] else 0
         for name, t in streamed.items()
     }
 
 
 def _forward_outputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store_lse: bool = True
+) -> tuple[torch.Tensor, Any, bool]:
     """(out, lse, empty): the forward's outputs, already final (``empty``) where there is
-    nothing to launch: no rows, or no keys (zeros and an lse of -inf)."""
+    nothing to launch: no rows, or no keys (zeros and an lse of -inf). Without
+    ``store_lse``, lse is None (nothing allocated for it)."""
     b, hq, nq, _ = q.shape
     out = torch.empty((b, hq, nq, v.shape[-1]), device=q.device, dtype=q.dtype)
-    lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32) if store_lse else None
     if b * hq * nq == 0:
         return out, lse, True
     if k.shape[2] == 0:
         out.zero_()
-        lse.fill_(float("-inf"))
+        if lse is not None:
+            lse.fill_(float("-inf"))
         return out, lse, True
     return out, lse, False
 
@@ -299,23 +313,170 @@ def _grad_outputs(
     return dq, dk, dv, False
 
 
+def _launch(
+    kernel: Any, like: torch.Tensor, grid: tuple[int, ...], args: tuple, meta: dict[str, Any],
+    tensors: int, record: list | None,
+) -> None:  # fmt: skip
+    """``_launcher(kernel, like)[grid](*args, **meta)``; with ``record`` (a call being
+    planned, see _PLANS), appends the launch as a CachedLaunch whose first ``tensors``
+    arguments are per-call tensors, or None where no compiled kernel came back."""
+    compiled = _launcher(kernel, like)[grid](*args, **meta)
+    if record is not None:
+        cached = None
+        if _is_compiled(compiled):
+            cached = CachedLaunch(kernel, compiled, grid, args, meta, tensors)
+        record.append(cached)
+
+
 def _delta(
-    out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None, meta: dict[str, Any]
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    meta: dict[str, Any],
+    record: list | None = None,
 ) -> torch.Tensor:
     """rowsum(dO * O) (B, Hq, Nq) float32 from the preprocess kernel, minus ``dlse``:
     d lse / d s = P, so a gradient on lse enters as dS = P * (dP - (delta - dlse)).
     ``meta``: the call's shared constexprs; the kernel takes BLOCK_DV and the
-    INPUT_PRECISION of the backward's dP, whose sums it repeats."""
+    INPUT_PRECISION of the backward's dP, whose sums it repeats. ``record``: see
+    :func:`_launch` (3 tensors: out, dout, delta)."""
     b, hq, nq, dv = out.shape
     delta = torch.empty((b, hq, nq), device=out.device, dtype=torch.float32)
     pre_m = 32 if interpreting() else 64
-    _launcher(kernels.attn_bwd_preprocess_kernel, out)[(cdiv(nq, pre_m), b * hq)](
-        out, dout, delta, *out.stride(), *dout.stride(), hq, nq, dv,
-        BLOCK_M=pre_m, BLOCK_DV=meta["BLOCK_DV"], INPUT_PRECISION=meta["INPUT_PRECISION"],
+    _launch(
+        kernels.attn_bwd_preprocess_kernel, out, (cdiv(nq, pre_m), b * hq),
+        (out, dout, delta, *out.stride(), *dout.stride(), hq, nq, dv),
+        {"BLOCK_M": pre_m, "BLOCK_DV": meta["BLOCK_DV"], "INPUT_PRECISION": meta["INPUT_PRECISION"]},
+        3, record,
     )  # fmt: skip
     if dlse is not None:
         delta = delta - dlse.float()
     return delta
+
+
+# Cached launch plans (issue 17, item 3). An eager call on CUDA tensors is keyed by
+# everything that decides its launch except the tensors' addresses: shapes, strides,
+# dtypes, each tensor's 16-byte alignment (Triton specializes pointers on it), the
+# scalars, the devices, fp32's matmul precision and the active tuning override. The
+# first call of a key goes the full way (configuration, flags, Triton's binder, which
+# compiles or finds the kernel) and records a plan: the compiled kernel, its grid and
+# every non-tensor argument (launch.CachedLaunch). Later calls of the key allocate the
+# outputs and launch the plan. A plan is made only from a launch by the real launcher
+# with wrap_triton off (plain eager calls, the ops' eager path); traced, compiled and
+# interpreted calls never use one. Shapes that change every call (a KV cache grown by
+# concatenation) miss every time and pay the full path, as before; the table is
+# cleared when it reaches _MAX_PLANS keys.
+_PLANS: dict[tuple, Any] = {}
+_MAX_PLANS = 1024
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def _plan_key(
+    kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    seed: torch.Tensor | None, scalars: tuple, *extra: Any,
+) -> tuple | None:  # fmt: skip
+    """The plan key of one call (see _PLANS), or None where the call may not use plans:
+    tensors not on CUDA, a launcher replaced by a tool (aot_check, tests that record
+    launches), or wrap_triton enabled (tracing; the caller checks that)."""
+    if not q.is_cuda or _launcher is not _default_launcher:
+        return None
+    dtype = q.dtype
+    return (
+        kind, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+        dtype, k.dtype, v.dtype, _aligned(q), _aligned(k), _aligned(v),
+        None if mask is None else (mask.shape, mask.stride(), mask.dtype, _aligned(mask)),
+        None if seed is None else _aligned(seed),
+        scalars, extra, torch._C._cuda_getDevice(), q.get_device(),
+        dtype == torch.float32 and torch.get_float32_matmul_precision(),
+        tuning.current(),
+    )  # fmt: skip
+
+
+def _remember(key: tuple, plan: Any) -> None:
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+
+
+def clear_plans() -> None:
+    """Forget every cached launch plan (the next call of each key takes the full path)."""
+    _PLANS.clear()
+
+
+class _ForwardPlan:
+    """A forward call's outputs' shapes and its cached launch (see _PLANS)."""
+
+    __slots__ = ("device", "dtype", "launch", "lse_shape", "out_shape")
+
+    def __init__(self, launch: CachedLaunch, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        self.launch, self.out_shape, self.dtype, self.device = (
+            launch,
+            out.shape,
+            out.dtype,
+            out.device,
+        )
+        self.lse_shape = None if lse is None else lse.shape
+
+    def __call__(self, q, k, v, mask, seed):  # type: ignore[no-untyped-def]
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        if self.lse_shape is None:
+            lse = None
+            self.launch(q, k, v, q if mask is None else mask, q if seed is None else seed, out, q)
+        else:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+            self.launch(q, k, v, q if mask is None else mask, q if seed is None else seed, out, lse)
+        return out, lse
+
+
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    scalars: tuple,
+    store_lse: bool,
+    key: tuple | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward's full path (see :func:`_fwd_impl`); records a plan under ``key``
+    where it is given and the launch returned a compiled kernel."""
+    causal, bottom_right, window_left, window_right, softcap, scale, dropout_p = scalars
+    out, lse, empty = _forward_outputs(q, k, v, store_lse)
+    if empty:
+        return out, lse
+    b, hq, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
+               scale, dropout_p)  # fmt: skip
+    cfg = launch_config(
+        "fwd", max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"]), q.element_size(), causal,
+        _capability(q.device), interpreting(), c.walk, lean=mask is None,
+    )  # fmt: skip
+    grid = (cdiv(nq, cfg.block_m), b * hq)
+    args = (
+        q, k, v, c.mask, q if seed is None else seed, out, q if lse is None else lse,
+        *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *out.stride(),
+        hq, hq // hkv, nq, nk, d, dv, *c.scalars,
+    )  # fmt: skip
+    meta = {
+        **c.meta, **cfg.meta(), "FOLD_SCALE": c.fold_scale,
+        **_edge_segments(True, nq, nk, cfg, causal, window_left, window_right),
+        **_row_strides(K=k, V=v), "STORE_LSE": store_lse,
+    }  # fmt: skip
+    compiled = _launcher(kernels.attn_fwd_kernel, q)[grid](*args, **meta)
+    if key is not None and _is_compiled(compiled):
+        launch = CachedLaunch(kernels.attn_fwd_kernel, compiled, grid, args, meta, tensors=7)
+        _remember(key, _ForwardPlan(launch, out, lse))
+    return out, lse
+
+
+def _is_compiled(kernel: Any) -> bool:
+    from triton.compiler import CompiledKernel
+
+    return isinstance(kernel, CompiledKernel)
 
 
 def _fwd_impl(
@@ -335,28 +496,36 @@ def _fwd_impl(
     """Forward. q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), mask None or
     broadcastable to (B, Hq, Nq, Nk), seed None or int64 (1,) on q's device.
     Window sides: -1 = unbounded; softcap 0 = none. Returns out (B, Hq, Nq, Dv) in q's
-    dtype and lse (B, Hq, Nq) float32 (natural log, -inf for rows with no key)."""
-    out, lse, empty = _forward_outputs(q, k, v)
-    if empty:
-        return out, lse
-    b, hq, nq, d = q.shape
-    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
-               scale, dropout_p)  # fmt: skip
-    cfg = launch_config(
-        "fwd", max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"]), q.element_size(), causal,
-        _capability(q.device), interpreting(), c.walk, lean=mask is None,
-    )  # fmt: skip
-    grid = (cdiv(nq, cfg.block_m), b * hq)
-    _launcher(kernels.attn_fwd_kernel, q)[grid](
-        q, k, v, c.mask, q if seed is None else seed, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *out.stride(),
-        hq, hq // hkv, nq, nk, d, dv, *c.scalars, **c.meta, **cfg.meta(),
-        FOLD_SCALE=c.fold_scale,
-        **_edge_segments(True, nq, nk, cfg, causal, window_left, window_right),
-        **_row_strides(K=k, V=v),
-    )  # fmt: skip
-    return out, lse
+    dtype and lse (B, Hq, Nq) float32 (natural log, -inf for rows with no key).
+    Eager calls on CUDA reuse a cached launch plan (see _PLANS)."""
+    scalars = (causal, bottom_right, window_left, window_right, softcap, scale, dropout_p)
+    key = None if is_wrap_triton_enabled() else _plan_key("fwd", q, k, v, mask, seed, scalars, True)
+    if key is not None:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan(q, k, v, mask, seed)  # type: ignore[no-any-return]
+    out, lse = _forward(q, k, v, mask, seed, scalars, True, key)
+    return out, lse  # type: ignore[return-value]
+
+
+def _fwd_no_grad(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    scalars: tuple,
+    store_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An eager call on plain tensors that records no gradient: the forward without an
+    autograd node, and without an lse unless ``store_lse``."""
+    key = _plan_key("fwd", q, k, v, mask, seed, scalars, store_lse)
+    if key is not None:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan(q, k, v, mask, seed)  # type: ignore[no-any-return]
+    with set_wrap_triton_enabled(False):
+        return _forward(q, k, v, mask, seed, scalars, store_lse, key)
 
 
 def _bwd_impl(
@@ -382,8 +551,19 @@ def _bwd_impl(
 
     After the preprocess (delta), dK/dV and dQ run as two launches or as one merged
     launch, as :func:`configs.backward_launch` decides (a table by head dim;
-    ``ATTNHUB_TRITON_BWD`` overrides it), with the same two configurations and
+    ``tuning.override(backward_launch=...)`` forces one), with the same two configurations and
     edge-segment flags either way; the gradients are bitwise the same."""
+    scalars = (causal, bottom_right, window_left, window_right, softcap, scale, dropout_p)
+    key = None
+    if not is_wrap_triton_enabled():
+        key = _plan_key(
+            "bwd", q, k, v, mask, seed, scalars, dout.shape, dout.stride(), dout.dtype,
+            _aligned(dout), out.stride(), _aligned(out), _aligned(lse), dlse is None,
+        )  # fmt: skip
+        if key is not None:
+            plan = _PLANS.get(key)
+            if plan is not None:
+                return plan(dout, q, k, v, mask, seed, out, lse, dlse)  # type: ignore[no-any-return]
     dq, dk, dv, empty = _grad_outputs(q, k, v)
     if empty:
         return dq, dk, dv
@@ -391,7 +571,8 @@ def _bwd_impl(
     hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
     c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
                scale, dropout_p)  # fmt: skip
-    delta = _delta(out, dout, dlse, c.meta)
+    record: list | None = [] if key is not None else None
+    delta = _delta(out, dout, dlse, c.meta, record)
     block_d = max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"])
     seed_t = q if seed is None else seed
     esize, lean = q.element_size(), mask is None
@@ -407,31 +588,71 @@ def _bwd_impl(
             grid: tuple[int, ...] = (kv_tiles + (hq // hkv) * q_tiles, b * hkv)
         else:
             grid = (kv_tiles * b * hkv + q_tiles * b * hq,)
-        _launcher(kernels.attn_bwd_kernel, q)[grid](
+        args = (
             q, k, v, c.mask, seed_t, dout, lse, delta, dq, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
             *dk.stride(), *dv.stride(), b, hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
+        )  # fmt: skip
+        meta = {
             **c.meta, **merged_meta(kv_cfg, q_cfg, mode),
             **_edge_segments(False, nq, nk, kv_cfg, *band, prefix="KV_"),
             **_edge_segments(True, nq, nk, q_cfg, *band, prefix="Q_"),
             **_row_strides(Q=q, DO=dout, K=k, V=v),
+        }  # fmt: skip
+        _launch(kernels.attn_bwd_kernel, q, grid, args, meta, 11, record)
+    else:
+        args = (
+            q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dk.stride(),
+            *dv.stride(), hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
         )  # fmt: skip
-        return dq, dk, dv
-    _launcher(kernels.attn_bwd_dkdv_kernel, q)[(cdiv(nk, kv_cfg.block_n), b * hkv)](
-        q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
-        *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dk.stride(),
-        *dv.stride(), hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
-        **c.meta, **kv_cfg.meta(), **_edge_segments(False, nq, nk, kv_cfg, *band),
-        **_row_strides(Q=q, DO=dout),
-    )  # fmt: skip
-    _launcher(kernels.attn_bwd_dq_kernel, q)[(cdiv(nq, q_cfg.block_m), b * hq)](
-        q, k, v, c.mask, seed_t, dout, lse, delta, dq,
-        *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
-        hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **c.meta, **q_cfg.meta(),
-        **_edge_segments(True, nq, nk, q_cfg, *band),
-        **_row_strides(K=k, V=v),
-    )  # fmt: skip
+        meta = {**c.meta, **kv_cfg.meta(), **_edge_segments(False, nq, nk, kv_cfg, *band),
+                **_row_strides(Q=q, DO=dout)}  # fmt: skip
+        _launch(kernels.attn_bwd_dkdv_kernel, q, (cdiv(nk, kv_cfg.block_n), b * hkv), args, meta,
+                10, record)  # fmt: skip
+        args = (
+            q, k, v, c.mask, seed_t, dout, lse, delta, dq,
+            *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
+            hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
+        )  # fmt: skip
+        meta = {**c.meta, **q_cfg.meta(), **_edge_segments(True, nq, nk, q_cfg, *band),
+                **_row_strides(K=k, V=v)}  # fmt: skip
+        _launch(kernels.attn_bwd_dq_kernel, q, (cdiv(nq, q_cfg.block_m), b * hq), args, meta,
+                9, record)  # fmt: skip
+    if key is not None and record and all(x is not None for x in record):
+        _remember(key, _BackwardPlan(record, dq, dk, dv, delta.shape))
     return dq, dk, dv
+
+
+class _BackwardPlan:
+    """A backward call's gradients' shapes and its cached launches (see _PLANS): the
+    preprocess, then the merged launch or the dK/dV and dQ launches."""
+
+    __slots__ = ("delta_shape", "device", "dtypes", "launches", "shapes")
+
+    def __init__(self, launches: list, dq, dk, dv, delta_shape) -> None:  # type: ignore[no-untyped-def]
+        self.launches = tuple(launches)
+        self.shapes = (dq.shape, dk.shape, dv.shape)
+        self.dtypes = (dq.dtype, dk.dtype, dv.dtype)
+        self.device, self.delta_shape = dq.device, delta_shape
+
+    def __call__(self, dout, q, k, v, mask, seed, out, lse, dlse):  # type: ignore[no-untyped-def]
+        device = self.device
+        dq, dk, dv = (
+            torch.empty(s, dtype=t, device=device) for s, t in zip(self.shapes, self.dtypes)
+        )
+        delta = torch.empty(self.delta_shape, dtype=torch.float32, device=device)
+        self.launches[0](out, dout, delta)
+        if dlse is not None:
+            delta = delta - dlse.float()
+        m = q if mask is None else mask
+        s = q if seed is None else seed
+        if len(self.launches) == 2:  # merged
+            self.launches[1](q, k, v, m, s, dout, lse, delta, dq, dk, dv)
+        else:
+            self.launches[1](q, k, v, m, s, dout, lse, delta, dk, dv)
+            self.launches[2](q, k, v, m, s, dout, lse, delta, dq)
+        return dq, dk, dv
 
 
 def _define(name: str, impl):  # type: ignore[no-untyped-def]
@@ -622,13 +843,23 @@ def flash_attention(
     softcap: float | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable attention through the ops; returns (out, lse).
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Differentiable attention through the ops; returns (out, lse), lse None where
+    ``return_lse`` is False (then, on a call that records no gradient, it is not
+    computed at all).
 
     Shapes as :func:`triton_flash_fwd`. Dropout draws its Philox seed from PyTorch's
     generator for q's device, so ``torch.manual_seed`` reproduces it.
     """
     seed, scalars = call_scalars(q, causal, bottom_right, window, softcap, scale, dropout_p)
     if direct(q, k, v, mask):
-        return DirectAttention.apply(_fwd_impl, _bwd_impl, (), q, k, v, mask, seed, *scalars)
-    return triton_flash_fwd(q, k, v, mask, seed, *scalars)
+        if not (
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        ):
+            # No autograd node to build (the mask gets no gradient: mask_grad = False).
+            return _fwd_no_grad(q, k, v, mask, seed, scalars, return_lse)
+        out, lse = DirectAttention.apply(_fwd_impl, _bwd_impl, (), q, k, v, mask, seed, *scalars)
+    else:
+        out, lse = triton_flash_fwd(q, k, v, mask, seed, *scalars)
+    return out, (lse if return_lse else None)

@@ -1,4 +1,6 @@
-"""Compile the triton_flash kernels for a GPU target on a machine without a GPU.
+"""Compile the Triton kernels (triton_flash, triton_blocksparse) for a GPU target on a
+machine without a GPU. A developer tool: it lives beside the benchmarks, outside the
+installed package.
 
 The interpreter proves tile arithmetic, not that a kernel compiles for sm_90 (it
 accepted a ``x: tl.constexpr = ...`` global that the compiler rejects). This module
@@ -7,24 +9,26 @@ compiles every recorded launch with Triton's ahead-of-time path (``triton.compil
 with a ``GPUTarget``; ptxas ships with Triton) and reports shared memory per kernel
 against the H100/H200 limit.
 
-    python -m attnhub.backends.triton_flash.aot_check [--quick] [--capability 90]
+    python benchmarks/aot_check.py [--quick] [--capability 90]
+    python benchmarks/aot_check.py --blocksparse [--quick]   # triton_blocksparse's kernels
 
-One launch as a GPU test makes it, with launch configurations forced (``configs.OVERRIDE``),
-compile time, registers and spills per kernel (the fp32 D=256 rows were sized this way):
+One launch as a GPU test makes it, with launch configurations forced
+(``tuning.override``), compile time, registers and spills per kernel (the fp32 D=256
+rows were sized this way):
 
-    python -m attnhub.backends.triton_flash.aot_check --dtype fp32 --head-dim 256 \
+    python benchmarks/aot_check.py --dtype fp32 --head-dim 256 \
         --shape 1,16,16,2049,1000 --causal --bottom-right --config bwd_kv=16,32,8,1 \
         --kernel bwd --registers
 
 The backward is recorded as the split pair (``attn_bwd_dkdv_kernel``,
 ``attn_bwd_dq_kernel``) and as the merged launch (``attn_bwd_kernel``) in both program
-orders, whatever ``ATTNHUB_TRITON_BWD`` says (``--bwd`` picks one). Registers, spills
+orders, whatever the table says (``--bwd`` picks one). Registers, spills
 (also those inside loops) and shared memory of the merged kernel beside the two it
 merges, bf16 D=64/128, causal and not, at the benchmark grid's shapes (B = 16384 / N,
 H = 2048 / D) for N = 1024, 4096 and 16384, and with GQA 4:1 at N = 4096, with the
 configurations of a call without attn_mask (the lean table where it has a row):
 
-    python -m attnhub.backends.triton_flash.aot_check --bwd-table
+    python benchmarks/aot_check.py --bwd-table
 
 Run it without ``TRITON_INTERPRET`` in the environment (it removes it itself, so run
 it in a fresh process). Exit status 1 when any variant fails.
@@ -50,7 +54,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import configs, ops
+from attnhub.backends.triton_flash import configs, ops, tuning
 
 SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KiB)
 _TYPES = {
@@ -103,7 +107,7 @@ def record(
                 mask = torch.randn(nq, nk, dtype=dtype)
             elif mask == "bool":
                 mask = torch.rand(1, 1, nq, nk) > 0.5
-            with configs.backward_mode(mode):
+            with tuning.override(backward_launch=mode):
                 out, _ = ops.flash_attention(q, k, k, mask, **options)
                 out.backward(torch.randn_like(out))
     finally:
@@ -341,10 +345,63 @@ def _config(text: str) -> tuple[str, configs.LaunchConfig]:
     return direction, configs.LaunchConfig(*(int(v) for v in values.split(",")))
 
 
+# ---------------------------------------------------------------- triton_blocksparse
+
+
+def record_blocksparse(cases: list[tuple[torch.dtype, int, int, dict]]) -> list:
+    """triton_blocksparse's forward+backward for each (dtype, head dim, block, options) on
+    CPU, recorded: its own kernels and the preprocess kernel it shares with triton_flash
+    (launched through triton_flash's ops module)."""
+    from attnhub.backends.triton_blocksparse import ops as bs_ops
+    from attnhub.block_sparse import BlockSparseLayout
+
+    launches: list = []
+    modules = (bs_ops, ops)
+    originals = [m._launcher for m in modules]
+    for m in modules:
+        m._launcher = lambda kernel, like: _Recorder(kernel, launches)  # type: ignore[assignment]
+    try:
+        for dtype, d, block, options in cases:
+            options = dict(options)
+            # A ragged length runs the per-block loops; an even one without a band
+            # (option "even") the flat loops of EVEN_BLOCKS.
+            n = 4 * block if options.pop("even", False) else 2 * block + 40
+            layout = BlockSparseLayout.sliding_window(n, block + 10, block)
+            q = torch.randn(1, 2, n, d, dtype=dtype, requires_grad=True)
+            k = torch.randn(1, 1, n, d, dtype=dtype, requires_grad=True)
+            mask = options.pop("mask", None)
+            if mask == "float":
+                mask = torch.randn(n, n, dtype=dtype)
+            out, _ = bs_ops.block_sparse_attention(q, k, k, layout, mask, **options)
+            out.sum().backward()
+    finally:
+        for m, original in zip(modules, originals):
+            m._launcher = original  # type: ignore[assignment]
+    return launches
+
+
+def variants_blocksparse(quick: bool) -> list[tuple[torch.dtype, int, int, dict]]:
+    full = {"causal": True, "bottom_right": True, "window": (30, None), "softcap": 5.0,
+            "mask": "float", "dropout_p": 0.1}  # fmt: skip
+    if quick:
+        return [(torch.bfloat16, 128, 128, {"causal": True}), (torch.float32, 40, 64, full),
+                (torch.bfloat16, 128, 128, {"even": True})]  # fmt: skip
+    cases: list[tuple[torch.dtype, int, int, dict]] = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for block in (64, 128):
+            for d in (64, 128):
+                cases += [(dtype, d, block, {}), (dtype, d, block, {"causal": True}),
+                          (dtype, d, block, {"even": True})]  # fmt: skip
+            cases += [(dtype, 40, block, full)]
+    return cases
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two variants (for CI)")
     parser.add_argument("--capability", type=int, default=90)
+    parser.add_argument("--blocksparse", action="store_true",
+                        help="triton_blocksparse's kernels instead (with --quick and --capability)")  # fmt: skip
     one = parser.add_argument_group("one case instead of the variants (given --dtype)")
     one.add_argument("--dtype", choices=sorted(_DTYPES))
     one.add_argument("--head-dim", type=int, default=128)
@@ -370,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         help="also report registers and spills (runs ptxas -v once more per kernel)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.blocksparse:
+        launches = record_blocksparse(variants_blocksparse(args.quick))
+        return 1 if compile_all(launches, args.capability) else 0
     if args.bwd_table:
         return 1 if bwd_table(args.capability) else 0
     if args.dtype is None:
@@ -383,12 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.window:
             options["window"] = tuple(int(v) if v else None for v in args.window.split(","))
         cases = [(_DTYPES[args.dtype], args.head_dim, options)]
-    configs.OVERRIDE.update(dict(args.config))
-    try:
+    with tuning.override(**dict(args.config)):
         launches = record(cases, BWD_RECORDED if args.bwd == "all" else (args.bwd,))
-    finally:
-        for direction, _ in args.config:
-            configs.OVERRIDE.pop(direction, None)
     kernel_filter = _KERNELS[args.kernel] if args.kernel else None
     failures = compile_all(launches, args.capability, kernel_filter=kernel_filter,
                            registers=args.registers)  # fmt: skip
