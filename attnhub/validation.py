@@ -299,6 +299,28 @@ def _check_window(window: Any, covering: Any) -> tuple[int | None, int | None] |
     return (sides[0], sides[1])
 
 
+def _without_covering_sides(
+    window: tuple[int | None, int | None], nq: int, nk: int, causal: bool, alignment: str
+) -> tuple[int | None, int | None] | None:
+    """The window without the sides that exclude no key of an (Nq, Nk) call.
+
+    Query row i sits at key position p = i (top-left) or i + Nk - Nq (bottom-right).
+    The left side keeps keys j >= p - left: all of them where left >= the largest p. The
+    right side keeps j <= p + right: all where right >= Nk - 1 - the smallest p, and
+    always beside causal (which keeps j <= p). Such a side is None, and a window
+    without sides is no window: the same keys, so the same answer, and the call stays
+    eligible for kernels without windows (a decoding step of a sliding-window model
+    whose cache is shorter than its window, a causal window whose right side is 0).
+    """
+    first, last = (nk - nq, nk - 1) if alignment == "bottom_right" else (0, nq - 1)
+    left, right = window
+    if left is not None and left >= last:
+        left = None
+    if right is not None and (causal or right >= nk - 1 - first):
+        right = None
+    return None if left is None and right is None else (left, right)
+
+
 def make_params(
     query: torch.Tensor,
     *,
@@ -322,7 +344,8 @@ def make_params(
     are accumulated in float32, and a larger scale made every one inf, then NaN);
     scores ``scale * q.k`` beyond float32's range overflow as in any float32 kernel.
     A window side of 2**30 or more that covers every key (side >= Nq + Nk) is
-    unbounded (None), which keeps the same keys. Bottom-right causal with Nq == 1 (a
+    unbounded (None), which keeps the same keys; so is any side that excludes no key of
+    the call (see :func:`_without_covering_sides`). Bottom-right causal with Nq == 1 (a
     decoding step) is no causal at all: it keeps every key.
     """
     if not isinstance(causal, bool):
@@ -368,10 +391,14 @@ def make_params(
         # alignment serve it, and none builds a mask for it. (A symbolic Nq under
         # torch.compile keeps causal: the same answer, only not simplified.)
         causal = False
+    nk = (query if key is None else key).shape[2]
+    window = _check_window(window, nq + nk)
+    if window is not None and type(nq) is int and type(nk) is int:
+        window = _without_covering_sides(window, nq, nk, causal, alignment)
     return AttentionParams(
         causal=causal,
         alignment=alignment,
-        window=_check_window(window, query.shape[2] + (query if key is None else key).shape[2]),
+        window=window,
         softcap=softcap,
         scale=scale,
         dropout_p=dropout,
