@@ -41,9 +41,11 @@ until they come home to their rank after R hops. Each step recomputes its partia
     d out_j = w_j * d out,      d lse_j = w_j * (d out . out_j - d out . out + d lse)
 
 where ``w_j = exp(lse_j - lse)`` is the step's weight in the merge (the lse term is
-exact: the merge depends on lse_j). So a ring step's backend must return an lse that
-carries a gradient (torch_reference and triton_flash do; PyTorch's fused kernels,
-called through their ATen ops, do not: a clear RuntimeError says so). The recompute
+exact: the merge depends on lse_j). So the backward's steps need a backend whose lse
+carries a gradient (torch_reference and triton_flash; PyTorch's fused kernels, called
+through their ATen ops, return one without): where dispatch chose one without, the
+step is served by the next eligible backend in dispatch's order that has one (and a
+RuntimeError says so when none has). The recompute
 costs one forward per step in the backward, the price of calling any backend through
 its public interface (a kernel's backward fed the global output and lse would not
 need it).
@@ -318,6 +320,7 @@ class _Ring:
         self.next = dist.get_global_rank(group, (rank + 1) % self.world_size)
         self.prev = dist.get_global_rank(group, (rank - 1) % self.world_size)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pending: list[Any] = []  # started, not yet waited for
 
     def start(
         self, send: Sequence[torch.Tensor], recv: Sequence[torch.Tensor]
@@ -325,14 +328,18 @@ class _Ring:
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
         if self.stream is None:
-            return dist.batch_isend_irecv(ops), list(send), list(recv)
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
             works = dist.batch_isend_irecv(ops)
-        return works, list(send), list(recv)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            with torch.cuda.stream(self.stream):
+                works = dist.batch_isend_irecv(ops)
+        handle = (works, list(send), list(recv))
+        self.pending.append(handle)
+        return handle
 
     def wait(self, handle: tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]) -> None:
         works, send, recv = handle
+        self.pending = [h for h in self.pending if h is not handle]
         if self.stream is None:
             for work in works:
                 work.wait()  # raises when the process group's timeout expires (gloo)
@@ -344,6 +351,17 @@ class _Ring:
         compute.wait_stream(self.stream)
         for t in (*send, *recv):
             t.record_stream(compute)
+
+    def drain(self) -> None:
+        """Complete the transfers still in flight, ignoring their errors: called when a
+        step raised, so that a failure every rank meets alike (the same bad call) leaves
+        no transfer behind to be matched by the next call's. (A rank that failed alone
+        waits here until the group's timeout, then raises its own error.)"""
+        for handle in list(self.pending):
+            try:
+                self.wait(handle)
+            except Exception:
+                self.pending = [h for h in self.pending if h is not handle]
 
 
 # ---------------------------------------------------------------------------
@@ -371,15 +389,71 @@ class _Config:
 
 
 def _step(
-    cfg: _Config, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    cfg: _Config,
+    call: _Call,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    backend: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One attnhub call (``q``, ``k``, ``v`` already sliced to the call's rows)."""
+    """One attnhub call (``q``, ``k``, ``v`` already sliced to the call's rows), under
+    ``backend`` (default: the caller's selection)."""
     result = api.attention(
         q, k, v,
         causal=call.causal, window=call.window, softcap=cfg.softcap, scale=cfg.scale,
-        return_lse=True, backend=cfg.backend,
+        return_lse=True, backend=cfg.backend if backend is None else backend,
     )  # fmt: skip
     return result
+
+
+# Step signatures whose backward needs a narrower backend selection than the caller's:
+# the backend dispatch chose returned an lse without a gradient (see _step_for_grad).
+_grad_selection: dict[tuple[Any, ...], tuple[str, ...]] = {}
+
+
+def _step_for_grad(
+    cfg: _Config, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_step` under autograd, by a backend whose lse carries a gradient.
+
+    The contract does not promise a differentiable lse, and PyTorch's fused kernels
+    (called through their ATen ops) return one without a gradient. When the chosen
+    backend's lse has none, the same call's eligible backends are tried in dispatch's
+    order, leaving out those seen without one; the selection that worked is remembered
+    for the step's signature, so the probe costs one extra forward per signature.
+    """
+    signature = (
+        cfg.backend, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device,
+        call.causal, call.window, cfg.softcap, cfg.scale,
+    )  # fmt: skip
+    selection: Any = _grad_selection.get(signature)
+    refused: list[str] = []
+    while True:
+        with torch.enable_grad():
+            out, lse = _step(cfg, call, q, k, v, selection)
+        if lse.requires_grad or not out.requires_grad:
+            if selection is not None:
+                _grad_selection[signature] = selection
+            return out, lse
+        decision = api.explain(
+            q, k, v,
+            causal=call.causal, window=call.window, softcap=cfg.softcap, scale=cfg.scale,
+            return_lse=True, backend=cfg.backend if selection is None else selection,
+        )  # fmt: skip
+        refused.append(str(decision.chosen))
+        ranked = sorted(
+            (c for c in decision.candidates if c.eligible and c.name not in refused),
+            key=lambda c: c.rank or 0,
+        )
+        if not ranked:
+            raise RuntimeError(
+                "context_parallel_attention's backward differentiates each ring step "
+                "through its log-sum-exp, and no eligible backend returns one that carries "
+                f"a gradient (without one: {', '.join(refused)}; PyTorch's fused kernels, "
+                "called through their ATen ops, have none); select one whose lse does, "
+                "e.g. backend='triton_flash' or 'torch_reference'"
+            )
+        selection = tuple(c.name for c in ranked)
 
 
 def _merge(
@@ -409,12 +483,23 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 def _ring_forward(
     cfg: _Config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    ring = _Ring(cfg.group, q.device) if cfg.world_size > 1 else None
+    try:
+        return _forward_loop(cfg, ring, q, k, v)
+    except BaseException:
+        if ring is not None:
+            ring.drain()
+        raise
+
+
+def _forward_loop(
+    cfg: _Config, ring: _Ring | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     b, hq, n, _ = q.shape
     acc_dtype = _accumulate_dtype(q.dtype)
     acc_out = torch.zeros(b, hq, n, v.shape[-1], dtype=acc_dtype, device=q.device)
     # The lse is float32 (the contract's); merged in the accumulation dtype.
     acc_lse = torch.full((b, hq, n), -math.inf, dtype=acc_dtype, device=q.device)
-    ring = _Ring(cfg.group, q.device) if cfg.world_size > 1 else None
     k_blk, v_blk = k.contiguous(), v.contiguous()
     for step in range(cfg.world_size):
         pending = None
@@ -449,16 +534,7 @@ def _step_grads(
     qs = q[:, :, rows].detach().requires_grad_(True)
     ks = k_blk[:, :, call.k0 : call.k1].detach().requires_grad_(True)
     vs = v_blk[:, :, call.k0 : call.k1].detach().requires_grad_(True)
-    with torch.enable_grad():
-        out_j, lse_j = _step(cfg, call, qs, ks, vs)
-    if not lse_j.requires_grad:
-        raise RuntimeError(
-            "context_parallel_attention's backward differentiates each ring step through "
-            "its log-sum-exp, and the backend serving the step returned an lse that "
-            "carries no gradient (PyTorch's fused kernels, called through their ATen ops, "
-            "do not); pass backend= naming one whose lse does, e.g. 'triton_flash' or "
-            "'torch_reference'"
-        )
+    out_j, lse_j = _step_for_grad(cfg, call, qs, ks, vs)
     acc = delta.dtype
     lse_rows = lse[:, :, rows].to(acc)
     finite = torch.isfinite(lse_rows)
@@ -487,6 +563,26 @@ def _ring_backward(
     dout: torch.Tensor | None,
     dlse: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ring = _Ring(cfg.group, q.device) if cfg.world_size > 1 else None
+    try:
+        return _backward_loop(cfg, ring, q, k, v, out, lse, dout, dlse)
+    except BaseException:
+        if ring is not None:
+            ring.drain()
+        raise
+
+
+def _backward_loop(
+    cfg: _Config,
+    ring: _Ring | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor | None,
+    dlse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     acc = _accumulate_dtype(q.dtype)
     if dout is None:
         dout = torch.zeros_like(out)
@@ -496,7 +592,6 @@ def _ring_backward(
     if dlse is not None:
         delta = delta - torch.where(torch.isfinite(lse), dlse.to(acc), 0.0)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    ring = _Ring(cfg.group, q.device) if cfg.world_size > 1 else None
     k_blk, v_blk = k.contiguous(), v.contiguous()
     dkv_pending = None
     dk_in = dv_in = None

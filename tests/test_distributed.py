@@ -214,7 +214,7 @@ def _correctness_worker(rank: int, world: int, tmp: str) -> None:
 
     result: dict[str, Any] = {"problems": [], "checked": 0}
     try:
-        _init(rank, world, tmp, 60.0)
+        _init(rank, world, tmp, float(os.environ.get("CP_TEST_TIMEOUT", "60")))
         for name, options, (hq, hkv), c, dv in CASES:
             layout = options.get("layout", "zigzag")
             n = c * (2 * world if layout == "zigzag" else world)
@@ -266,6 +266,7 @@ def _correctness_worker(rank: int, world: int, tmp: str) -> None:
         if world == 2:
             result["errors"] = _error_cases(rank, world)
             result["compile"] = _compile_case(rank, world)
+            result["lse_fallback"] = _lse_fallback_case(rank, world)
         torch.distributed.destroy_process_group()
     except BaseException as exc:  # reported to the parent, which fails the test
         result["problems"].append(f"rank {rank} raised {type(exc).__name__}: {exc}")
@@ -295,6 +296,48 @@ def _error_cases(rank: int, world: int) -> list[str]:
         except ValueError as exc:
             seen.append(str(exc).split(":")[0])
     out = cp.context_parallel_attention(x, x, x, causal=True, backend="torch_reference")
+    seen.append(f"works after: {tuple(out.shape)}")
+    return seen
+
+
+def _lse_fallback_case(rank: int, world: int) -> list[str]:
+    """A backend whose lse carries no gradient (as PyTorch's fused kernels): chosen by
+    dispatch, the backward's steps go to the next eligible backend (the gradients are
+    right); asked for by name alone, the backward raises a RuntimeError saying why."""
+    import attnhub
+    from attnhub.backends.torch_reference import TorchReference
+    from attnhub.testing.tolerance import compare
+
+    class DetachedLse(TorchReference):
+        name = "cp_test_detached_lse"
+        description = "torch_reference with an lse that carries no gradient"
+        priority = 1000
+
+        def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+            out, lse = super().forward(query, key, value, attn_mask, params)
+            return out, lse.detach()
+
+    attnhub.get_registry().add(DetachedLse())
+    seen = []
+    gen = torch.Generator().manual_seed(11)
+    full = [torch.randn(1, 2, 8, 8, generator=gen, dtype=torch.float64) for _ in range(3)]
+    q, k, v = (cp.shard(t, 2, world, rank).requires_grad_(True) for t in full)
+    seen.append(str(attnhub.explain(q, k, v, causal=True, return_lse=True).chosen))
+    ref = _reference(*full, {"causal": True}, torch.ones(1, 2, 8, 8), torch.zeros(1, 2, 8))
+    out = cp.context_parallel_attention(q, k, v, causal=True)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    for what, x, r in zip(("dq", "dk", "dv"), grads, ref[2:]):
+        seen.append(
+            compare(what, x, cp.shard(r, 2, world, rank), cp.shard(r, 2, world, rank)) or "ok"
+        )
+    out = cp.context_parallel_attention(q, k, v, causal=True, backend="cp_test_detached_lse")
+    try:
+        torch.autograd.grad(out.sum(), (q, k, v))
+        seen.append("no error")
+    except RuntimeError as exc:
+        seen.append(str(exc).split(";")[0])
+    attnhub.get_registry().remove("cp_test_detached_lse")
+    out = cp.context_parallel_attention(q, k, v, causal=True, backend="torch_reference")
     seen.append(f"works after: {tuple(out.shape)}")
     return seen
 
@@ -345,6 +388,17 @@ def test_matches_the_single_process_call(world, tmp_path):
         ]
         assert errors[0] == want, errors[0]
         assert [r["compile"] for r in results] == ["same", "same"]
+        for result in results:
+            assert result["lse_fallback"] == [
+                "cp_test_detached_lse",
+                "ok",
+                "ok",
+                "ok",
+                "context_parallel_attention's backward differentiates each ring step "
+                "through its log-sum-exp, and no eligible backend returns one that carries "
+                "a gradient (without one: cp_test_detached_lse",
+                "works after: (1, 2, 4, 8)",
+            ], result["lse_fallback"]
 
 
 def _hang_worker(rank: int, world: int, tmp: str, timeout_s: str) -> None:
