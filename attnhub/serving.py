@@ -9,8 +9,9 @@ whose ``layouts`` declare "varlen", "kvcache" (contiguous cache) or "paged".
 Per-call cost: each call validates its index tensors' values on the host (one
 transfer, see :mod:`attnhub.serving_validation`) and looks its decision up in
 dispatch's cache; there is no per-signature fast path as for :func:`attnhub.attention`
-yet, and these calls are not capturable in a CUDA graph (the transfer synchronizes).
-Under ``torch.compile`` they run eagerly (the transfer is a graph break).
+yet. The transfer synchronizes, so such calls are not capturable in a CUDA graph and
+run eagerly under ``torch.compile`` (a graph break); ``check_indices=False`` reads
+nothing from the device (the caller vouches for the values).
 """
 
 from __future__ import annotations
@@ -59,14 +60,16 @@ def _varlen_call(
     softcap: Any,
     scale: Any,
     return_lse: Any,
+    check_indices: Any,
 ) -> VarlenCall:
     options = dict(
         causal=causal, alignment=alignment, window=window, softcap=softcap, scale=scale,
         return_lse=return_lse,
     )  # fmt: skip
     return check_varlen(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options
-    )
+        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
+        check_indices,
+    )  # fmt: skip
 
 
 def attention_varlen(
@@ -85,6 +88,7 @@ def attention_varlen(
     scale: float | None = None,
     return_lse: bool = False,
     backend: str | Sequence[str] | None = None,
+    check_indices: bool = True,
 ) -> _Output:
     """Attention over B packed sequences of different lengths, without padding.
 
@@ -106,6 +110,11 @@ def attention_varlen(
             i + Nk_b - Nq_b ("bottom_right").
         return_lse: also return the float32 (Tq, Hq) natural log-sum-exp.
         backend: None, a backend name, or names to choose among (in that order).
+        check_indices: True (the default) reads the cu_seqlens' values to check them
+            (one host transfer, a synchronization on CUDA). False reads nothing (CUDA
+            graphs can capture the call) and needs ``max_seqlen_q`` and
+            ``max_seqlen_k``; bad values are then the caller's error, with unspecified
+            results, as in flash-attn.
 
     Returns:
         The output (Tq, Hq, Dv) in the query's dtype, or ``(output, lse)``. Gradients
@@ -117,7 +126,7 @@ def attention_varlen(
     """
     call = _varlen_call(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        causal, alignment, window, softcap, scale, return_lse,
+        causal, alignment, window, softcap, scale, return_lse, check_indices,
     )  # fmt: skip
     chosen = _choose(call.request, backend)
     return chosen.forward_varlen(
@@ -142,6 +151,7 @@ def explain_varlen(
     scale: float | None = None,
     return_lse: bool = False,
     backend: str | Sequence[str] | None = None,
+    check_indices: bool = True,
 ) -> dispatch.Decision:
     """The decision :func:`attention_varlen` would make, without running it.
 
@@ -150,7 +160,7 @@ def explain_varlen(
     """
     call = _varlen_call(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        causal, alignment, window, softcap, scale, return_lse,
+        causal, alignment, window, softcap, scale, return_lse, check_indices,
     )  # fmt: skip
     return _decide(call.request, backend)
 
@@ -169,12 +179,15 @@ def _kvcache_call(
     softcap: Any,
     scale: Any,
     return_lse: Any,
+    check_indices: Any,
 ) -> KVCacheCall:
     options = dict(
         causal=causal, alignment=alignment, window=window, softcap=softcap, scale=scale,
         return_lse=return_lse,
     )  # fmt: skip
-    return check_kvcache(query, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options)
+    return check_kvcache(
+        query, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options, check_indices
+    )
 
 
 def attention_kvcache(
@@ -193,6 +206,7 @@ def attention_kvcache(
     scale: float | None = None,
     return_lse: bool = False,
     backend: str | Sequence[str] | None = None,
+    check_indices: bool = True,
 ) -> _Output:
     """Attention of new queries against a KV cache (decoding, speculative decoding,
     chunked prefill), optionally appending new keys and values to it first.
@@ -224,6 +238,12 @@ def attention_kvcache(
             ``alignment`` defaults to "bottom_right" here.
         return_lse: also return the float32 (B, Hq, Nq) natural log-sum-exp.
         backend: None, a backend name, or names to choose among (in that order).
+        check_indices: True (the default) reads ``cache_seqlens`` and the block table's
+            pages in use to check them (one host transfer, a synchronization on CUDA).
+            False reads nothing (CUDA graphs can capture the call; a decoding loop
+            does not wait for the GPU at every layer); bad values are then the
+            caller's error, with unspecified results (an out-of-range page may be an
+            illegal memory access), as in flash-attn.
 
     Returns:
         The output (B, Hq, Nq, Dv) in the query's dtype, or ``(output, lse)``. A query
@@ -237,7 +257,7 @@ def attention_kvcache(
     """
     call = _kvcache_call(
         query, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-        causal, alignment, window, softcap, scale, return_lse,
+        causal, alignment, window, softcap, scale, return_lse, check_indices,
     )  # fmt: skip
     # Decided (and so refused, if nothing serves it) before anything is written.
     chosen = _choose(call.request, backend)
@@ -264,12 +284,13 @@ def explain_kvcache(
     scale: float | None = None,
     return_lse: bool = False,
     backend: str | Sequence[str] | None = None,
+    check_indices: bool = True,
 ) -> dispatch.Decision:
     """The decision :func:`attention_kvcache` would make, without running it or
     writing to the cache; bad input raises as the call would."""
     call = _kvcache_call(
         query, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
-        causal, alignment, window, softcap, scale, return_lse,
+        causal, alignment, window, softcap, scale, return_lse, check_indices,
     )  # fmt: skip
     return _decide(call.request, backend)
 

@@ -234,13 +234,17 @@ def check_varlen(
     max_seqlen_q: Any,
     max_seqlen_k: Any,
     options: dict[str, Any],
+    check_indices: Any = True,
 ) -> VarlenCall:
     """Validate an :func:`attnhub.attention_varlen` call and summarize it.
 
     ``options``: causal, alignment, window, softcap, scale, return_lse (checked as
     :func:`attnhub.attention` checks them). Reads ``cu_seqlens_q`` and
-    ``cu_seqlens_k`` on the host (one transfer).
+    ``cu_seqlens_k`` on the host (one transfer), unless ``check_indices`` is False
+    (then ``max_seqlen_q`` and ``max_seqlen_k`` must be given, and the values are the
+    caller's responsibility; see :func:`_unchecked_varlen`).
     """
+    _check_flag(check_indices)
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_float_tensor(name, t, 3, "(total_tokens, heads, head_dim)")
     _check_same("key", key, query)
@@ -263,6 +267,12 @@ def check_varlen(
         )
     if cu_seqlens_q.shape[0] == 0:
         raise ValueError("cu_seqlens_q must have B + 1 >= 1 entries (starting at 0), got 0")
+    if not check_indices:
+        return _unchecked_varlen(
+            query, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
+            hq=hq, hkv=hkv, d=d, dv=dv, needs_grad=_needs_grad(query, key, value),
+            contiguous=_last_dim_contiguous(query, key, value),
+        )  # fmt: skip
     # One transfer: both tensors' values (int64 on the host).
     values = torch.cat([cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)]).tolist()
     n = cu_seqlens_q.shape[0]
@@ -291,6 +301,42 @@ def check_varlen(
         contiguous=_last_dim_contiguous(query, key, value),
     )
     return VarlenCall(request, params, lengths_q, lengths_k, given_q, given_k)
+
+
+def _check_flag(check_indices: Any) -> None:
+    if not isinstance(check_indices, bool):
+        raise TypeError(f"check_indices must be a bool, got {_type_name(check_indices)}")
+
+
+def _unchecked_varlen(
+    query: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: Any,
+    max_seqlen_k: Any,
+    options: dict[str, Any],
+    **shape: Any,
+) -> VarlenCall:
+    """A varlen call with ``check_indices=False``: nothing is read from the device (no
+    synchronization; CUDA-graph capturable). The request cannot know the lengths:
+    its buckets are those of the given maxima, ``same_seqlen`` holds only where
+    ``cu_seqlens_q is cu_seqlens_k``, and ``q_longer`` is assumed otherwise."""
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is None:
+            raise ValueError(
+                f"check_indices=False needs {name} (the cu_seqlens are not read), got None"
+            )
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"{name} must be an int >= 0, got {value!r}")
+    params = _options(max_seqlen_q, max_seqlen_k, shape["d"], options)
+    same = cu_seqlens_q is cu_seqlens_k
+    request = _request(
+        query, params, layout="varlen", page_size=None, batch=cu_seqlens_q.shape[0] - 1,
+        heads_q=shape["hq"], heads_kv=shape["hkv"], max_q=max_seqlen_q, max_k=max_seqlen_k,
+        same_seqlen=same, q_longer=not same, head_dim=shape["d"], head_dim_v=shape["dv"],
+        needs_grad=shape["needs_grad"], contiguous=shape["contiguous"],
+    )  # fmt: skip
+    return VarlenCall(request, params, (), (), max_seqlen_q, max_seqlen_k)
 
 
 def _lengths(name: str, cu: list[int], total: int, tensor: str) -> tuple[int, ...]:
@@ -323,13 +369,17 @@ def check_kvcache(
     k_new: Any,
     v_new: Any,
     options: dict[str, Any],
+    check_indices: Any = True,
 ) -> KVCacheCall:
     """Validate an :func:`attnhub.attention_kvcache` call and summarize it.
 
     ``options``: causal, alignment, window, softcap, scale, return_lse. Reads
     ``cache_seqlens`` and whether the pages of ``block_table`` in use are in range on
-    the host (one transfer).
+    the host (one transfer), unless ``check_indices`` is False: then nothing is read
+    (the values are the caller's responsibility), the request's ``same_seqlen`` is
+    False and ``q_longer`` is assumed where Nq > 1.
     """
+    _check_flag(check_indices)
     _check_float_tensor("query", query, 4, "(B, Hq, Nq, D)")
     paged = block_table is not None
     cache_layout = "(num_pages, page_size, Hkv, D)" if paged else "(B, Hkv, Nmax, D)"
@@ -379,6 +429,16 @@ def check_kvcache(
             )
         capacity = block_table.shape[1] * page_size
     new = _check_new(query, k_cache, v_cache, k_new, v_new, b, hkv, d, dv)
+    if not check_indices:
+        params = _options(nq, capacity, d, options)
+        request = _request(
+            query, params, layout="paged" if paged else "kvcache",
+            page_size=page_size if paged else None, batch=b, heads_q=hq, heads_kv=hkv,
+            max_q=nq, max_k=capacity, same_seqlen=False, q_longer=nq > 1, head_dim=d,
+            head_dim_v=dv, needs_grad=_needs_grad(query, k_cache, v_cache, k_new, v_new),
+            contiguous=_last_dim_contiguous(query, k_cache, v_cache),
+        )  # fmt: skip
+        return KVCacheCall(request, params, (), new, capacity)
     cache_seqlens_list, pages_out_of_range = _kvcache_values(
         cache_seqlens, block_table, new, page_size if paged else 0, pages if paged else 0
     )

@@ -414,3 +414,67 @@ def test_gpu_bf16_matches_a_loop_of_dense_calls(layout, backend, nq, new, page_s
     paged = layout == "paged"
     _skip_unless_chosen(setup, backend, paged, options)
     _check(_problems(setup, backend, paged, options))
+
+
+# -- check_indices=False -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_unchecked_indices_read_nothing_and_give_the_same_answer(paged, monkeypatch):
+    checked = Setup(SEQLENS, 2, 1, seed=4).call(paged, causal=True, return_lse=True)
+    setup = Setup(SEQLENS, 2, 1, seed=4)
+    from attnhub import serving_validation
+
+    def no_read(*args: Any) -> Any:
+        raise AssertionError("the index values were read")
+
+    monkeypatch.setattr(serving_validation, "_kvcache_values", no_read)
+    unchecked = setup.call(paged, causal=True, return_lse=True, check_indices=False)
+    for a, b in zip(checked, unchecked):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    k, v = (setup.k_pages, setup.v_pages) if paged else (setup.k_cache, setup.v_cache)
+    request = attnhub.explain_kvcache(
+        setup.query, k, v, setup.cache_seqlens, block_table=setup.block_table if paged else None,
+        check_indices=False,
+    ).request  # fmt: skip
+    assert (request.same_seqlen, request.q_longer) == (False, True)  # unknown: assumed
+
+
+def test_check_indices_must_be_a_bool():
+    with pytest.raises(TypeError, match="check_indices must be a bool, got int"):
+        _call(check_indices=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_unchecked_decoding_step_is_captured_in_a_cuda_graph(paged):
+    """check_indices=False reads nothing from the device: a decoding step (append and
+    attention) captures in a CUDA graph and replays with new inputs as eager runs it."""
+    setup = Setup(
+        [100, 700, 5], 1, 1, hq=32, hkv=8, d=128, page_size=16, pages_per_seq=64,
+        dtype=torch.bfloat16, device="cuda",
+    )  # fmt: skip
+    k, v = (setup.k_pages, setup.v_pages) if paged else (setup.k_cache, setup.v_cache)
+    table = setup.block_table if paged else None
+
+    def step() -> torch.Tensor:
+        return attnhub.attention_kvcache(
+            setup.query, k, v, setup.cache_seqlens, block_table=table, k_new=setup.k_new,
+            v_new=setup.v_new, causal=True, check_indices=False,
+        )  # fmt: skip
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiles and decides outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for t in (setup.query, setup.k_new, setup.v_new):
+        t.copy_(torch.randn_like(t))
+    graph.replay()
+    expected = step()  # the same append again, then attention eagerly
+    torch.cuda.synchronize()
+    assert torch.equal(captured, expected)

@@ -442,3 +442,34 @@ def test_gpu_bf16_varlen_matches_a_loop_of_dense_calls(backend, options, grad):
         _check(_gradient_problems(backend, torch.bfloat16, (lq, lk), options, **kwargs))
     else:
         _check(_forward_problems(backend, torch.bfloat16, lq, lk, options, **kwargs))
+
+
+# -- check_indices=False -----------------------------------------------------------------
+
+
+def test_unchecked_indices_read_nothing_and_give_the_same_answer(monkeypatch):
+    args = _good()
+    checked = attnhub.attention_varlen(**args, causal=True, return_lse=True)
+    from attnhub import serving_validation
+
+    def no_read(*a: Any) -> Any:
+        raise AssertionError("the cu_seqlens were read")
+
+    monkeypatch.setattr(serving_validation, "_lengths", no_read)
+    unchecked = attnhub.attention_varlen(
+        **args, max_seqlen_q=3, max_seqlen_k=4, causal=True, return_lse=True,
+        check_indices=False,
+    )  # fmt: skip
+    for a, b in zip(checked, unchecked):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="check_indices=False needs max_seqlen_q"):
+        attnhub.attention_varlen(**args, check_indices=False)
+    with pytest.raises(TypeError, match="max_seqlen_k must be an int >= 0, got -1"):
+        attnhub.attention_varlen(**args, max_seqlen_q=3, max_seqlen_k=-1, check_indices=False)
+    with pytest.raises(TypeError, match="check_indices must be a bool, got str"):
+        attnhub.attention_varlen(**args, check_indices="no")
+    q, k, v = _packed([3, 2], [3, 2], hq=2, hkv=2, d=8, dtype=torch.float32, seed=0)
+    cu = _cu([3, 2])
+    same = attnhub.explain_varlen(q, k, v, cu, cu, 3, 3, check_indices=False).request
+    other = attnhub.explain_varlen(q, k, v, cu, cu.clone(), 3, 3, check_indices=False).request
+    assert (same.same_seqlen, other.same_seqlen, other.q_longer) == (True, False, True)
