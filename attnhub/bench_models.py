@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .bench import environment, synchronize, write_json
+from .call_stats import reset_stats, stats
 from .patching import patch
 
 WAYS = ("sdpa", "patch", "attnhub")
@@ -177,9 +178,13 @@ def run_model(
         timed: dict[str, _Timed] = {}
         built = {way: build(spec, way, dtype, device, vocab) for way in WAYS}
         models = {way: model for way, (model, _) in built.items()}
+        served: dict[str, dict[str, int]] = {}
         for way, model in models.items():  # warm-up: compilation, caches, autotuning
             with _context(way):
                 fn(model)
+                reset_stats()  # what serves the attention calls, once warm
+                fn(model)
+                served[way] = stats()
         for _ in range(repeats):
             for way, model in models.items():
                 with _context(way):
@@ -199,7 +204,7 @@ def run_model(
                 **asdict(spec), "task": task, "way": way, "implementation": implementations[way],
                 "seconds": seconds,
                 "tokens_per_s": tokens[task] / seconds, "vs_sdpa": stock / seconds,
-                "peak_mib": t.peak_mib, "all_seconds": t.seconds,
+                "peak_mib": t.peak_mib, "all_seconds": t.seconds, "served": served[way],
             }  # fmt: skip
 
 
@@ -232,6 +237,13 @@ def markdown(data: dict[str, Any]) -> str:
             f"{cell('attnhub', 'tokens_per_s', ',.0f')} | {cell('attnhub', 'vs_sdpa', '.2f')} | "
             f"{' / '.join(cell(w, 'peak_mib', '.0f') for w in WAYS)} |"
         )
+    lines += ["", "Attention calls of one warm run, by what served them (`attnhub.stats()`):", ""]
+    for (name, task), ways in rows.items():
+        for way in ("patch", "attnhub"):
+            served = ways.get(way, {}).get("served")
+            if served:
+                text = ", ".join(f"{backend} {n}" for backend, n in served.items())
+                lines.append(f"- {name} {task}, {way}: {text}")
     return "\n".join(lines) + "\n"
 
 

@@ -34,6 +34,13 @@ def test_every_way_runs_each_family(spec):
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["seconds"] > 0
     assert all(r["vs_sdpa"] == 1.0 for r in rows if r["way"] == "sdpa")
+    # What served the attention calls: attnhub for both of its ways, nothing for stock.
+    for r in rows:
+        served = r["served"]
+        if r["way"] == "sdpa":
+            assert served == {}
+        else:
+            assert served and "pytorch_original" not in served, (r["way"], served)
 
 
 def test_the_three_ways_compute_the_same_model():
