@@ -473,3 +473,13 @@ def test_unchecked_indices_read_nothing_and_give_the_same_answer(monkeypatch):
     same = attnhub.explain_varlen(q, k, v, cu, cu, 3, 3, check_indices=False).request
     other = attnhub.explain_varlen(q, k, v, cu, cu.clone(), 3, 3, check_indices=False).request
     assert (same.same_seqlen, other.same_seqlen, other.q_longer) == (True, False, True)
+
+
+def test_selection_and_strict_mode_apply_as_for_attention():
+    args = _good()
+    strict = pytest.raises(attnhub.NoBackendError, match="strict mode: only torch_reference")
+    with attnhub.use_backend(strict=True), strict:
+        attnhub.attention_varlen(**args)
+    with attnhub.use_backend("torch_sdpa", "torch_reference"):
+        decision = attnhub.explain_varlen(**args)
+    assert decision.chosen == "torch_reference" and decision.fallback
