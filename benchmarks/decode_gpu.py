@@ -21,8 +21,9 @@ length Nk (so PyTorch's kernels read exactly the same keys from the un-sliced ca
 - ``nq4``: Nq=4 bottom-right causal, Nk 32K: ours, Flex (block mask), and SDPA's
   cuDNN / efficient kernels with a bool mask.
 - ``sweep`` (not with --no-sweep): launch configurations of ours (BLOCK_N, warps,
-  stages, splits) at Nq=1 Nk=32K, contiguous and 16-key pages: data for
-  decode.default_config and the split heuristic.
+  stages) at Nq=1 Nk=32K, contiguous and 16-key pages, and split counts at Nk 32K
+  and 4K: data for decode.default_config and the split heuristic (the default's
+  split count is printed with each run: ``splits`` in the rows of ours).
 - ``host``: wall time per call of a tiny decode (B=1, Hq 8 / Hkv 2, Nk 256, D=64),
   launch-bound, ours against F.scaled_dot_product_attention.
 
@@ -139,12 +140,14 @@ def row(case: str, impl: str, ms: float | None, nbytes: int, err: float | None =
     if error:
         r["error"] = error[:300]
     tag = f"{ms:.4f} ms  {tbs:.2f} TB/s" if ms else f"failed: {error and error[:120]}"
-    print(f"  {case:<28} {impl:<22} {tag}  err={err}", flush=True)
+    launch = f" splits={extra['splits']}" if "splits" in extra else ""
+    print(f"  {case:<28} {impl:<22} {tag}  err={err}{launch}", flush=True)
     return r
 
 
 def measure(case: str, impl: str, fn: Callable[[], torch.Tensor], ref: torch.Tensor | None,
             nbytes: int, **extra: Any) -> dict:  # fmt: skip
+    extra = {**getattr(fn, "launch", {}), **extra}
     try:
         out = fn()
         torch.cuda.synchronize()
@@ -216,6 +219,20 @@ def ours_fn(q, k, v, seqlens, *, block_table=None, window=None, softcap=None, co
         return decode.decode_attention(q, k, v, seqlens, block_table=block_table, scale=scale,
                                        window=win, softcap=softcap, config=config)  # fmt: skip
 
+    # The launch the op chooses (decode._plan, as decode_attention calls it), for the rows.
+    paged = block_table is not None
+    page = k.shape[1] if paged else 0
+    plan = decode._plan(
+        q.device, q.shape[0], k.shape[2] if paged else k.shape[1],
+        HQ // (k.shape[2] if paged else k.shape[1]), q.shape[2], D, v.shape[-1],
+        block_table.shape[1] * page if paged else k.shape[2], page, window is not None,
+        softcap is not None, q.element_size(), "tf32", config,
+    )  # fmt: skip
+    meta = plan.split_meta
+    fn.launch = {  # type: ignore[attr-defined]
+        "splits": plan.num_splits, "block_n": meta["BLOCK_N"], "block_m": meta["BLOCK_M"],
+        "warps": meta["num_warps"], "stages": meta["num_stages"],
+    }  # fmt: skip
     return fn
 
 
@@ -283,32 +300,39 @@ def section_nq4(rows: list[dict], flex: bool) -> None:
     torch.cuda.empty_cache()
 
 
+# Sweep: (BLOCK_N, warps, stages) per layout (paged launches need two stages more for
+# the same K/V buffering: decode.default_config), then split counts at the default
+# configuration, at Nk 4K and 32K.
+SWEEP_CONTIGUOUS = ((64, 4, 3), (64, 4, 2), (64, 4, 4), (32, 4, 3), (128, 4, 2), (64, 8, 3))
+SWEEP_PAGED = ((64, 4, 5), (64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 4, 4), (64, 8, 5))
+SWEEP_SPLITS = (2, 4, 6, 8, 12, 16, 24, 32)
+
+
 def section_sweep(rows: list[dict], quick: bool) -> None:
-    nk = 32768
-    q, k, v, sl = make_cache(nk, 1, seed=5)
-    ref = reference(q, k, v, scale=D**-0.5)
-    nb = kv_bytes(nk, 1, None)
-    kp, table = to_paged(k, 16)
-    vp, _ = to_paged(v, 16)
-    default = decode.default_config(D, 2, None)
-    base_splits = decode.num_splits_for(B * HKV, nk // default.block_n, decode._sm_count(q.device))
-    configs = [
-        (bn, w, s, sp)
-        for bn, w, s in ((32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2),
-                         (128, 8, 2), (64, 2, 3))
-        for sp in (None, base_splits * 2, max(base_splits // 2, 1))
-    ]  # fmt: skip
-    if quick:
-        configs = configs[:6]
-    for bn, w, s, sp in configs:
-        if _elapsed() > DEADLINE_S:
-            rows.append({"case": "sweep", "skipped": "deadline"})
-            break
-        cfg = decode.DecodeConfig(bn, w, s, sp)
-        label = f"bn{bn}-w{w}-s{s}-splits{sp or 'auto'}"
-        rows.append(measure("sweep-32K", label, ours_fn(q, k, v, sl, config=cfg), ref, nb))
-        fn = ours_fn(q, kp, vp, sl, block_table=table, config=cfg)
-        rows.append(measure("sweep-32K-paged16", label, fn, ref, nb))
+    for nk in (32768,) if quick else (32768, 4096):
+        q, k, v, sl = make_cache(nk, 1, seed=5)
+        ref = reference(q, k, v, scale=D**-0.5)
+        nb = kv_bytes(nk, 1, None)
+        kp, table = to_paged(k, 16)
+        vp, _ = to_paged(v, 16)
+        layouts = (("", (q, k, v, sl), None, SWEEP_CONTIGUOUS),
+                   ("-paged16", (q, kp, vp, sl), table, SWEEP_PAGED))  # fmt: skip
+        for suffix, tensors, bt, tiles in layouts:
+            case = f"sweep-{nk // 1024}K{suffix}"
+            default = decode.default_config(D, 2, 16 if bt is not None else None)
+            points = [(*t, None) for t in tiles] if nk == 32768 else []
+            points += [(default.block_n, default.num_warps, default.num_stages, sp)
+                       for sp in SWEEP_SPLITS]  # fmt: skip
+            for bn, w, st, sp in points[:6] if quick else points:
+                if _elapsed() > DEADLINE_S:
+                    rows.append({"case": case, "skipped": "deadline"})
+                    return
+                cfg = decode.DecodeConfig(bn, w, st, sp)
+                label = f"bn{bn}-w{w}-s{st}-splits{sp or 'auto'}"
+                fn = ours_fn(*tensors, block_table=bt, config=cfg)
+                rows.append(measure(case, label, fn, ref, nb))
+        del q, k, v, kp, vp, ref
+        torch.cuda.empty_cache()
 
 
 def section_host(rows: list[dict]) -> None:
@@ -371,8 +395,8 @@ def markdown(meta: dict, rows: list[dict], summ: dict) -> str:
         f"commit {meta['attnhub_commit']}. bf16, B={B}, Hq {HQ} / Hkv {HKV}, D={D}. TB/s: bytes "
         "of K/V the call must read over the do_bench median.",
         "",
-        "| case | impl | ms | TB/s | max abs err vs fp32 | note |",
-        "|---|---|---|---|---|---|",
+        "| case | impl | ms | TB/s | max abs err vs fp32 | launch | note |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "ms" not in r:
@@ -380,7 +404,9 @@ def markdown(meta: dict, rows: list[dict], summ: dict) -> str:
         ms = f"{r['ms']:.4f}" if r["ms"] else "-"
         tbs = f"{r['tb_s']:.2f}" if r.get("tb_s") else "-"
         err = f"{r['max_abs_err']:.2e}" if r.get("max_abs_err") is not None else "-"
-        lines.append(f"| {r['case']} | {r['impl']} | {ms} | {tbs} | {err} | "
+        launch = (f"n{r['block_n']} w{r['warps']} s{r['stages']} x{r['splits']}"
+                  if "splits" in r else "")  # fmt: skip
+        lines.append(f"| {r['case']} | {r['impl']} | {ms} | {tbs} | {err} | {launch} | "
                      f"{r.get('error', '')[:80]} |")  # fmt: skip
     host = [r for r in rows if r.get("case") == "host-tiny"]
     if host:

@@ -117,7 +117,8 @@ SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 @pytest.mark.parametrize("nq", [1, 4])
 def test_gqa_lengths_and_splits(dtype, nq):  # type: ignore[no-untyped-def]
     """GQA (4 query heads on 2 kv heads), lengths 0, 1, 16 (one whole tile), 37 and 64
-    (the capacity), the default split count (4 here) and one split (no merge)."""
+    (the capacity), the default split count (here 4, one per tile) and one split (no
+    merge)."""
     lengths = [0, 1, 16, 37, 64]
     q, k, v, sl = make_inputs(5, 4, 2, nq, 64, 32, dtype, lengths, seed=nq)
     scale = 1 / math.sqrt(32)
@@ -233,12 +234,122 @@ def test_empty_calls():  # type: ignore[no-untyped-def]
     assert out.shape == (2, 2, 0, 16)
 
 
-def test_split_heuristic():  # type: ignore[no-untyped-def]
-    """Splits grow with the SMs left idle by B * Hkv programs, shrink with the cache."""
-    assert decode.num_splits_for(64, 512, 132) == math.ceil(4 * 132 / 64)
+def test_split_heuristic(monkeypatch):  # type: ignore[no-untyped-def]
+    """The fewest splits whose waves of 3 programs per SM are within 15% of the best
+    filled, with at least 4 tiles per split, at most 64 (under the interpreter: up to 4
+    splits of a tile or more)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # read per call, not imported
+    # B*Hkv = 64 on 132 SMs (396 slots): 6 splits fill 384 (97%); 5 fill 320 (81%).
+    assert decode.num_splits_for(64, 512, 132) == 6
     assert decode.num_splits_for(64, 8, 132) == 2  # 8 tiles: 4 per split at least
-    assert decode.num_splits_for(1, 10**6, 132) == decode.MAX_SPLITS
-    assert decode.num_splits_for(1024, 10**6, 132) == 1
+    assert decode.num_splits_for(64, 3, 132) == 1
+    # 256 programs: 1 or 2 splits fill 65% of their last wave, 3 fill 97%.
+    assert decode.num_splits_for(256, 10**6, 132) == 3
+    assert decode.num_splits_for(1, 10**6, 132) == 55  # 0.85 x the efficiency of 64
+    assert decode.num_splits_for(396 * 4, 10**6, 132) == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert decode.num_splits_for(10, 4, 4) == 4  # CPU: up to 4 splits, a tile or more each
+    assert decode.num_splits_for(10, 2, 4) == 2
+
+
+# The interpreter proves the tile arithmetic, not that Triton's compiler accepts the
+# kernels: this compiles representative launches for sm_90 ahead of time (Triton's own
+# ptxas, no GPU needed), in a fresh process without TRITON_INTERPRET, and checks that
+# each fits the H200's shared memory and spills nothing.
+_AOT_SCRIPT = r"""
+import os, re, subprocess, sys, tempfile
+os.environ.pop("TRITON_INTERPRET", None)
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from attnhub.backends.triton_flash import decode
+
+TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+         torch.int32: "i32", torch.int64: "i64"}
+launches = []
+
+class Recorder:
+    def __init__(self, kernel):
+        self.kernel = kernel
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
+
+decode.decode_split_kernel = Recorder(decode.decode_split_kernel)
+decode.decode_merge_kernel = Recorder(decode.decode_merge_kernel)
+decode._sm_count = lambda device: 132
+for dtype, d, nq, page, kw in [
+    (torch.bfloat16, 128, 1, 0, {}),
+    (torch.bfloat16, 128, 4, 16, {"window": (100, 0), "softcap": 50.0}),
+    (torch.float16, 64, 1, 256, {}),
+    (torch.float32, 256, 4, 0, {"window": (100, 0)}),
+    (torch.bfloat16, 96, 16, 32, {}),
+]:
+    q = torch.randn(8, 32, nq, d, dtype=dtype)
+    seqlens = torch.full((8,), 4096, dtype=torch.int32)
+    if page:
+        k = torch.randn(8 * 4096 // page, page, 8, d, dtype=dtype)
+        table = torch.arange(8 * 4096 // page, dtype=torch.int32).view(8, -1)
+        decode.decode_attention(q, k, k, seqlens, block_table=table, scale=0.1, **kw)
+    else:
+        k = torch.randn(8, 8, 4096, d, dtype=dtype)
+        decode.decode_attention(q, k, k, seqlens, scale=0.1, **kw)
+
+from triton.backends.nvidia.compiler import get_ptxas
+seen = set()
+for kernel, args, kwargs in launches:
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(kernel.params):
+        value = kwargs[param.name] if param.name in kwargs else args[i]
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if (isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0) or (
+            is_int and value % 16 == 0 and not param.do_not_specialize and not param.is_constexpr
+        ):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        if param.is_constexpr or (is_int and value == 1 and not param.do_not_specialize):
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif is_int:
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        else:
+            signature[param.name] = "fp32"
+    key = (kernel.fn.__name__, tuple(sorted(signature.items())), tuple(sorted(constexprs.items())))
+    if key in seen:
+        continue
+    seen.add(key)
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 64), options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", ptx, "-o",
+                              os.path.join(tmp, "k.o")], capture_output=True, text=True).stderr
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    print(kernel.fn.__name__, compiled.metadata.shared, spills.group(1) if spills else "?")
+"""
+
+
+def test_kernels_compile_for_sm90():  # type: ignore[no-untyped-def]
+    """Both kernels compile for sm_90 at their default launches (contiguous and paged,
+    every dtype, D 64/96/128/256, window and softcap), within 227 KiB of shared memory
+    and without register spills."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=600, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("decode_")]
+    assert {name for name, _, _ in lines} == {"decode_split_kernel", "decode_merge_kernel"}
+    for name, shared, spills in lines:
+        assert int(shared) <= 232448, (name, shared)
+        assert spills == "0", (name, spills, proc.stdout)
 
 
 # ----------------------------------------------------------------------------- GPU

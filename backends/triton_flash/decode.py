@@ -372,25 +372,44 @@ INTERPRETER_CONFIG = DecodeConfig(16, 4, 1)
 
 
 def default_config(head_dim: int, element_size: int, page_size: int | None) -> DecodeConfig:
-    """First choices for sm_90 (not yet measured: benchmarks/decode_gpu.py --sweep
-    times the alternatives). The split kernel is bandwidth-bound: a (BLOCK_N, D) K tile
-    and V tile per step, num_stages of them in flight through cp.async, two programs
-    per SM at D=128 bf16 (3 stages x 32 KiB of shared memory each)."""
+    """First choices for sm_90, from compiling for it without a GPU (Triton's AOT path:
+    registers, spills, shared memory, the pipeliner's buffers); not yet timed
+    (benchmarks/decode_gpu.py's sweep times the alternatives on the H200).
+
+    The split kernel is bandwidth-bound: per step a (BLOCK_N, D) K tile and V tile,
+    loaded through cp.async into num_stages - 1 shared buffers on a contiguous cache
+    (bf16 D=128, (64, 4 warps, 3 stages): two 32 KiB buffers, 70 KiB of shared memory,
+    94 registers, three programs per SM). On a paged cache the tile's page number is a
+    load the K/V addresses depend on; the pipeliner gives it a stage of its own and
+    keeps one K/V buffer fewer per stage than the stages left: 3 stages gave one buffer
+    (38 KiB), 5 give two, so paged launches take two stages more for the same depth.
+    float32 products run on FMA units with whole operand tiles in registers: at 4 warps
+    D=128 (32-key tiles) spilled (255 registers, spills in the loop); 8 warps take 56."""
     if interpreting():
         return INTERPRETER_CONFIG
-    bytes_per_key = head_dim * element_size
-    block_n = 64 if bytes_per_key <= 256 else 32  # D=128 bf16: 64 keys x 256 B per tile
-    if head_dim <= 64 and element_size <= 2:
-        block_n = 128
-    stages = 3 if bytes_per_key <= 256 else 2
-    return DecodeConfig(block_n, 4, stages)
+    if element_size >= 4:
+        cfg = DecodeConfig(64 if head_dim <= 64 else 32, 8, 2)
+    elif head_dim <= 64:
+        cfg = DecodeConfig(128, 4, 3)
+    elif head_dim <= 128:
+        cfg = DecodeConfig(64, 4, 3)
+    else:  # D=256: (32, 4, 2) takes 146 registers, 42 KiB, no spills
+        cfg = DecodeConfig(32, 4, 2)
+    if page_size:
+        cfg = DecodeConfig(cfg.block_n, cfg.num_warps, cfg.num_stages + 2)
+    return cfg
 
 
-# Split heuristic. Enough programs to keep every SM's loads in flight (TARGET_PER_SM
-# resident-or-queued programs per SM), but each split walks at least MIN_BLOCKS_PER_SPLIT
-# tiles (fewer makes the merge and the per-program setup a large share) and there are
-# at most MAX_SPLITS (the merge reads S partials per row).
-TARGET_PER_SM = 4
+# Split heuristic (FlashAttention-2's num_splits_heuristic, with programs per SM): the
+# programs of one launch do near-equal work, so they finish in waves of
+# SMs * PROGRAMS_PER_SM (the default configurations fit three per SM on sm_90: at most
+# 75 KiB of shared memory and 170 registers at 4 warps, from the AOT compile in
+# default_config's docstring); a last wave that fills a third of the slots leaves two
+# thirds of the SMs' load slots idle. The heuristic takes the fewest splits whose wave
+# efficiency (waves / whole waves) is within 15% of the best, each split walking at
+# least MIN_BLOCKS_PER_SPLIT tiles (fewer makes the merge and each program's start a
+# large share), at most MAX_SPLITS (the merge reads S partials per row).
+PROGRAMS_PER_SM = 3
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 64
 
@@ -406,10 +425,21 @@ def num_splits_for(programs: int, capacity_blocks: int, sms: int) -> int:
     """Splits per (sequence, kv head, row block): ``programs`` = B * Hkv * row blocks,
     ``capacity_blocks`` = key tiles in the cache's capacity (the host cannot read the
     lengths without a device sync; the kernel shares each sequence's true length out
-    over the splits)."""
-    by_sms = _cdiv(TARGET_PER_SM * sms, max(programs, 1))
-    by_len = max(capacity_blocks // MIN_BLOCKS_PER_SPLIT, 1)
-    return max(1, min(by_sms, by_len, MAX_SPLITS))
+    over the splits, so a cache longer than its sequences costs nothing but shorter
+    runs per split)."""
+    if interpreting():
+        # No waves on a CPU: up to 4 splits of a tile or more, so that CPU tests with
+        # caches of a few tiles run the merge (and splits with no keys).
+        return max(1, min(4, capacity_blocks))
+    most = max(1, min(MAX_SPLITS, capacity_blocks // MIN_BLOCKS_PER_SPLIT))
+    slots = sms * PROGRAMS_PER_SM
+    programs = max(programs, 1)
+    efficiency = []
+    for splits in range(1, most + 1):
+        waves = programs * splits / slots
+        efficiency.append(waves / math.ceil(waves))
+    best = max(efficiency)
+    return next(s for s, e in enumerate(efficiency, 1) if e >= 0.85 * best)
 
 
 def _input_precision(dtype: torch.dtype) -> str:
