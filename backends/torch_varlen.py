@@ -145,10 +145,10 @@ class TorchVarlen(Backend):
         if params.return_lse:
             out, lse = result
             return (
-                out.view(b, nq, hq, -1).transpose(1, 2),
+                out.reshape(b, nq, hq, -1).transpose(1, 2),
                 lse.reshape(b, nq, hq).transpose(1, 2),
             )
-        return result.view(b, nq, hq, -1).transpose(1, 2)
+        return result.reshape(b, nq, hq, -1).transpose(1, 2)
 
 
 def _call(
