@@ -497,9 +497,10 @@ def _forward_loop(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, hq, n, _ = q.shape
     acc_dtype = _accumulate_dtype(q.dtype)
-    acc_out = torch.zeros(b, hq, n, v.shape[-1], dtype=acc_dtype, device=q.device)
-    # The lse is float32 (the contract's); merged in the accumulation dtype.
-    acc_lse = torch.full((b, hq, n), -math.inf, dtype=acc_dtype, device=q.device)
+    # Accumulators: the first call's result when it covers every row (a rank's own
+    # block without a window: always the first step's one call), else zeros and -inf.
+    acc_out: torch.Tensor | None = None
+    acc_lse: torch.Tensor | None = None
     k_blk, v_blk = k.contiguous(), v.contiguous()
     for step in range(cfg.world_size):
         pending = None
@@ -511,10 +512,22 @@ def _forward_loop(
                 cfg, call, q[:, :, call.r0 : call.r1],
                 k_blk[:, :, call.k0 : call.k1], v_blk[:, :, call.k0 : call.k1],
             )  # fmt: skip
+            if acc_out is None and call.r0 == 0 and call.r1 == n:
+                if cfg.world_size == 1 and len(cfg.calls(0)) == 1:
+                    return out, lse.float()  # one call: its answer, not a copy of it
+                acc_out, acc_lse = out.to(acc_dtype), lse.to(acc_dtype)
+                continue
+            if acc_out is None or acc_lse is None:
+                acc_out = torch.zeros(b, hq, n, v.shape[-1], dtype=acc_dtype, device=q.device)
+                # The lse is float32 (the contract's); merged in the accumulation dtype.
+                acc_lse = torch.full((b, hq, n), -math.inf, dtype=acc_dtype, device=q.device)
             _merge(acc_out, acc_lse, call.r0, call.r1, out, lse)
         if pending is not None and ring is not None:
             ring.wait(pending)
             k_blk, v_blk = k_next, v_next
+    if acc_out is None or acc_lse is None:  # no call at all: every row fully masked
+        acc_out = torch.zeros(b, hq, n, v.shape[-1], dtype=q.dtype, device=q.device)
+        acc_lse = torch.full((b, hq, n), -math.inf, dtype=torch.float32, device=q.device)
     return acc_out.to(q.dtype), acc_lse.float()
 
 

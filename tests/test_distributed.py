@@ -364,7 +364,7 @@ def _compile_case(rank: int, world: int) -> str:
     return "same" if same else f"differs: {float(eager)} vs {float(compiled)}"
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_matches_the_single_process_call(world, tmp_path):
     results = _spawn("correctness", world, tmp_path)
     for rank, result in enumerate(results):
@@ -399,6 +399,38 @@ def test_matches_the_single_process_call(world, tmp_path):
                 "a gradient (without one: cp_test_detached_lse",
                 "works after: (1, 2, 4, 8)",
             ], result["lse_fallback"]
+
+
+def test_benchmark_script_runs_world_size_1_on_cpu(tmp_path):
+    """benchmarks/context_parallel.py end to end, one process, gloo on the CPU (the GPU
+    run is the lead's): results, check, table and plot written."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "context_parallel.py"
+    argv = [
+        sys.executable, str(script), "--device", "cpu", "--out", str(tmp_path),
+        "--seqlens", "32,64", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
+        "--dtype", "fp32", "--iters", "2", "--warmup", "1", "--check-seqlen", "32",
+        "--window", "5,0", "--backend", "torch_reference",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "context-parallel-ws1.json").read_text())
+    assert result["check"]["attnhub_cp"] < 1e-5, result["check"]
+    assert result["skipped"] == {
+        "torch_cp": "PyTorch's context_parallel handles the CUDA SDPA ops only",
+        "sdpa_single": "SDPA has no window or softcap",
+    }
+    got = {(r["impl"], r["mode"], r["seqlen"]) for r in result["rows"] if r["status"] == "ok"}
+    assert got == {
+        (impl, mode, n)
+        for impl in ("attnhub_cp", "attnhub_single")
+        for mode in ("fwd", "fwdbwd")
+        for n in (32, 64)
+    }
+    table = (tmp_path / "context-parallel.md").read_text()
+    assert "| 1 | 64 | fwdbwd |" in table
+    assert (tmp_path / "context-parallel.png").stat().st_size > 0
 
 
 def _hang_worker(rank: int, world: int, tmp: str, timeout_s: str) -> None:
