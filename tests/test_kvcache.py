@@ -478,3 +478,33 @@ def test_gpu_unchecked_decoding_step_is_captured_in_a_cuda_graph(paged):
     expected = step()  # the same append again, then attention eagerly
     torch.cuda.synchronize()
     assert torch.equal(captured, expected)
+
+
+def test_unchecked_calls_seen_before_skip_validation_and_dispatch(monkeypatch):
+    from attnhub import serving, serving_validation
+
+    setup = Setup(SEQLENS, 1, 1, seed=6)
+    expected = setup.call(False, causal=True, check_indices=False)  # decided and cached
+    calls = []
+    real = serving_validation.check_kvcache
+
+    def counting(*args: Any) -> Any:
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(serving, "check_kvcache", counting)
+    again = Setup(SEQLENS, 1, 1, seed=6)
+    torch.testing.assert_close(again.call(False, causal=True, check_indices=False), expected)
+    assert calls == []  # the same metadata, options and selection: straight to the backend
+    # Anything validation or the decision reads is in the key: each of these is new.
+    again.call(False, causal=False, check_indices=False)
+    again.call(False, causal=True, check_indices=False, scale=0.25)
+    again.call(True, causal=True, check_indices=False)
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="scale must be finite"):
+        again.call(False, causal=True, check_indices=False, scale=float("nan"))
+    with attnhub.use_backend(strict=True), pytest.raises(attnhub.NoBackendError):
+        again.call(False, causal=True, check_indices=False)  # a fallback, refused
+    attnhub.dispatch.clear_cache()  # a registry or policy change forgets every decision
+    again.call(False, causal=True, check_indices=False)
+    assert len(calls) == 6
