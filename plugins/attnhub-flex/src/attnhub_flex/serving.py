@@ -10,10 +10,11 @@ Both become one FlexAttention call whose ``mask_mod`` reads small index tensors:
   sequence b keeps keys below ``seqlens_k[b]`` (and causal / window about
   ``seqlens_k[b] - Nq + i``, bottom-right, or ``i``, top-left);
 - a paged cache (num_pages, page_size, Hkv, D) is the whole page pool as one key
-  sequence of num_pages * page_size keys, viewed (no copy) as (1, Hkv, pool, D) and
-  expanded over the batch; an inverse block table (B, num_pages), the logical page of
-  each physical page in sequence b or -1, turns a pool index into the sequence's key
-  position, and keys of pages the sequence does not use are masked. The BlockMask built
+  sequence of num_pages * page_size keys, viewed (no copy) as (1, Hkv, pool, D): a key
+  batch of 1 for the B query rows (FlexAttention's own paged attention does so). An
+  inverse block table (B, num_pages), the logical page of each physical page in
+  sequence b or -1, turns a pool index into the sequence's key position, and keys of
+  pages the sequence does not use are masked. The BlockMask built
   from that mask_mod lets the kernel skip every block of pages a sequence does not own
   (as FlexAttention's own paged-attention helper does).
 
@@ -142,9 +143,11 @@ def kvcache(
         pages, page_size = k_cache.shape[:2]
         nk = pages * page_size
         # (1, Hkv, pool, D) views of the pool (flatten copies only a pool whose pages
-        # are not evenly strided), expanded (stride 0) over the batch.
-        key = k_cache.flatten(0, 1).transpose(0, 1).unsqueeze(0).expand(b, -1, -1, -1)
-        value = v_cache.flatten(0, 1).transpose(0, 1).unsqueeze(0).expand(b, -1, -1, -1)
+        # are not evenly strided), one key batch row for every query row: FlexAttention
+        # takes a key batch of 1 with a BlockMask of the query's batch (the way its own
+        # paged attention runs), so the pool is never repeated.
+        key = k_cache.flatten(0, 1).transpose(0, 1).unsqueeze(0)
+        value = v_cache.flatten(0, 1).transpose(0, 1).unsqueeze(0)
         inverse = _inverse_table(block_table, lengths, page_size, pages)
 
         def position(batch: Any, k: Any) -> Any:
