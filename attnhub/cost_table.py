@@ -11,8 +11,9 @@ those times, fastest first, and says which entry decided::
 
 Where the table does not cover a request (masks, windows, softcap, dropout,
 block-sparse, GQA, Nq != Nk, a head dim or dtype not measured, N more than two octaves
-from a measured one) or a backend (not timed there), the declared priority ranks:
-measured backends first, by time, then the others by declared priority.
+from a measured one), the device class's cost model ranks it (:mod:`attnhub.cost_model`;
+the declared priority where there is none); a backend the table did not time comes
+after the timed ones, by declared priority.
 
 A table never ranks against the memory class: linear-memory backends come before
 quadratic ones whatever their times (a quadratic backend is fast until it runs out of
@@ -38,6 +39,7 @@ device class.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -47,10 +49,13 @@ from typing import Any
 
 from . import env
 from .backend import FLOAT_DTYPES, MEMORY_CLASSES, Backend
+from .cost_model import CostModel, CostModelPolicy
 from .jsonfile import write_json
 from .ranking import DeclaredPriority, RankingPolicy
 from .registry import invalidate_caches
 from .request import AttentionRequest, dtype_name
+
+log = logging.getLogger("attnhub")
 
 FORMAT = "attnhub-cost-table/1"
 TABLE_MODES = ("fwd", "fwd_bwd")
@@ -273,10 +278,13 @@ def _ms(value: float) -> str:
 class CostTablePolicy:
     """Rank eligible backends by measured time in a :class:`CostTable`; deterministic."""
 
-    def __init__(self, table: CostTable) -> None:
+    def __init__(self, table: CostTable, fallback: RankingPolicy | None = None) -> None:
         self.table = table
         self.name = f"measured cost ({table.source})"
         self._declared = DeclaredPriority()
+        # What ranks the calls the table does not cover: the cost model where the
+        # device class has one, else the declared priority.
+        self._fallback: RankingPolicy = fallback or self._declared
 
     def entry_for(self, request: AttentionRequest) -> tuple[Key, Mapping[str, float]] | str:
         """The table entry for a request, or why there is none."""
@@ -303,7 +311,7 @@ class CostTablePolicy:
     ) -> list[tuple[Backend, str]]:
         found = self.entry_for(request)
         if isinstance(found, str):
-            return [(b, f"{why} ({found})") for b, why in self._declared.rank(request, eligible)]
+            return [(b, f"{why} ({found})") for b, why in self._fallback.rank(request, eligible)]
         key, timings = found
         where = f"in {self.table.source} [{describe_key(key)}]"
         if key[2] != request.seqlen_q:
@@ -359,22 +367,33 @@ def ranking_disabled() -> bool:
     return env.choice(RANKING_ENV, RANKING_WORDS, "measured") == "priority"
 
 
+def _model_policy(device: str) -> RankingPolicy:
+    """The cost model's policy for a device class if one is shipped, else the declared
+    priority (a broken model file is ignored, with a warning)."""
+    try:
+        model = CostModel.shipped(device)
+    except Exception as exc:
+        log.warning("attnhub: ignoring the cost model for %s: %s: %s", device, type(exc).__name__, exc)  # fmt: skip
+        return _DECLARED
+    return _DECLARED if model is None else CostModelPolicy(model)
+
+
 def policy_for_device(device: str) -> RankingPolicy:
-    """The cost-table policy for a device class if a table exists, else the declared priority.
+    """The cost-table policy for a device class if a table exists (the cost model, or
+    the declared priority, ranking what it does not cover), else the cost model or the
+    declared priority alone.
 
     Read from disk once per device class; :func:`forget_tables` forgets what was read.
     """
     policy = _policies.get(device)
     if policy is None:
         path = find_table(device)
-        policy = _DECLARED
+        policy = fallback = _model_policy(device)
         if path is not None:
             try:
-                policy = CostTablePolicy(CostTable.load(path))
+                policy = CostTablePolicy(CostTable.load(path), fallback)
             except Exception as exc:  # a broken table must not break dispatch
-                import logging
-
-                logging.getLogger("attnhub").warning(
+                log.warning(
                     "attnhub: ignoring cost table %s: %s: %s", path, type(exc).__name__, exc
                 )
         _policies[device] = policy

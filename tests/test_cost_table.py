@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import attnhub
-from attnhub import cli, cost_table, dispatch, tune
+from attnhub import cli, cost_model, cost_table, dispatch, tune
 from attnhub import registry as registry_module
 from attnhub.backend import Backend
 from attnhub.cost_table import CostTable, CostTablePolicy
@@ -59,8 +59,10 @@ def isolated(monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     for name in ("ATTNHUB_RANKING", "ATTNHUB_BACKEND", "ATTNHUB_STRICT", "TRITON_INTERPRET"):
         monkeypatch.delenv(name, raising=False)
-    # Hide the shipped sm_90 table: these tests decide which tables exist.
+    # Hide the shipped sm_90 table and cost model: these tests decide which tables
+    # exist (tests/test_cost_model.py covers the model beneath a table).
     monkeypatch.setattr(cost_table, "shipped_path", lambda device: tmp_path / "none" / device)
+    monkeypatch.setattr(cost_model, "_DATA", tmp_path / "none")
     cost_table.forget_tables()
     yield
     attnhub.set_policy(None)

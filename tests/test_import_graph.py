@@ -19,6 +19,7 @@ RUNTIME_LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"backend", "block_sparse"}),
     frozenset({"registry"}),
     frozenset({"ranking"}),
+    frozenset({"cost_model"}),
     frozenset({"cost_table"}),
     frozenset({"measured"}),
     frozenset({"dispatch", "validation"}),
