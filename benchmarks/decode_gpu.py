@@ -25,7 +25,8 @@ length Nk (so PyTorch's kernels read exactly the same keys from the un-sliced ca
   and 4K: data for decode.default_config and the split heuristic (the default's
   split count is printed with each run: ``splits`` in the rows of ours).
 - ``host``: wall time per call of a tiny decode (B=1, Hq 8 / Hkv 2, Nk 256, D=64),
-  launch-bound, ours against F.scaled_dot_product_attention.
+  launch-bound, ours (with its cached launch plan, and without: decode.USE_PLANS)
+  against F.scaled_dot_product_attention.
 
 Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs), median.
 Bandwidth: bytes of K and V the call must read (B * Hkv * keys * D * 2 tensors * 2 bytes;
@@ -341,8 +342,17 @@ def section_host(rows: list[dict]) -> None:
     k = torch.randn(1, 2, 256, 64, device=DEV, dtype=DTYPE)
     v = torch.randn(1, 2, 256, 64, device=DEV, dtype=DTYPE)
     sl = torch.full((1,), 256, device=DEV, dtype=torch.int32)
+
+    def unplanned() -> torch.Tensor:
+        decode.USE_PLANS = False
+        try:
+            return decode.decode_attention(q, k, v, sl, scale=0.125)
+        finally:
+            decode.USE_PLANS = True
+
     calls = {
         "triton_decode": lambda: decode.decode_attention(q, k, v, sl, scale=0.125),
+        "triton_decode_no_plan": unplanned,
         "sdpa_default": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
     }
     for name, fn in calls.items():

@@ -427,3 +427,30 @@ def test_gpu_cuda_graph():  # type: ignore[no-untyped-def]
         rlp, _ = reference(q, k, v, lens, scale=0.1, dtype=q.dtype)
         err = (out.double() - r64).abs().max().item()
         assert err <= 2 * (rlp.double() - r64).abs().max().item() + 1e-5
+
+
+@gpu
+@requires_cuda
+def test_gpu_cached_plan():  # type: ignore[no-untyped-def]
+    """The second call of a signature launches the cached plan (decode._PLANS): with new
+    tensors of that signature it computes their answer, not the first call's; a
+    signature that differs in a stride or an option misses the plan."""
+    decode._PLANS.clear()
+    lengths = [300, 4000, 0]
+    q, k, v, sl = make_inputs(3, 8, 2, 4, 4096, 128, torch.bfloat16, lengths, seed=21)
+    kp, table = to_paged(k, 64)
+    vp, _ = to_paged(v, 64)
+    for kw in ({}, {"block_table": table}):
+        kk, vv = (kp, vp) if kw else (k, v)
+        first = decode.decode_attention(q, kk, vv, sl, scale=0.1, return_lse=True, **kw)
+        assert len(decode._PLANS) == (2 if kw else 1)
+        again = decode.decode_attention(q, kk, vv, sl, scale=0.1, return_lse=True, **kw)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+        q2 = torch.randn_like(q)
+        out, lse = decode.decode_attention(q2, kk, vv, sl, scale=0.1, return_lse=True, **kw)
+        check(out, lse, q2, k, v, lengths, scale=0.1)
+    assert len(decode._PLANS) == 2
+    out = decode.decode_attention(q, k, v, sl, scale=0.1, window=(100, 0))
+    assert len(decode._PLANS) == 3
+    check(out, decode.decode_attention(q, k, v, sl, scale=0.1, window=(100, 0), return_lse=True)[1],
+          q, k, v, lengths, scale=0.1, window=(100, 0))  # fmt: skip
