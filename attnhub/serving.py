@@ -26,6 +26,7 @@ import torch
 
 from . import call_stats, dispatch
 from .backend import Backend
+from .registry import generation as registry_generation
 from .registry import on_invalidate
 from .serving_validation import KVCacheCall, ServingRequest, VarlenCall, check_kvcache, check_varlen
 
@@ -268,6 +269,7 @@ def attention_kvcache(
     )  # fmt: skip
     entry = _decided_kvcache.get(key) if key is not None else None
     if entry is None:
+        generation = registry_generation()
         call = _kvcache_call(
             query, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
             *options, check_indices,
@@ -279,7 +281,9 @@ def attention_kvcache(
             with _decided_lock:
                 if len(_decided_kvcache) >= _DECIDED_LIMIT:
                     _decided_kvcache.clear()
-                _decided_kvcache[key] = entry
+                # Not where the registry or policy changed meanwhile (a stale decision).
+                if generation == registry_generation():
+                    _decided_kvcache[key] = entry
     chosen, params, new = entry
     call_stats.record(chosen.name)
     seqlens_k = cache_seqlens
