@@ -508,3 +508,23 @@ def test_unchecked_calls_seen_before_skip_validation_and_dispatch(monkeypatch):
     attnhub.dispatch.clear_cache()  # a registry or policy change forgets every decision
     again.call(False, causal=True, check_indices=False)
     assert len(calls) == 6
+
+
+@pytest.mark.parametrize("backend", sorted(set(_backends("kvcache", "cpu"))))
+def test_strided_query_and_cache_views_give_the_contiguous_answer(backend):
+    """Transposed views, as a (B, N, H, D) model layout hands them over: the append
+    writes through the view, attention reads through the strides."""
+    base = Setup([4, 9, 0], 3, 2, d=16, seed=9)
+    expected = base.call(False, causal=True, backend=backend)
+
+    def strided(t: torch.Tensor) -> torch.Tensor:  # same values, (B, N, H, D) storage
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    view = Setup([4, 9, 0], 3, 2, d=16, seed=9)
+    view.query, view.k_cache, view.v_cache = (
+        strided(t) for t in (view.query, view.k_cache, view.v_cache)
+    )
+    view.k_new, view.v_new = strided(view.k_new), strided(view.v_new)
+    got = view.call(False, causal=True, backend=backend)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(view.k_cache, base.k_cache, rtol=0, atol=0)
