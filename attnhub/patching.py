@@ -106,10 +106,21 @@ _NAME = "scaled_dot_product_attention"
 _lock = threading.RLock()
 _stack: list[PatchHandle] = []
 _original: Callable[..., torch.Tensor] | None = None
-# Per thread: set while a patched call runs attnhub, so that a backend calling
-# F.scaled_dot_product_attention (torch_sdpa does) reaches PyTorch's function instead
-# of recursing. Dynamo traces threading.local reads and writes without a graph break.
-_inside = threading.local()
+
+
+class _Inside(threading.local):
+    """Per thread: set while a patched call runs attnhub, so that a backend calling
+    F.scaled_dot_product_attention (torch_sdpa does) reaches PyTorch's function instead
+    of recursing. Dynamo traces threading.local reads and writes without a graph break.
+    Every thread's instance holds the attribute from the start (threading.local runs
+    ``__init__`` per thread): a compiled graph guards on whether the instance has it, so
+    a first call that set it would change that and recompile."""
+
+    def __init__(self) -> None:
+        self.active = False
+
+
+_inside = _Inside()
 _logged_fallbacks: set[str] = set()
 _STRICT = dispatch.Selection(None, True, "attnhub.patch")
 _LOGGED_LIMIT = 4096
@@ -360,7 +371,7 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
             )  # fmt: skip
         original = _original
         assert original is not None
-        if getattr(_inside, "active", False):
+        if _inside.active:
             # A backend's own call to F.scaled_dot_product_attention.
             return original(query, key, value, attn_mask, dropout_p, is_causal,
                             scale=scale, enable_gqa=enable_gqa)  # fmt: skip

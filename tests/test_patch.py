@@ -565,3 +565,31 @@ def test_pytorch_tests_runner_reports_what_the_patch_changes(tmp_path):
     assert plain.stats == {}
     text = runner.report(plain, patched, {"test file": "synthetic"})
     assert "## Pass plain, fail patched: 1" in text
+
+
+def test_a_compiled_function_is_not_recompiled_by_its_own_second_call_while_patched():
+    """The per-thread flag that stops a backend's own SDPA call from recursing was
+    created by the first patched call: a graph compiled then guarded on its absence and
+    recompiled at the second call. Run in a new thread (whose flag is fresh)."""
+    import threading
+
+    import torch._dynamo
+
+    q = torch.randn(1, 2, 8, 16)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with attnhub.patch():
+                sdpa = torch.nn.functional.scaled_dot_product_attention
+                compiled = torch.compile(lambda q: sdpa(q, q, q), backend="eager", fullgraph=True)
+                compiled(q)
+                with torch._dynamo.config.patch(error_on_recompile=True):
+                    compiled(q)
+        except BaseException as exc:  # reported in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=300)
+    assert not thread.is_alive() and not errors, errors
