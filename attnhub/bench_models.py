@@ -164,6 +164,18 @@ def _inputs(spec: ModelSpec, vocab: int, device: torch.device) -> tuple[torch.Te
     return ids.to(device), prompts.to(device), mask.to(device)
 
 
+def prewarm(spec: ModelSpec, dtype: torch.dtype, device: torch.device, vocab: int = 32000) -> None:
+    """One training step and one generate() of ``spec`` in both of attnhub's ways, for
+    what they run through attnhub (``attnhub tune --model``)."""
+    ids, prompts, mask = _inputs(spec, vocab, device)
+    for way in ("patch", "attnhub"):
+        model, _ = build(spec, way, dtype, device, vocab)
+        with _context(way):
+            _train_step(model, ids)
+            _generate(model, prompts, mask, spec.new_tokens)
+        del model
+
+
 def run_model(
     spec: ModelSpec, dtype: torch.dtype, device: torch.device, repeats: int, vocab: int = 32000
 ) -> Iterator[dict[str, Any]]:

@@ -130,6 +130,9 @@ class MeasurementStore:
     def get(self, request: AttentionRequest) -> Measurement | None:
         return self._entries.get(request_key(request))
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def put(self, request: AttentionRequest, measurement: Measurement) -> None:
         """Keep a measurement, write the file, and forget every decision made without it."""
         with self._lock:

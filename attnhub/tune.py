@@ -60,6 +60,10 @@ def table_from_results(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("prewarm the measurements that autotune would take at first use")
+    g.add_argument("--workloads", action="store_true", help="run the workload calls (attnhub bench --workloads) once each through attnhub.attention, so autotune measures each signature now")  # fmt: skip
+    g.add_argument("--model", action="append", metavar="NAME", help="run a training step and a generate() of a bench --models model (repeatable), patched and with attn_implementation='attnhub', so autotune measures every call signature it makes")  # fmt: skip
+    g.add_argument("--only", help="with --workloads: only workloads whose name contains this")
     parser.add_argument("--from-results", nargs="+", metavar="RESULTS", help="build the table from bench results JSON (merged) instead of measuring")  # fmt: skip
     parser.add_argument("--device-class", help="device class of the table (default: from the results, or this machine)")  # fmt: skip
     parser.add_argument("-o", "--output", help="where to write the table (default: the user cache, ~/.cache/attnhub/cost_table_<class>.json)")  # fmt: skip
@@ -73,7 +77,49 @@ def _tune_backends() -> tuple[str, ...]:
     return tuple(n for n in get_registry().names() if n != "torch_reference")
 
 
+def prewarm(args: argparse.Namespace) -> int:
+    """Run calls through attnhub so that autotune measures their signatures now, into
+    the measurement file (``ATTNHUB_MEASUREMENTS`` or this device's in the user cache)."""
+    import torch
+
+    from . import bench_models, bench_workloads, measured
+    from .bench import synchronize
+
+    device = torch.device(args.device)
+    if device.type not in measured.DEVICES:
+        print(f"attnhub tune: autotune measures on {', '.join(sorted(measured.DEVICES))} only, "
+              f"not {device.type}", file=sys.stderr)  # fmt: skip
+        return 2
+    store = measured.store_for(device)
+    before = len(store)
+    # --dtypes (shared with the grid's options): bf16 unless given.
+    dtypes = [getattr(torch, name) for name in args.dtypes or ("bfloat16",)]
+    for dtype in dtypes:
+        for w in bench_workloads.workloads() if args.workloads else ():
+            if args.only and args.only not in w.name:
+                continue
+            x = bench_workloads._inputs(w, dtype, device)
+            call = bench_workloads._attnhub_call(w, x, None)
+            for mode in w.modes:
+                bench_workloads._runner(call, x, mode)()
+            if args.progress:
+                print(f"[{dtype}] {w.name}", file=sys.stderr, flush=True)
+        for name in args.model or ():
+            specs = {m.name: m for m in bench_models.MODELS}
+            if name not in specs:
+                print(f"attnhub tune: unknown model {name!r}; one of {', '.join(specs)}", file=sys.stderr)  # fmt: skip
+                return 2
+            bench_models.prewarm(specs[name], dtype, device)
+            if args.progress:
+                print(f"[{dtype}] model {name}", file=sys.stderr, flush=True)
+    synchronize(device)
+    print(f"{store.path}: {len(store) - before} call signatures measured now, {len(store)} in all")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.workloads or args.model:
+        return prewarm(args)
     if args.from_results:
         results = bench_report.merge([bench_report.load(p) for p in args.from_results])
         source = ", ".join(Path(p).name for p in args.from_results)

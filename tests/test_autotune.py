@@ -204,3 +204,40 @@ def test_every_spelling_of_a_device_shares_one_store(tuned):
     q, k, v = _qkv()
     attnhub.attention(q.to(torch.device("cpu", 0)), k, v)
     assert "measured here" in attnhub.explain(q, k, v).why
+
+
+def test_tune_prewarms_the_workload_calls_into_the_measurement_file(tuned, capsys):
+    """`attnhub tune --workloads` runs each call once, so autotune measures it then and
+    not at a user's first call; a second run finds nothing left to measure."""
+    from attnhub import cli
+
+    argv = ["tune", "--workloads", "--only", "tiny", "--dtypes", "fp32", "--device", "cpu",
+            "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    # The tiny call runs forward, then forward and backward: two signatures.
+    assert ": 2 call signatures measured now, 2 in all" in out
+    q = torch.randn(1, 1, 16, 64)
+    assert "measured here on first use" in attnhub.explain(q, q, q).why
+    assert cli.main(argv) == 0
+    assert ": 0 call signatures measured now, 2 in all" in capsys.readouterr().out
+
+
+def test_tune_refuses_a_device_autotune_does_not_measure(capsys):
+    from attnhub import cli
+
+    assert cli.main(["tune", "--workloads", "--device", "cpu"]) == 2
+    assert "autotune measures on cuda only, not cpu" in capsys.readouterr().err
+
+
+def test_tune_model_prewarm_measures_the_calls_a_model_makes(tuned):
+    from attnhub import bench_models
+
+    spec = bench_models.ModelSpec("llama", "llama", layers=1, hidden=64, heads=4, kv_heads=2,
+                                  train_batch=1, train_seq=16, gen_batch=2, prompt=8,
+                                  new_tokens=2)  # fmt: skip
+    store = measured.store_for(torch.device("cpu"))
+    assert len(store) == 0
+    bench_models.prewarm(spec, torch.float32, torch.device("cpu"), vocab=50)
+    # Training (forward and backward), prefill and decoding steps, in both ways.
+    assert len(store) >= 3
