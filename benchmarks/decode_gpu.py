@@ -3,9 +3,11 @@
 Usage (on the H200 machine, after ``pip install --no-build-isolation --no-deps -e .``)::
 
     python benchmarks/decode_gpu.py OUT_DIR [--quick] [--no-flex] [--no-sweep]
+        [--only nq1,softcap_window,paged,nq4,host,sweep]
 
 Writes ``OUT_DIR/decode-gpu.json`` and ``OUT_DIR/decode-gpu.md`` and prints the table.
-Meant to finish within about three minutes (a deadline skips what is left, and says so).
+Meant to finish within about three minutes (a deadline skips what is left, and says so
+in the JSON's ``skipped_sections``; ``--only`` runs those in a second call).
 
 Issue 17's shapes, bf16, B=8, Hq 32 / Hkv 8, D=128, every sequence at the cache's full
 length Nk (so PyTorch's kernels read exactly the same keys from the un-sliced cache):
@@ -432,6 +434,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="Nk 4K and 32K only, a short sweep")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated sections: nq1, "
+                    "softcap_window, paged, nq4, host, sweep")  # fmt: skip
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     meta = env()
@@ -449,6 +453,9 @@ def main() -> int:
     ]
     if not args.no_sweep:
         sections.append(("sweep", lambda: section_sweep(rows, args.quick)))
+    if args.only:
+        chosen = args.only.split(",")
+        sections = [(name, run) for name, run in sections if name in chosen]
     skipped = []
     for name, run in sections:
         if _elapsed() > DEADLINE_S:
