@@ -209,17 +209,28 @@ def _reference(
     return [out, lse, *grads]
 
 
-def _correctness_worker(rank: int, world: int, tmp: str) -> None:
+# The cases run with triton_flash in the Triton interpreter (a kernel backend's lse
+# gradient through the ring): float32, the interpreter is slow.
+TRITON_CASES = ("window", "softcap_gqa")  # bands; causal zigzag (GQA, softcap)
+
+
+def _correctness_worker(rank: int, world: int, tmp: str, backend: str = "torch_reference") -> None:
     from attnhub.testing.tolerance import compare
 
     result: dict[str, Any] = {"problems": [], "checked": 0}
+    reference_run = backend == "torch_reference"
+    dtypes = (torch.float64, torch.float32) if reference_run else (torch.float32,)
     try:
         _init(rank, world, tmp, float(os.environ.get("CP_TEST_TIMEOUT", "60")))
         for name, options, (hq, hkv), c, dv in CASES:
+            if not reference_run and name not in TRITON_CASES:
+                continue
             layout = options.get("layout", "zigzag")
             n = c * (2 * world if layout == "zigzag" else world)
             gen = torch.Generator().manual_seed(1234 + len(name))
             b, d = 2, 8
+            if not reference_run:  # triton_flash: head dims 16..256; the interpreter is slow
+                b, d, dv = 1, 16, 16
             q64 = torch.randn(b, hq, n, d, generator=gen, dtype=torch.float64)
             k64 = torch.randn(b, hkv, n, d, generator=gen, dtype=torch.float64)
             v64 = torch.randn(b, hkv, n, dv, generator=gen, dtype=torch.float64)
@@ -227,13 +238,13 @@ def _correctness_worker(rank: int, world: int, tmp: str) -> None:
             dlse = torch.randn(b, hq, n, generator=gen).float()
             r64 = _reference(q64, k64, v64, options, dout, dlse)
             r32 = _reference(q64.float(), k64.float(), v64.float(), options, dout, dlse)
-            for dtype in (torch.float64, torch.float32):
+            for dtype in dtypes:
                 q, k, v = (
                     cp.shard(t, 2, world, rank, layout).to(dtype).requires_grad_(True)
                     for t in (q64, k64, v64)
                 )
                 o, lse = cp.context_parallel_attention(
-                    q, k, v, **options, return_lse=True, backend="torch_reference"
+                    q, k, v, **options, return_lse=True, backend=backend
                 )
                 upstream = (cp.shard(dout, 2, world, rank, layout).to(o.dtype),
                             cp.shard(dlse, 2, world, rank, layout))  # fmt: skip
@@ -251,6 +262,10 @@ def _correctness_worker(rank: int, world: int, tmp: str) -> None:
                     result["checked"] += 1
                     if problem:
                         result["problems"].append(problem)
+        if not reference_run:
+            torch.distributed.destroy_process_group()
+            _write(tmp, rank, result)
+            return
         # Without gradients, and without return_lse: the plain forward path.
         q = cp.shard(torch.randn(1, 2, 4 * world, 8, dtype=torch.float64), 2, world, rank)
         o = cp.context_parallel_attention(q, q, q, causal=True, backend="torch_reference")
@@ -271,6 +286,17 @@ def _correctness_worker(rank: int, world: int, tmp: str) -> None:
     except BaseException as exc:  # reported to the parent, which fails the test
         result["problems"].append(f"rank {rank} raised {type(exc).__name__}: {exc}")
     _write(tmp, rank, result)
+
+
+@pytest.mark.interpreter
+def test_triton_flash_steps_in_the_interpreter(tmp_path):
+    """Two processes whose ring steps run triton_flash (Triton's CPU interpreter): a
+    kernel backend's lse and its gradient through the ring, against the reference."""
+    results = _spawn("correctness", 2, tmp_path, "triton_flash")
+    for rank, result in enumerate(results):
+        assert not result.get("missing"), f"rank {rank} wrote no result: {result}"
+        assert result["problems"] == [], (rank, result["problems"])
+        assert result["checked"] == len(TRITON_CASES) * 5
 
 
 def _error_cases(rank: int, world: int) -> list[str]:
@@ -473,8 +499,92 @@ def test_a_hung_peer_makes_the_call_fail_with_the_group_timeout(tmp_path):
     assert json.loads((tmp_path / "out" / "1.json").read_text()) == {"sleeping": True}
 
 
+# ---------------------------------------------------------------------------
+# CUDA (NCCL, one process per GPU): run by the lead on the GPU machine
+
+
+def _cuda_cases() -> list[tuple[Any, Any]]:
+    from attnhub.testing.cases import Case
+
+    base = {"B": 2, "Hq": 4, "Hkv": 4, "D": 64, "Dv": 64, "return_lse": True, "backward": True}
+    cases = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for backend in (None, "triton_flash"):
+            cases += [
+                (Case(dtype=dtype, Nq=1024, Nk=1024, causal=True, **base), backend),
+                (Case(dtype=dtype, Nq=1024, Nk=1024, **base), backend),
+                (Case(dtype=dtype, Nq=1024, Nk=1024, window=(200, 0), **base), backend),
+                (Case(dtype=dtype, Nq=1024, Nk=1024, window=(96, 33), **base), backend),
+            ]
+        gqa = {**base, "Hq": 8, "Hkv": 2}
+        cases += [
+            (Case(dtype=dtype, Nq=2048, Nk=2048, causal=True, softcap=30.0, **gqa), None),
+            (Case(dtype=dtype, Nq=2048, Nk=2048, causal=True, **gqa), "triton_flash"),
+        ]
+    return cases
+
+
+def _cuda_worker(rank: int, world: int, tmp: str) -> None:
+    from attnhub.testing.cases import make_inputs
+    from attnhub.testing.reference import references
+    from attnhub.testing.tolerance import compare
+
+    result: dict[str, Any] = {"problems": [], "checked": 0}
+    try:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        torch.distributed.init_process_group(
+            "nccl",
+            init_method=f"file://{Path(tmp, 'init')}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+            device_id=device,
+        )
+        for case, backend in _cuda_cases():
+            inputs = make_inputs(case, device)
+            r_lp, r64 = references(inputs, case)
+            options = {"causal": case.causal, "window": case.window, "softcap": case.softcap}
+
+            def local(t: torch.Tensor) -> torch.Tensor:
+                return cp.shard(t.detach(), 2, world, rank)
+
+            q, k, v = (
+                local(t).requires_grad_(True) for t in (inputs.query, inputs.key, inputs.value)
+            )
+            out, lse = cp.context_parallel_attention(
+                q, k, v, **options, return_lse=True, backend=backend
+            )
+            grads = torch.autograd.grad(out, (q, k, v), local(inputs.grad_out))
+            for what, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
+                problem = compare(
+                    f"{case.id} backend={backend} {what}", x, local(r_lp[what]), local(r64[what])
+                )
+                result["checked"] += 1
+                if problem:
+                    result["problems"].append(problem)
+        torch.distributed.destroy_process_group()
+    except BaseException as exc:
+        result["problems"].append(f"rank {rank} raised {type(exc).__name__}: {exc}")
+    _write(tmp, rank, result)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_cuda_nccl_matches_the_single_process_call(world, tmp_path):
+    """One process per GPU over NCCL (the CUDA path: side stream, NCCL transfers, the
+    backward's lse-gradient fallback when dispatch picks PyTorch's fused kernels):
+    bf16 and fp16 against the float64 reference with the contract's tolerance."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    results = _spawn("cuda", world, tmp_path)
+    for rank, result in enumerate(results):
+        assert not result.get("missing"), f"rank {rank} wrote no result: {result}"
+        assert result["problems"] == [], (rank, result["problems"])
+        assert result["checked"] == len(_cuda_cases()) * 5
+
+
 if __name__ == "__main__":  # a worker process (see _start)
     _target, _rank, _world, _tmp, *_args = sys.argv[1:]
-    {"correctness": _correctness_worker, "hang": _hang_worker}[_target](
-        int(_rank), int(_world), _tmp, *_args
-    )
+    workers = {"correctness": _correctness_worker, "hang": _hang_worker, "cuda": _cuda_worker}
+    workers[_target](int(_rank), int(_world), _tmp, *_args)
