@@ -266,6 +266,11 @@ def _uncovered(request: AttentionRequest) -> str | None:
         (not request.same_seqlen, "Nq != Nk"),
         (request.head_dim != request.head_dim_v, "a value head dim unlike the key's"),
         (not request.last_dim_contiguous, "a strided last dim"),
+        # A varlen or KV-cache call (attnhub.serving) has its own kernels and lengths.
+        (
+            getattr(request, "layout", "dense") != "dense",
+            f"the {getattr(request, 'layout', '')} layout",
+        ),
     ]
     found = [text for present, text in features if present]
     return ", ".join(found) if found else None

@@ -177,6 +177,19 @@ def test_uncovered_requests_fall_back_to_declared_priority(changes, why, cuda_re
     assert ranked[0][1] == f"linear memory, priority 99 ({why})"
 
 
+def test_a_serving_call_is_not_ranked_by_dense_timings(cuda_request):
+    """A varlen call whose every sequence has Nq == Nk looks like a covered dense call
+    but runs other kernels on other lengths."""
+    import dataclasses
+
+    from attnhub.serving_validation import ServingRequest
+
+    dense = cuda_request()
+    varlen = ServingRequest(**{f.name: getattr(dense, f.name) for f in dataclasses.fields(dense)}, layout="varlen")  # fmt: skip
+    ranked = CostTablePolicy(TABLE).rank(varlen, ALL)
+    assert ranked[0][1] == "linear memory, priority 99 (cost_table_sm90.json measures plain attention; this call has the varlen layout)"  # fmt: skip
+
+
 def test_a_length_between_measured_ones_uses_the_nearest_within_two_octaves(cuda_request):
     policy = CostTablePolicy(TABLE)
     # 8192 is one octave from 4096 and from 16384: the tie goes to the longer one.
