@@ -52,7 +52,7 @@ def cmd_info(args: argparse.Namespace) -> int:
              "yes" if why is None else f"no: {why}"]
         )  # fmt: skip
     print(_table(rows))
-    columns = ["devices", "dtypes", "head dim", "masks", "causal", "features", "backward", "memory"]
+    columns = ["devices", "dtypes", "head dim", "masks", "causal", "features", "backward", "memory", "layouts"]  # fmt: skip
     rows = [["backend", *columns]]
     for backend in registry.backends():
         caps = backend.capabilities()
