@@ -174,7 +174,8 @@ def test_paged_equals_contiguous(page_size, dtype):  # type: ignore[no-untyped-d
 
 def test_paged_small_pages_under_wide_tiles():  # type: ignore[no-untyped-def]
     """16-key pages under 32-key tiles: the per-key page gather (PAGE_SIZE < BLOCK_N),
-    whose masked tail must not read table entries past the length."""
+    whose masked tail must not read table entries past the length; lengths and table
+    given as strided views."""
     lengths = [33, 64, 5]
     q, k, v, sl = make_inputs(3, 2, 1, 1, 64, 16, torch.float32, lengths, seed=7)
     kp, table = to_paged(k, 16)
@@ -183,14 +184,22 @@ def test_paged_small_pages_under_wide_tiles():  # type: ignore[no-untyped-def]
     got = decode.decode_attention(q, kp, vp, sl, block_table=table, scale=0.25,
                                   return_lse=True, config=cfg)  # fmt: skip
     check(*got, q, k, v, lengths, scale=0.25)
+    # Lengths and table as strided views (every other element of wider storage).
+    sl2 = torch.stack([sl, torch.full_like(sl, 10**6)], 1)[:, 0]
+    table2 = torch.stack([table, torch.full_like(table, 10**6)], 2)[:, :, 0]
+    assert sl2.stride(0) == 2 and table2.stride(1) == 2
+    got = decode.decode_attention(q, kp, vp, sl2, block_table=table2, scale=0.25,
+                                  return_lse=True, config=cfg)  # fmt: skip
+    check(*got, q, k, v, lengths, scale=0.25)
 
 
 def test_head_dims_and_many_splits():  # type: ignore[no-untyped-def]
-    """D = 40 with Dv = 24 (padded, masked head dims) and D = 64; 8 splits over at most
-    4 tiles (splits with no keys merge as nothing); int64 lengths."""
+    """D = 40 with Dv = 24 (padded, masked head dims), and D = 64 with one query row per
+    kv head; 8 splits over at most 4 tiles (splits with no keys merge as nothing);
+    int64 lengths."""
     lengths = [50, 7]
-    for d, dv in ((40, 24), (64, 64)):
-        q, k, v, sl = make_inputs(2, 2, 2, 2, 64, d, torch.float16, lengths, dv=dv, seed=d)
+    for d, dv, nq in ((40, 24, 2), (64, 64, 1)):  # Nq 1 without GQA: one row per tile
+        q, k, v, sl = make_inputs(2, 2, 2, nq, 64, d, torch.float16, lengths, dv=dv, seed=d)
         cfg = decode.DecodeConfig(16, 4, 1, num_splits=8)
         out, lse = decode.decode_attention(q, k, v, sl.long(), scale=0.15, return_lse=True,
                                            config=cfg)  # fmt: skip

@@ -559,6 +559,12 @@ def decode_attention(
     Returns out (B, Hq, Nq, Dv) in q's dtype, and with ``return_lse`` also lse
     (B, Hq, Nq) float32, natural log. A row with no key: zeros and lse -inf.
     """
+    # The kernel reads the lengths and each table row as packed int vectors: strided
+    # ones (a column slice of a larger table) are packed first (B or B * pages ints).
+    if cache_seqlens.stride(0) != 1:
+        cache_seqlens = cache_seqlens.contiguous()
+    if block_table is not None and block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
     key = None
     if USE_PLANS and q.is_cuda and not torch.compiler.is_compiling():
         key = _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, scale, window,
