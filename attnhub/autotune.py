@@ -22,6 +22,10 @@ it cannot or must not:
   beforehand by ``attnhub tune``), or else by the (deterministic) table or priority;
 - where fewer than two backends are eligible.
 
+A backend that declares ``compiles_per_shape`` (FlexAttention compiled with static
+shapes) is not timed: its warm-up call would compile, for seconds, in the user's first
+call of every signature; it is ranked after the timed backends by the policies beneath.
+
 Timing never touches the caller's tensors (they are read, never written; gradients go
 to detached leaves), nor the caller's random state; the outputs of the timed calls are
 discarded. A backend that raises or runs out of memory while timed is recorded as
@@ -40,6 +44,7 @@ import torch
 
 from . import env, measured
 from .dispatch import Decision, prepare_candidate
+from .registry import get_registry
 from .request import AttentionParams
 
 log = logging.getLogger("attnhub")
@@ -114,8 +119,12 @@ def measure(
             return found
         ms: dict[str, float] = {}
         failed: dict[str, str] = {}
+        registry = get_registry()
         for candidate in decision.candidates:
             if not candidate.eligible:
+                continue
+            if getattr(registry.get(candidate.name), "compiles_per_shape", False):
+                failed[candidate.name] = "compiles per shape: not timed at a first call"
                 continue
             try:
                 runner = prepare_candidate(candidate.name, decision.request, params)

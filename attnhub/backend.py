@@ -61,6 +61,9 @@ class Backend:
     ``deterministic``      the backward is bitwise reproducible
     ``memory``             "linear" (O(N) extra memory) or "quadratic" (O(N^2))
     ``compile_safe``       ``torch.compile(fullgraph=True)`` traces it without a break
+    ``compiles_per_shape`` its first call of each new shape compiles (seconds): autotune
+                           does not time it (a user's first call would pay that), it is
+                           ranked by the policies beneath the measurement
     ``copies_strided``     non-contiguous inputs are copied (True) or read through
                            their strides (False)
     ``layouts``            subset of :data:`LAYOUTS`: the calls served. "dense" (the
@@ -93,6 +96,7 @@ class Backend:
     deterministic: ClassVar[bool] = False
     memory: ClassVar[str] = "quadratic"
     compile_safe: ClassVar[bool] = False
+    compiles_per_shape: ClassVar[bool] = False
     copies_strided: ClassVar[bool] = True
     layouts: ClassVar[frozenset[str]] = frozenset({"dense"})
 

@@ -241,3 +241,19 @@ def test_tune_model_prewarm_measures_the_calls_a_model_makes(tuned):
     bench_models.prewarm(spec, torch.float32, torch.device("cpu"), vocab=50)
     # Training (forward and backward), prefill and decoding steps, in both ways.
     assert len(store) >= 3
+
+
+def test_a_backend_that_compiles_per_shape_is_not_timed_at_a_first_call(tuned):
+    """FlexAttention compiled with static shapes would compile (seconds) in the timing
+    of every new signature: it is left untimed, ranked after the timed backends."""
+    registry = tuned[2]
+    compiling = _backend("compiling", 1000, 0.0)
+    type(compiling).compiles_per_shape = True
+    registry.add(compiling)
+    q, k, v = _qkv()
+    attnhub.attention(q, k, v)
+    assert compiling.calls == 0
+    decision = attnhub.explain(q, k, v)
+    assert decision.chosen == "fast"
+    (note,) = [c.note for c in decision.candidates if c.name == "compiling"]
+    assert "compiles per shape: not timed at a first call" in note

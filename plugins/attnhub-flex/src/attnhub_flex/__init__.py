@@ -333,6 +333,9 @@ class FlexAttention(Backend):
     backward = True
     memory = "linear"
     compile_safe = True
+    # On CUDA each new shape compiles (dynamic=False, see the module docstring): autotune
+    # leaves it untimed rather than compile in a user's first call of each signature.
+    compiles_per_shape = True
     copies_strided = False
     # attnhub.attention_varlen and attention_kvcache as document and paged masks (serving.py).
     layouts = frozenset({"dense", "varlen", "kvcache", "paged"})
