@@ -154,6 +154,11 @@ def measure(case: str, impl: str, fn: Callable[[], torch.Tensor], ref: torch.Ten
     try:
         out = fn()
         torch.cuda.synchronize()
+        if hasattr(fn, "compiled_info"):
+            try:
+                extra.update(fn.compiled_info())
+            except Exception as exc:  # the numbers are extra: never lose the timing
+                extra["compiled_info_error"] = f"{type(exc).__name__}: {exc}"[:200]
         err = (out.float() - ref).abs().max().item() if ref is not None else None
         return row(case, impl, bench_ms(fn), nbytes, err, **extra)
     except Exception as exc:  # a kernel that refuses the call: recorded, not fatal
@@ -231,6 +236,25 @@ def ours_fn(q, k, v, seqlens, *, block_table=None, window=None, softcap=None, co
         block_table.shape[1] * page if paged else k.shape[2], page, window is not None,
         softcap is not None, q.element_size(), "tf32", config,
     )  # fmt: skip
+
+    def compiled_info() -> dict:
+        """Registers, spills and shared memory of the compiled kernels (after a call):
+        with the SM's 64K registers and 227 KiB, how many programs fit per SM."""
+        key = decode._plan_key(q, k, v, seqlens, block_table, scale, win, softcap, True, config)
+        cached = decode._PLANS.get(key)
+        info: dict[str, Any] = {}
+        for name in ("split", "merge"):
+            launch = getattr(cached, name, None)
+            compiled = getattr(launch, "_compiled", None)
+            if compiled is not None:
+                info[name + "_kernel"] = {
+                    "regs": getattr(compiled, "n_regs", None),
+                    "spills": getattr(compiled, "n_spills", None),
+                    "shared": compiled.metadata.shared,
+                }
+        return info
+
+    fn.compiled_info = compiled_info  # type: ignore[attr-defined]
     meta = plan.split_meta
     fn.launch = {  # type: ignore[attr-defined]
         "splits": plan.num_splits, "block_n": meta["BLOCK_N"], "block_m": meta["BLOCK_M"],
@@ -418,6 +442,8 @@ def markdown(meta: dict, rows: list[dict], summ: dict) -> str:
         err = f"{r['max_abs_err']:.2e}" if r.get("max_abs_err") is not None else "-"
         launch = (f"n{r['block_n']} w{r['warps']} s{r['stages']} x{r['splits']}"
                   if "splits" in r else "")  # fmt: skip
+        if "split_kernel" in r:
+            launch += " r{regs} smem{shared}".format(**r["split_kernel"])
         lines.append(f"| {r['case']} | {r['impl']} | {ms} | {tbs} | {err} | {launch} | "
                      f"{r.get('error', '')[:80]} |")  # fmt: skip
     host = [r for r in rows if r.get("case") == "host-tiny"]
