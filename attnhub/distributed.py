@@ -309,8 +309,10 @@ class _Ring:
     (gloo runs them on its own threads). On CUDA the ops are issued from a dedicated
     side stream, which first waits for the compute stream (the sent tensors are ready),
     so a transfer overlaps the compute that follows it; :meth:`wait` makes the compute
-    stream wait for the side stream before received tensors are read, and records the
-    tensors on the compute stream for the caching allocator.
+    stream wait for the side stream before received tensors are read. The handle holds
+    the sent and received tensors until then, so the caching allocator cannot hand
+    their memory to the compute stream while a transfer still reads or writes it
+    (ProcessGroupNCCL also records them on its own stream).
     """
 
     def __init__(self, group: Any, device: torch.device) -> None:
@@ -347,10 +349,8 @@ class _Ring:
         with torch.cuda.stream(self.stream):
             for work in works:
                 work.wait()  # NCCL: the side stream waits for the transfer
-        compute = torch.cuda.current_stream(self.stream.device)
-        compute.wait_stream(self.stream)
-        for t in (*send, *recv):
-            t.record_stream(compute)
+        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        del send, recv  # released only now: the compute stream is ordered after the transfer
 
     def drain(self) -> None:
         """Complete the transfers still in flight, ignoring their errors: called when a
