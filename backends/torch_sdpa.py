@@ -200,7 +200,11 @@ class _BuiltMasks:
     def _key(query: torch.Tensor, key: torch.Tensor, attn_mask: Any, params: AttentionParams) -> Any:  # fmt: skip
         if torch.compiler.is_compiling() or (attn_mask is not None and attn_mask.requires_grad):
             return None
-        version = None if attn_mask is None else attn_mask._version
+        version = None
+        if attn_mask is not None:
+            if attn_mask.is_inference():
+                return None  # it keeps no version counter: an in-place change is invisible
+            version = attn_mask._version
         return (version, query.shape[2], key.shape[2], query.dtype, query.device,
                 params.causal, params.alignment)  # fmt: skip
 

@@ -199,3 +199,18 @@ def test_a_mask_built_for_a_call_is_built_once_per_mask_tensor_and_version(monke
     check(mask)
     check(mask.clone())  # another tensor
     assert len(builds) == 3
+
+
+def test_a_mask_made_in_inference_mode_is_served_and_never_reused_stale():
+    """An inference tensor keeps no version counter (reading it raises): such a mask is
+    built for every call, so an in-place change is always seen."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 24, 16) for _ in range(3))
+    with torch.inference_mode():
+        mask = torch.rand(1, 1, 1, 24) > 0.3
+        first = attnhub.attention(q, k, v, mask, causal=True, backend="torch_sdpa")
+        mask[..., :4] = ~mask[..., :4]
+        second = attnhub.attention(q, k, v, mask, causal=True, backend="torch_sdpa")
+    ref, _ = _float64(q, k, v, mask.clone(), causal=True)
+    torch.testing.assert_close(second.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    assert not torch.equal(first, second)
