@@ -1,27 +1,53 @@
 #!/usr/bin/env bash
-# One H200 call that checks and times what a change can move, writing under $OUT:
-#   gpu-tests.log     the whole GPU suite (pytest -m gpu -n 6: bf16, fp16, fp32)
-#   demo.log          `attnhub demo` (the large model, stock vs patched, judged)
-#   workloads.json/md `attnhub bench --workloads` (bf16): the calls real models make
-#   grid-quick.json/md `attnhub bench --quick`: triton_flash against PyTorch's kernels
-#                     and FlexAttention on the grid's D=128 points (forward, backward)
-# Each step has its own time limit so that the call ends inside the device's 10 minutes;
-# a step cut short leaves what it wrote. Usage (on the device): bash benchmarks/gpu_session.sh
+# One H200 call that checks and times what a change can move, writing under $OUT.
+# Each step runs when its time limit (seconds) is > 0 and is cut at that limit, so that
+# the call ends inside the device's 10 minutes; a step cut short leaves what it wrote.
+#   TESTS_S     gpu-tests.log: the GPU suite (pytest -m gpu -n 6; cut by SIGINT, so the
+#               failures so far are still summarized)
+#   DEMO_S      demo.log: `attnhub demo` (the large model, stock vs patched, judged)
+#   OVERHEAD_S  overhead.json/txt: dispatch overhead over PyTorch's own calls
+#   CHURN_S     churn.json/txt: per-call cost with a new key length each call
+#   SERVING_S   serving.json/md: `attnhub bench --decode --varlen`
+#   MODELS_S    models.json/md: `attnhub bench --models` (MODELS: comma-separated names)
+#   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16)
+#   GRID_S      grid-quick.json/md: `attnhub bench --quick`
+# Usage (on the device): TESTS_S=150 MODELS_S=200 bash benchmarks/gpu_session.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-build-isolation --no-deps -e . -e plugins/attnhub-flex 2>&1 | grep -v WARNING
-timeout "${TESTS_S:-170}" python3 -m pytest -m gpu -n 6 -q -p no:cacheprovider \
-    --continue-on-collection-errors tests 2>&1 | tail -40 > "$OUT/gpu-tests.log"
-tail -3 "$OUT/gpu-tests.log"
-timeout "${DEMO_S:-100}" python3 -m attnhub demo > "$OUT/demo.log" 2>&1; echo "demo exit $?" >> "$OUT/demo.log"
-tail -8 "$OUT/demo.log"
-timeout "${WORKLOADS_S:-200}" python3 -m attnhub bench --workloads --device cuda --dtypes bfloat16 \
-    --budget 0.05 -o "$OUT/workloads.json" > /dev/null 2> "$OUT/workloads.err"
-timeout "${GRID_S:-100}" python3 -m attnhub bench --quick --no-plots --no-progress \
+
+step() {  # step LIMIT_S NAME COMMAND...: run COMMAND under LIMIT_S seconds, if > 0
+    local limit=$1 name=$2
+    shift 2
+    [ "${limit:-0}" -gt 0 ] || return 0
+    local start=$SECONDS
+    timeout -s INT -k 10 "$limit" "$@"
+    echo "[$name: exit $?, $((SECONDS - start)) s]"
+}
+
+step "${TESTS_S:-0}" tests python3 -m pytest -m gpu -n 6 -q -rfE --tb=line -p no:cacheprovider \
+    --continue-on-collection-errors tests > "$OUT/gpu-tests.log" 2>&1
+tail -25 "$OUT/gpu-tests.log" 2>/dev/null | grep -v "^\.\.\.\." | tail -12
+step "${DEMO_S:-0}" demo python3 -m attnhub demo > "$OUT/demo.log" 2>&1
+tail -4 "$OUT/demo.log" 2>/dev/null
+step "${OVERHEAD_S:-0}" overhead python3 benchmarks/overhead.py --device cuda --rounds 40 \
+    --repeat 500 --json "$OUT/overhead.json" > "$OUT/overhead.txt" 2>&1
+cat "$OUT/overhead.txt" 2>/dev/null
+step "${CHURN_S:-0}" churn python3 benchmarks/shape_churn_probe.py --json "$OUT/churn.json" \
+    > "$OUT/churn.txt" 2>&1
+cat "$OUT/churn.txt" 2>/dev/null
+step "${SERVING_S:-0}" serving python3 -m attnhub bench --decode --varlen --device cuda \
+    -o "$OUT/serving.json" > "$OUT/serving.md" 2> "$OUT/serving.err"
+step "${MODELS_S:-0}" models python3 -m attnhub bench --models --model-names "${MODELS:-llama,mistral-window1024,gemma2-window1024-softcap50,qwen2}" \
+    --device cuda --repeats 3 -o "$OUT/models.json" > "$OUT/models.md" 2> "$OUT/models.err"
+cat "$OUT/models.md" 2>/dev/null
+step "${WORKLOADS_S:-0}" workloads python3 -m attnhub bench --workloads --device cuda \
+    --dtypes "${DTYPES:-bfloat16}" --budget 0.04 -o "$OUT/workloads.json" > /dev/null 2> "$OUT/workloads.err"
+step "${GRID_S:-0}" grid python3 -m attnhub bench --quick --no-plots --no-progress \
     -o "$OUT/grid-quick.json" > /dev/null 2> "$OUT/grid-quick.err"
-python3 - "$OUT" <<'PY'
+[ -f "$OUT/workloads.json" ] && python3 - "$OUT" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
 try:
@@ -29,7 +55,11 @@ try:
     data = json.loads((out / "workloads.json").read_text())
     rows = bw.summarize(data)
     bad = [r for r in rows if (r["auto_vs_fastest"] or 0) < 0.97]
-    print(f"workloads: {len(rows)} rows, auto >= 0.97x fastest at {len(rows) - len(bad)}")
+    slower = [r for r in rows if (r["auto_vs_sdpa"] or 0) < 1.0]
+    print(f"workloads: {len(rows)} rows, auto >= 0.97x fastest at {len(rows) - len(bad)}, "
+          f"auto slower than sdpa at {len(slower)}")
+    (out / "workloads.md").write_text(bw.markdown(data))
 except Exception as exc:
     print("workloads summary failed:", exc)
 PY
+true
