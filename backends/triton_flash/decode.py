@@ -31,7 +31,7 @@ Structure (two launches, or one):
                           end). With S > 1 it writes its partial result (out normalized,
                           lse in log2 units, float32) to a scratch buffer; with S = 1 it
                           writes the final output and lse itself.
-``decode_merge_kernel``   grid (row blocks, B * Hkv): merges the S partials of each row by
+``decode_merge_kernel``   grid (blocks of <= 16 rows, B * Hkv): merges the S partials of each row by
                           their log-sum-exp: out = sum_s exp(lse_s - lse) out_s,
                           lse = log sum_s exp(lse_s). Splits that saw no key carry
                           lse = -inf and weigh nothing.
@@ -41,12 +41,16 @@ Paged caches: the key tile of BLOCK_N keys starting at key n reads page
 per tile (a tile never straddles pages: both are powers of two), else one gathered load
 per key (PAGE_SIZE < BLOCK_N, e.g. 16-key pages under 64-key tiles).
 
-The host path is a few integer computations, a cached plan per call signature
-(:func:`_plan`), three allocations (out, lse and one flat float32 scratch buffer for the
-partials; none when S = 1 beyond out and lse) and one or two launches. The scratch is
-allocated per call, not cached: a cached buffer would be shared by calls on different
-streams (a silent race), and the caching allocator serves a same-sized block in a few
-microseconds.
+Host path: a repeated eager call on CUDA finds its launch plan by its signature
+(``_PLANS``: shapes, strides, dtypes, alignment, options) and launches the compiled
+kernels directly (launch.CachedLaunch, without Triton's per-call binder), after three
+allocations: out, lse and one flat float32 scratch buffer for the partials (none when
+S = 1). The first call of a signature takes the full path (:func:`_plan` picks the
+launch, Triton compiles or finds the kernels). The scratch is allocated per call, not
+cached: a cached buffer would be shared by calls on different streams (a silent race),
+and the caching allocator serves a same-sized block in a few microseconds. The
+launches use no host-side value of the lengths, so a call captures into a CUDA graph
+and replays with new lengths.
 """
 
 from __future__ import annotations
