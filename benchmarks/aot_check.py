@@ -227,6 +227,36 @@ def ptxas_usage(ptx: str, capability: int) -> str:
     return "registers={} stack={} spill_stores={}".format(*numbers)
 
 
+def sass_text(cubin: bytes) -> str | None:
+    """The kernel's SASS instructions, one a line, without addresses, encodings or
+    comments (so that two compilations of the same code compare equal whatever their
+    source line numbers); None where cuobjdump fails."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        try:
+            sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", path],
+                                  capture_output=True, text=True, check=True).stdout  # fmt: skip
+        except (OSError, RuntimeError, subprocess.CalledProcessError):
+            return None
+    return "\n".join(op.strip() for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)) + "\n"
+
+
+def write_sass(directory: str, name: str, cubin: bytes) -> None:
+    """Write :func:`sass_text` of one launch to ``directory``, named by a hash of
+    ``name`` (kernel, argument dtype and constexprs), with ``name`` on its first line."""
+    import hashlib
+
+    os.makedirs(directory, exist_ok=True)
+    digest = hashlib.sha1(name.encode()).hexdigest()[:16]
+    kernel = name.split()[0]
+    with open(os.path.join(directory, f"{kernel}-{digest}.sass"), "w") as f:
+        f.write(f"// {name}\n{sass_text(cubin) or '(cuobjdump failed)'}")
+
+
 def _distinct(launches: list, kernel_filter: tuple[str, ...] | None = None) -> Iterator[tuple]:
     """The recorded launches that compile differently (kernel, argument types and
     specializations, constexprs and options), first occurrence each; ``kernel_filter``:
@@ -257,12 +287,14 @@ def compile_all(
     *,
     kernel_filter: tuple[str, ...] | None = None,
     registers: bool = False,
+    sass_dir: str | None = None,
 ) -> int:
     """Compile each distinct recorded launch for ``sm_<capability>``; print shared
     memory and compile time per kernel (with ``registers``: registers, spills, and
     spill stores/loads inside loops, :func:`loop_spills`);
     return the number of failures (errors or over the limit). ``kernel_filter``: only
-    the kernels of these names."""
+    the kernels of these names. ``sass_dir``: also write each launch's SASS there
+    (:func:`write_sass`), to diff two trees' kernels instruction by instruction."""
     count, failures, start = 0, 0, time.time()
     for kernel, kargs, kwargs in _distinct(launches, kernel_filter):
         count += 1
@@ -279,6 +311,8 @@ def compile_all(
             in_loops = loop_spills(compiled.asm["cubin"])
             loops = "?" if in_loops is None else "{}/{}".format(*in_loops)
             usage = f" {ptxas_usage(compiled.asm['ptx'], capability)} loop_STL/LDL={loops}"
+        if sass_dir is not None:
+            write_sass(sass_dir, name, compiled.asm["cubin"])
         over = shared > SHARED_LIMIT
         failures += over
         print(f"{'FAIL' if over else 'ok'} {name} shared={shared}{usage} compile={took:.1f}s",
@@ -426,10 +460,13 @@ def main(argv: list[str] | None = None) -> int:
         "--registers", action="store_true",
         help="also report registers and spills (runs ptxas -v once more per kernel)",
     )  # fmt: skip
+    parser.add_argument(
+        "--sass-dir", help="write each launch's SASS there (diff two trees: diff -r A B)"
+    )
     args = parser.parse_args(argv)
     if args.blocksparse:
         launches = record_blocksparse(variants_blocksparse(args.quick))
-        return 1 if compile_all(launches, args.capability) else 0
+        return 1 if compile_all(launches, args.capability, sass_dir=args.sass_dir) else 0
     if args.bwd_table:
         return 1 if bwd_table(args.capability) else 0
     if args.dtype is None:
@@ -447,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         launches = record(cases, BWD_RECORDED if args.bwd == "all" else (args.bwd,))
     kernel_filter = _KERNELS[args.kernel] if args.kernel else None
     failures = compile_all(launches, args.capability, kernel_filter=kernel_filter,
-                           registers=args.registers)  # fmt: skip
+                           registers=args.registers, sass_dir=args.sass_dir)  # fmt: skip
     return 1 if failures else 0
 
 

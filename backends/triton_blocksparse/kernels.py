@@ -1,15 +1,19 @@
-"""Block-sparse FlashAttention forward and backward: triton_flash's kernels, visiting
+"""Block-sparse FlashAttention forward and backward: the dense kernels' passes, visiting
 only the kept blocks of a :class:`attnhub.BlockSparseLayout`.
 
 Read ``backends/triton_flash/kernels.py`` first: its glossary (band, offset, segments,
-delta, dropout stream, program ids, constexpr knobs) holds here unchanged. This module
-adds only the walk over the layout's compressed block lists and the token masks of
-partial blocks; the score pipeline (``_scores``: scale, softcap, attn_mask, band and
-bounds masks), the tile loads, the band arithmetic (``_key_ranges``/``_query_ranges``),
-the per-tile steps (``_fwd_step``, ``_bwd_q_step``, ``_bwd_kv_step``; with HAS_TILE
-they also apply a partial block's token mask) and the loops over one block's tiles
-(``_fwd_inner``, ``_bwd_q_inner``, ``_bwd_kv_inner``) are triton_flash's own.
-
+delta, dropout stream, program ids, constexpr knobs) holds here unchanged. Both
+families are built on one kernel layer, ``backends/triton_flash/common.py``: the score
+pipeline (``_scores``: scale, softcap, attn_mask, band and bounds masks), the tile
+loads, the band arithmetic (``_key_ranges``/``_query_ranges``), the per-tile steps
+(``_fwd_step``, ``_bwd_q_step``, ``_bwd_kv_step``; with HAS_TILE they also apply a
+partial block's token mask), the loops over a run of tiles (``_fwd_inner``,
+``_bwd_q_inner``, ``_bwd_kv_inner``) and each pass's prologue and epilogue
+(``_kv_bases``, ``_row_streams``, ``_softmax_init``, ``_fwd_finish``, ``_dq_operands``,
+``_dq_finish``, ``_kv_operands``, ``_query_head_bases``, ``_dkdv_finish``). A kernel
+here is a dense kernel whose walk over the band's segments is replaced by a walk over
+the layout's compressed block lists: this module adds only that walk, the program
+order and the token masks of partial blocks.
 Tiles
 -----
 BQ, BK                the layout's block size (bq, bk).
@@ -53,20 +57,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attnhub.backends.triton_flash.kernels import (
+from attnhub.backends.triton_flash.common import (
     _DYNAMIC,
     _bwd_kv_inner,
     _bwd_kv_step,
     _bwd_q_inner,
     _bwd_q_step,
+    _dkdv_finish,
+    _dq_finish,
+    _dq_operands,
     _fp32_scalars,
+    _fwd_finish,
     _fwd_inner,
     _fwd_step,
     _key_ranges,
-    _load_lse2,
+    _kv_bases,
+    _kv_operands,
     _load_rows,
+    _query_head_bases,
     _query_ranges,
+    _row_streams,
     _row_stride,
+    _softmax_init,
 )
 
 
@@ -128,10 +140,10 @@ def bs_fwd_kernel(
     STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
 ):  # fmt: skip
     """Out and Lse for BLOCK_M rows of one query block, visiting only its kept key blocks."""
-    stride_kn = _row_stride(stride_kn, STRIDE_KN)
-    stride_vn = _row_stride(stride_vn, STRIDE_VN)
+    stride_kn = _row_stride(stride_kn, PACKED=STRIDE_KN)
+    stride_vn = _row_stride(stride_vn, PACKED=STRIDE_VN)
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
-    start_m, pid_bh = _program_tile(Order, n_heavy, NQ, BQ, BLOCK_M)
+    start_m, pid_bh = _program_tile(Order, n_heavy, NQ, BLOCK=BQ, TILE=BLOCK_M)
     if start_m >= NQ:  # a tile of the ragged last block that lies past NQ
         return
     qb = start_m // BQ  # the layout's row block
@@ -147,34 +159,26 @@ def bs_fwd_kernel(
         Q + b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qm
         + offs_d[None, :] * stride_qd
     )  # fmt: skip
-    q = _load_rows(q_ptrs, offs_m, NQ, offs_d, HEAD_D, True, not EVEN_D)
-    k_base = (
-        K
-        + b * stride_kb
-        + hk * stride_kh
-        + offs_n0[:, None] * stride_kn
-        + offs_d[None, :] * stride_kd
-    )
-    v_base = (
-        V
-        + b * stride_vb
-        + hk * stride_vh
-        + offs_n0[:, None] * stride_vn
-        + offs_dv[None, :] * stride_vd
-    )
-    mask_rows = Mask + b * stride_mb + h * stride_mh + offs_m.to(tl.int64) * stride_mm
-    if HAS_DROPOUT:
-        seed = tl.load(Seed)
-        drop_rows = (pid_bh * NQ + offs_m) * NK
-    else:
-        seed = 0
-        drop_rows = offs_m
+    q = _load_rows(q_ptrs, offs_m, NQ, offs_d, HEAD_D, CHECK_ROWS=True, CHECK_COLS=not EVEN_D)
+    k_base, v_base = _kv_bases(
+        K, V, b, hk, offs_n0, offs_d, offs_dv,
+        stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+    )  # fmt: skip
+    mask_rows, seed, drop_rows = _row_streams(
+        Mask, Seed, b, h, pid_bh, offs_m, stride_mb, stride_mh, stride_mm, NQ, NK,
+        HAS_DROPOUT=HAS_DROPOUT,
+    )  # fmt: skip
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i, l_i, acc = _softmax_init(BLOCK_M=BLOCK_M, BLOCK_DV=BLOCK_DV)
     lo, f_lo, f_hi, hi = _key_ranges(
-        start_m, NK, offset, win_left, win_right, BLOCK_M, BLOCK_N, HAS_BAND
+        start_m,
+        NK,
+        offset,
+        win_left,
+        win_right,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        HAS_BAND=HAS_BAND,
     )
     num_off = b * stride_nb + h * stride_nh + qb
     idx_off = b * stride_ib + h * stride_ih + qb * NCOLS
@@ -190,14 +194,14 @@ def bs_fwd_kernel(
         v_ptrs = v_base + start_n.to(tl.int64) * stride_vn
         for j in range(0, n_full * (BK // BLOCK_N)):
             acc, l_i, m_i = _fwd_step(
-                acc, l_i, m_i, q, k_ptrs, v_ptrs, k_ptrs, mask_rows, drop_rows, seed,
-                start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn,
-                NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                qk_scale, sm_scale, softcap, dropout_p,
-                False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION, False,
-                FOLD_SCALE,
+                acc, l_i, m_i, q, k_ptrs, v_ptrs, k_ptrs, mask_rows, drop_rows, seed, start_n,
+                offs_m, offs_n0, offs_d, offs_dv, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset,
+                win_left, win_right, qk_scale, sm_scale, softcap, dropout_p, MASKED=False,
+                EVEN_D=EVEN_D, HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND,
+                HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION, HAS_TILE=False,
+                FOLD_SCALE=FOLD_SCALE,
             )  # fmt: skip
-            step = _next_tile(FullIdx + idx_off, j, start_n, n_full, BK, BLOCK_N)
+            step = _next_tile(FullIdx + idx_off, j, start_n, n_full, BLOCK=BK, TILE=BLOCK_N)
             k_ptrs += step.to(tl.int64) * stride_kn
             v_ptrs += step.to(tl.int64) * stride_vn
             start_n += step
@@ -208,21 +212,21 @@ def bs_fwd_kernel(
             v_ptrs = v_base + start_n.to(tl.int64) * stride_vn
             if (start_n >= f_lo) & (start_n + BK <= f_hi):
                 acc, l_i, m_i = _fwd_inner(
-                    acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
-                    start_n, start_n + BK, offs_m, offs_n0, offs_d, offs_dv,
-                    stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                    qk_scale, sm_scale, softcap, dropout_p,
-                    BLOCK_N, False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
-                    FOLD_SCALE,
+                    acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_rows, drop_rows, seed, start_n,
+                    start_n + BK, offs_m, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, stride_mn,
+                    NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right, qk_scale, sm_scale,
+                    softcap, dropout_p, BLOCK_N=BLOCK_N, MASKED=False, EVEN_D=EVEN_D,
+                    HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND,
+                    HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION, FOLD_SCALE=FOLD_SCALE,
                 )  # fmt: skip
             elif (start_n < hi) & (start_n + BK > lo):
                 acc, l_i, m_i = _fwd_inner(
-                    acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
-                    start_n, start_n + BK, offs_m, offs_n0, offs_d, offs_dv,
-                    stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                    qk_scale, sm_scale, softcap, dropout_p,
-                    BLOCK_N, True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
-                    FOLD_SCALE,
+                    acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_rows, drop_rows, seed, start_n,
+                    start_n + BK, offs_m, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, stride_mn,
+                    NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right, qk_scale, sm_scale,
+                    softcap, dropout_p, BLOCK_N=BLOCK_N, MASKED=True, EVEN_D=EVEN_D,
+                    HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND,
+                    HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION, FOLD_SCALE=FOLD_SCALE,
                 )  # fmt: skip
     if HAS_PARTIAL:
         # This program's rows of a (BQ, BK) token mask; key tiles step along it.
@@ -240,14 +244,14 @@ def bs_fwd_kernel(
             t_ptrs = Tiles + tl.load(PartTile + idx_off).to(tl.int64) * (BQ * BK) + tile_local
             for j in range(0, n_part * (BK // BLOCK_N)):
                 acc, l_i, m_i = _fwd_step(
-                    acc, l_i, m_i, q, k_ptrs, v_ptrs, t_ptrs,
-                    mask_rows, drop_rows, seed, start_n, offs_m, offs_n0, offs_d, offs_dv,
-                    stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                    qk_scale, sm_scale, softcap, dropout_p,
-                    False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
-                    INPUT_PRECISION, True, FOLD_SCALE,
+                    acc, l_i, m_i, q, k_ptrs, v_ptrs, t_ptrs, mask_rows, drop_rows, seed, start_n,
+                    offs_m, offs_n0, offs_d, offs_dv, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset,
+                    win_left, win_right, qk_scale, sm_scale, softcap, dropout_p, MASKED=False,
+                    EVEN_D=EVEN_D, HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND,
+                    HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION, HAS_TILE=True,
+                    FOLD_SCALE=FOLD_SCALE,
                 )  # fmt: skip
-                step = _next_tile(PartIdx + idx_off, j, start_n, n_part, BK, BLOCK_N)
+                step = _next_tile(PartIdx + idx_off, j, start_n, n_part, BLOCK=BK, TILE=BLOCK_N)
                 k_ptrs += step.to(tl.int64) * stride_kn
                 v_ptrs += step.to(tl.int64) * stride_vn
                 start_n += step
@@ -261,32 +265,21 @@ def bs_fwd_kernel(
                     start_n = block_n + sub
                     if (start_n < hi) & (start_n + BLOCK_N > lo):
                         acc, l_i, m_i = _fwd_step(
-                            acc, l_i, m_i, q,
-                            k_base + start_n.to(tl.int64) * stride_kn,
+                            acc, l_i, m_i, q, k_base + start_n.to(tl.int64) * stride_kn,
                             v_base + start_n.to(tl.int64) * stride_vn,
-                            Tiles + tile * (BQ * BK) + sub + tile_local,
-                            mask_rows, drop_rows, seed, start_n, offs_m, offs_n0, offs_d, offs_dv,
-                            stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                            qk_scale, sm_scale, softcap, dropout_p,
-                            True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
-                            INPUT_PRECISION, True, FOLD_SCALE,
+                            Tiles + tile * (BQ * BK) + sub + tile_local, mask_rows, drop_rows, seed,
+                            start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn, NQ, NK, HEAD_D,
+                            HEAD_DV, offset, win_left, win_right, qk_scale, sm_scale, softcap,
+                            dropout_p, MASKED=True, EVEN_D=EVEN_D, HAS_BAND=HAS_BAND,
+                            HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
+                            INPUT_PRECISION=INPUT_PRECISION, HAS_TILE=True, FOLD_SCALE=FOLD_SCALE,
                         )  # fmt: skip
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    if HAS_DROPOUT:
-        l_safe = l_safe * (1.0 - dropout_p)
-    out = acc / l_safe[:, None]
-    o_ptrs = (
-        Out + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_om
-        + offs_dv[None, :] * stride_od
+    _fwd_finish(
+        Out, Lse, acc, l_i, m_i, b, h, pid_bh, offs_m, offs_dv,
+        stride_ob, stride_oh, stride_om, stride_od, NQ, HEAD_DV, dropout_p,
+        EVEN_D=EVEN_D, HAS_DROPOUT=HAS_DROPOUT, STORE_LSE=True,
     )  # fmt: skip
-    tl.store(
-        o_ptrs, out.to(Out.dtype.element_ty),
-        mask=(offs_m[:, None] < NQ) & (offs_dv[None, :] < HEAD_DV),
-    )  # fmt: skip
-    tl.store(Lse + pid_bh * NQ + offs_m, lse, mask=offs_m < NQ)
 
 
 @triton.jit(do_not_specialize=[*_DYNAMIC, "n_heavy"])
@@ -310,10 +303,10 @@ def bs_bwd_dq_kernel(
     STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
 ):  # fmt: skip
     """dQ for BLOCK_M rows of one query block over its kept key blocks."""
-    stride_kn = _row_stride(stride_kn, STRIDE_KN)
-    stride_vn = _row_stride(stride_vn, STRIDE_VN)
+    stride_kn = _row_stride(stride_kn, PACKED=STRIDE_KN)
+    stride_vn = _row_stride(stride_vn, PACKED=STRIDE_VN)
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
-    start_m, pid_bh = _program_tile(Order, n_heavy, NQ, BQ, BLOCK_M)
+    start_m, pid_bh = _program_tile(Order, n_heavy, NQ, BLOCK=BQ, TILE=BLOCK_M)
     if start_m >= NQ:  # a tile of the ragged last block that lies past NQ
         return
     qb = start_m // BQ  # the layout's row block
@@ -324,38 +317,30 @@ def bs_bwd_dq_kernel(
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    rows = offs_m.to(tl.int64)[:, None]
 
-    q = _load_rows(Q + b * stride_qb + h * stride_qh + rows * stride_qm + offs_d[None, :] * stride_qd,
-                   offs_m, NQ, offs_d, HEAD_D, True, not EVEN_D)  # fmt: skip
-    do = _load_rows(DO + b * stride_dob + h * stride_doh + rows * stride_dom + offs_dv[None, :] * stride_dod,
-                    offs_m, NQ, offs_dv, HEAD_DV, True, not EVEN_D)  # fmt: skip
-    lse2 = _load_lse2(Lse + pid_bh * NQ + offs_m, offs_m, NQ, True)
-    delta = tl.load(Delta + pid_bh * NQ + offs_m, mask=offs_m < NQ, other=0.0)
-    k_base = (
-        K
-        + b * stride_kb
-        + hk * stride_kh
-        + offs_n0[:, None] * stride_kn
-        + offs_d[None, :] * stride_kd
-    )
-    v_base = (
-        V
-        + b * stride_vb
-        + hk * stride_vh
-        + offs_n0[:, None] * stride_vn
-        + offs_dv[None, :] * stride_vd
-    )
-    mask_rows = Mask + b * stride_mb + h * stride_mh + offs_m.to(tl.int64) * stride_mm
-    if HAS_DROPOUT:
-        seed = tl.load(Seed)
-        drop_rows = (pid_bh * NQ + offs_m) * NK
-    else:
-        seed = 0
-        drop_rows = offs_m
+    q, do, lse2, delta = _dq_operands(
+        Q, DO, Lse, Delta, b, h, pid_bh, offs_m, offs_d, offs_dv,
+        stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
+        NQ, HEAD_D, HEAD_DV, EVEN_D=EVEN_D,
+    )  # fmt: skip
+    k_base, v_base = _kv_bases(
+        K, V, b, hk, offs_n0, offs_d, offs_dv,
+        stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+    )  # fmt: skip
+    mask_rows, seed, drop_rows = _row_streams(
+        Mask, Seed, b, h, pid_bh, offs_m, stride_mb, stride_mh, stride_mm, NQ, NK,
+        HAS_DROPOUT=HAS_DROPOUT,
+    )  # fmt: skip
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, f_lo, f_hi, hi = _key_ranges(
-        start_m, NK, offset, win_left, win_right, BLOCK_M, BLOCK_N, HAS_BAND
+        start_m,
+        NK,
+        offset,
+        win_left,
+        win_right,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        HAS_BAND=HAS_BAND,
     )
     num_off = b * stride_nb + h * stride_nh + qb
     idx_off = b * stride_ib + h * stride_ih + qb * NCOLS
@@ -371,10 +356,10 @@ def bs_bwd_dq_kernel(
             dq = _bwd_q_step(
                 dq, q, do, lse2, delta, k_base + start_n.to(tl.int64) * stride_kn,
                 v_base + start_n.to(tl.int64) * stride_vn, k_base, mask_rows, drop_rows, seed,
-                start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn,
-                NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                qk_scale, sm_scale, softcap, dropout_p,
-                False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION, False,
+                start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn, NQ, NK, HEAD_D, HEAD_DV,
+                offset, win_left, win_right, qk_scale, sm_scale, softcap, dropout_p, MASKED=False,
+                EVEN_D=EVEN_D, HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND,
+                HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION, HAS_TILE=False,
             )  # fmt: skip
     else:
         for i in range(0, n_full):
@@ -383,19 +368,21 @@ def bs_bwd_dq_kernel(
             v_ptrs = v_base + start_n.to(tl.int64) * stride_vn
             if (start_n >= f_lo) & (start_n + BK <= f_hi):
                 dq = _bwd_q_inner(
-                    dq, q, do, lse2, delta, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
-                    start_n, start_n + BK, offs_m, offs_n0, offs_d, offs_dv,
-                    stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                    qk_scale, sm_scale, softcap, dropout_p,
-                    BLOCK_N, False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
+                    dq, q, do, lse2, delta, k_ptrs, v_ptrs, mask_rows, drop_rows, seed, start_n,
+                    start_n + BK, offs_m, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, stride_mn,
+                    NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right, qk_scale, sm_scale,
+                    softcap, dropout_p, BLOCK_N=BLOCK_N, MASKED=False, EVEN_D=EVEN_D,
+                    HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND,
+                    HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION,
                 )  # fmt: skip
             elif (start_n < hi) & (start_n + BK > lo):
                 dq = _bwd_q_inner(
-                    dq, q, do, lse2, delta, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
-                    start_n, start_n + BK, offs_m, offs_n0, offs_d, offs_dv,
-                    stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                    qk_scale, sm_scale, softcap, dropout_p,
-                    BLOCK_N, True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION,
+                    dq, q, do, lse2, delta, k_ptrs, v_ptrs, mask_rows, drop_rows, seed, start_n,
+                    start_n + BK, offs_m, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, stride_mn,
+                    NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right, qk_scale, sm_scale,
+                    softcap, dropout_p, BLOCK_N=BLOCK_N, MASKED=True, EVEN_D=EVEN_D,
+                    HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND,
+                    HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION,
                 )  # fmt: skip
     if HAS_PARTIAL:
         # This program's rows of a (BQ, BK) token mask; key tiles step along it.
@@ -414,11 +401,13 @@ def bs_bwd_dq_kernel(
                 tile = tl.load(PartTile + idx_off + i).to(tl.int64)
                 dq = _bwd_q_step(
                     dq, q, do, lse2, delta, k_base + start_n.to(tl.int64) * stride_kn,
-                    v_base + start_n.to(tl.int64) * stride_vn, Tiles + tile * (BQ * BK) + sub + tile_local,
-                    mask_rows, drop_rows, seed, start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn,
-                    NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                    qk_scale, sm_scale, softcap, dropout_p,
-                    False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, INPUT_PRECISION, True,
+                    v_base + start_n.to(tl.int64) * stride_vn,
+                    Tiles + tile * (BQ * BK) + sub + tile_local, mask_rows, drop_rows, seed,
+                    start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn, NQ, NK, HEAD_D, HEAD_DV,
+                    offset, win_left, win_right, qk_scale, sm_scale, softcap, dropout_p,
+                    MASKED=False, EVEN_D=EVEN_D, HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP,
+                    MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION,
+                    HAS_TILE=True,
                 )  # fmt: skip
         else:
             for i in range(0, n_part):
@@ -428,20 +417,20 @@ def bs_bwd_dq_kernel(
                     start_n = block_n + sub
                     if (start_n < hi) & (start_n + BLOCK_N > lo):
                         dq = _bwd_q_step(
-                            dq, q, do, lse2, delta,
-                            k_base + start_n.to(tl.int64) * stride_kn,
+                            dq, q, do, lse2, delta, k_base + start_n.to(tl.int64) * stride_kn,
                             v_base + start_n.to(tl.int64) * stride_vn,
-                            Tiles + tile * (BQ * BK) + sub + tile_local,
-                            mask_rows, drop_rows, seed, start_n, offs_m, offs_n0, offs_d, offs_dv,
-                            stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                            qk_scale, sm_scale, softcap, dropout_p,
-                            True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
-                            INPUT_PRECISION, True,
+                            Tiles + tile * (BQ * BK) + sub + tile_local, mask_rows, drop_rows, seed,
+                            start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn, NQ, NK, HEAD_D,
+                            HEAD_DV, offset, win_left, win_right, qk_scale, sm_scale, softcap,
+                            dropout_p, MASKED=True, EVEN_D=EVEN_D, HAS_BAND=HAS_BAND,
+                            HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
+                            INPUT_PRECISION=INPUT_PRECISION, HAS_TILE=True,
                         )  # fmt: skip
 
-    dq = dq * sm_scale
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + rows * stride_dqm + offs_d[None, :] * stride_dqd,
-             dq.to(DQ.dtype.element_ty), mask=(offs_m[:, None] < NQ) & (offs_d[None, :] < HEAD_D))  # fmt: skip
+    _dq_finish(
+        DQ, dq, b, h, offs_m, offs_d, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+        NQ, HEAD_D, sm_scale,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=[*_DYNAMIC, "n_heavy"])
@@ -467,10 +456,10 @@ def bs_bwd_dkdv_kernel(
 ):  # fmt: skip
     """dK and dV for BLOCK_N keys of one key block, over the kept query blocks of each of the GROUP query
     heads that read it (the block lists here are the per-key-block "q" direction)."""
-    stride_qm = _row_stride(stride_qm, STRIDE_QM)
-    stride_dom = _row_stride(stride_dom, STRIDE_DOM)
+    stride_qm = _row_stride(stride_qm, PACKED=STRIDE_QM)
+    stride_dom = _row_stride(stride_dom, PACKED=STRIDE_DOM)
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
-    start_n, pid_bh = _program_tile(Order, n_heavy, NK, BK, BLOCK_N)
+    start_n, pid_bh = _program_tile(Order, n_heavy, NK, BLOCK=BK, TILE=BLOCK_N)
     if start_n >= NK:  # a tile of the ragged last block that lies past NK
         return
     kb = start_n // BK  # the layout's column block
@@ -480,20 +469,23 @@ def bs_bwd_dkdv_kernel(
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    rows_n = offs_n.to(tl.int64)[:, None]
 
-    k = _load_rows(K + b * stride_kb + hk * stride_kh + rows_n * stride_kn + offs_d[None, :] * stride_kd,
-                   offs_n, NK, offs_d, HEAD_D, True, not EVEN_D)  # fmt: skip
-    v = _load_rows(V + b * stride_vb + hk * stride_vh + rows_n * stride_vn + offs_dv[None, :] * stride_vd,
-                   offs_n, NK, offs_dv, HEAD_DV, True, not EVEN_D)  # fmt: skip
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    if HAS_DROPOUT:
-        seed = tl.load(Seed)
-    else:
-        seed = 0
+    k, v, dk, dv, seed = _kv_operands(
+        K, V, Seed, b, hk, offs_n, offs_d, offs_dv,
+        stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+        NK, HEAD_D, HEAD_DV, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        EVEN_D=EVEN_D, HAS_DROPOUT=HAS_DROPOUT,
+    )  # fmt: skip
     lo, f_lo, f_hi, hi = _query_ranges(
-        start_n, NQ, NK, offset, win_left, win_right, BLOCK_M, BLOCK_N, HAS_BAND
+        start_n,
+        NQ,
+        NK,
+        offset,
+        win_left,
+        win_right,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        HAS_BAND=HAS_BAND,
     )
     # This program's keys of a (BQ, BK) token mask, transposed to (keys, rows) like this
     # kernel's tiles; query tiles step down it.
@@ -501,21 +493,11 @@ def bs_bwd_dkdv_kernel(
     for g in range(0, GROUP):
         h = hk * GROUP + g
         bh = b * H + h
-        q_base = (
-            Q
-            + b * stride_qb
-            + h * stride_qh
-            + offs_m0[:, None] * stride_qm
-            + offs_d[None, :] * stride_qd
-        )
-        do_base = (
-            DO + b * stride_dob + h * stride_doh + offs_m0[:, None] * stride_dom
-            + offs_dv[None, :] * stride_dod
+        q_base, do_base, lse_base, delta_base, mask_base, drop_base = _query_head_bases(
+            Q, DO, Lse, Delta, Mask, b, h, bh, offs_m0, offs_d, offs_dv,
+            stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
+            stride_dod, stride_mb, stride_mh, NQ, NK,
         )  # fmt: skip
-        lse_base = Lse + bh * NQ + offs_m0
-        delta_base = Delta + bh * NQ + offs_m0
-        mask_base = Mask + b * stride_mb + h * stride_mh
-        drop_base = bh * NQ * NK
         num_off = b * stride_nb + h * stride_nh + kb
         idx_off = b * stride_ib + h * stride_ih + kb * NCOLS
 
@@ -528,12 +510,12 @@ def bs_bwd_dkdv_kernel(
                 s64 = start_m.to(tl.int64)
                 dk, dv = _bwd_kv_step(
                     dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
-                    lse_base + s64, delta_base + s64, q_base, mask_base, drop_base, seed,
-                    start_m, offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn,
-                    NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                    qk_scale, sm_scale, softcap, dropout_p,
-                    False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
-                    INPUT_PRECISION, False,
+                    lse_base + s64, delta_base + s64, q_base, mask_base, drop_base, seed, start_m,
+                    offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn, NQ, NK, HEAD_D, HEAD_DV,
+                    offset, win_left, win_right, qk_scale, sm_scale, softcap, dropout_p,
+                    MASKED=False, EVEN_D=EVEN_D, HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP,
+                    MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION,
+                    HAS_TILE=False,
                 )  # fmt: skip
         else:
             for i in range(0, n_full):
@@ -542,24 +524,24 @@ def bs_bwd_dkdv_kernel(
                 if (start_m >= f_lo) & (start_m + BQ <= f_hi):
                     dk, dv = _bwd_kv_inner(
                         dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
-                        lse_base + s64, delta_base + s64, mask_base, drop_base, seed,
-                        start_m, start_m + BQ, offs_n, offs_m0, offs_d, offs_dv,
-                        stride_qm, stride_dom, stride_mm, stride_mn,
-                        NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                        qk_scale, sm_scale, softcap, dropout_p,
-                        BLOCK_M, False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND,
-                        HAS_DROPOUT, INPUT_PRECISION,
+                        lse_base + s64, delta_base + s64, mask_base, drop_base, seed, start_m,
+                        start_m + BQ, offs_n, offs_m0, offs_d, offs_dv, stride_qm, stride_dom,
+                        stride_mm, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                        qk_scale, sm_scale, softcap, dropout_p, BLOCK_M=BLOCK_M, MASKED=False,
+                        EVEN_D=EVEN_D, HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP,
+                        MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
+                        INPUT_PRECISION=INPUT_PRECISION,
                     )  # fmt: skip
                 elif (start_m < hi) & (start_m + BQ > lo):
                     dk, dv = _bwd_kv_inner(
                         dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
-                        lse_base + s64, delta_base + s64, mask_base, drop_base, seed,
-                        start_m, start_m + BQ, offs_n, offs_m0, offs_d, offs_dv,
-                        stride_qm, stride_dom, stride_mm, stride_mn,
-                        NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                        qk_scale, sm_scale, softcap, dropout_p,
-                        BLOCK_M, True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND,
-                        HAS_DROPOUT, INPUT_PRECISION,
+                        lse_base + s64, delta_base + s64, mask_base, drop_base, seed, start_m,
+                        start_m + BQ, offs_n, offs_m0, offs_d, offs_dv, stride_qm, stride_dom,
+                        stride_mm, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                        qk_scale, sm_scale, softcap, dropout_p, BLOCK_M=BLOCK_M, MASKED=True,
+                        EVEN_D=EVEN_D, HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP,
+                        MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
+                        INPUT_PRECISION=INPUT_PRECISION,
                     )  # fmt: skip
         if HAS_PARTIAL:
             n_part = tl.load(PartNum + num_off)
@@ -573,13 +555,13 @@ def bs_bwd_dkdv_kernel(
                     s64 = start_m.to(tl.int64)
                     dk, dv = _bwd_kv_step(
                         dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
-                        lse_base + s64, delta_base + s64, Tiles + tile * (BQ * BK) + sub * BK + tile_local,
-                        mask_base, drop_base, seed,
-                        start_m, offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn,
-                        NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                        qk_scale, sm_scale, softcap, dropout_p,
-                        False, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
-                        INPUT_PRECISION, True,
+                        lse_base + s64, delta_base + s64,
+                        Tiles + tile * (BQ * BK) + sub * BK + tile_local, mask_base, drop_base,
+                        seed, start_m, offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn, NQ,
+                        NK, HEAD_D, HEAD_DV, offset, win_left, win_right, qk_scale, sm_scale,
+                        softcap, dropout_p, MASKED=False, EVEN_D=EVEN_D, HAS_BAND=HAS_BAND,
+                        HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
+                        INPUT_PRECISION=INPUT_PRECISION, HAS_TILE=True,
                     )  # fmt: skip
             else:
                 for i in range(0, n_part):
@@ -592,18 +574,17 @@ def bs_bwd_dkdv_kernel(
                             dk, dv = _bwd_kv_step(
                                 dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
                                 lse_base + s64, delta_base + s64,
-                                Tiles + tile * (BQ * BK) + sub * BK + tile_local,
-                                mask_base, drop_base, seed,
-                                start_m, offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn,
-                                NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                                qk_scale, sm_scale, softcap, dropout_p,
-                                True, EVEN_D, HAS_BAND, HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT,
-                                INPUT_PRECISION, True,
+                                Tiles + tile * (BQ * BK) + sub * BK + tile_local, mask_base,
+                                drop_base, seed, start_m, offs_n, offs_m0, offs_d, offs_dv,
+                                stride_mm, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left,
+                                win_right, qk_scale, sm_scale, softcap, dropout_p, MASKED=True,
+                                EVEN_D=EVEN_D, HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP,
+                                MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
+                                INPUT_PRECISION=INPUT_PRECISION, HAS_TILE=True,
                             )  # fmt: skip
 
-    dk = dk * sm_scale
-    inb_n = offs_n[:, None] < NK
-    tl.store(DK + b * stride_dkb + hk * stride_dkh + rows_n * stride_dkn + offs_d[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=inb_n & (offs_d[None, :] < HEAD_D))  # fmt: skip
-    tl.store(DV + b * stride_dvb + hk * stride_dvh + rows_n * stride_dvn + offs_dv[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=inb_n & (offs_dv[None, :] < HEAD_DV))  # fmt: skip
+    _dkdv_finish(
+        DK, DV, dk, dv, b, hk, offs_n, offs_d, offs_dv,
+        stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+        stride_dvd, NK, HEAD_D, HEAD_DV, sm_scale,
+    )  # fmt: skip
