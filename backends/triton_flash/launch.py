@@ -92,10 +92,15 @@ class CachedLaunch:
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         stream = torch._C._cuda_getCurrentRawStream(self._device)
+        # The launcher takes a pointer as an int or as an object with data_ptr(); for an
+        # object it also asks the driver whether the address is device memory
+        # (cuPointerGetAttribute, once per pointer and launch). Plans only hold CUDA
+        # tensors (the plan key has their device), so the ints skip that query.
+        pointers = [t.data_ptr() for t in tensors]
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         if _active(enter) or _active(leave):  # a profiler's hooks (proton): as Triton does
             grid = (self._x, self._y, self._z)
             meta = self._compiled.launch_metadata(grid, stream, *tensors, *self._rest)
-            self._launch(stream, meta, enter, leave, *tensors)
+            self._launch(stream, meta, enter, leave, *pointers)
         else:
-            self._launch(stream, None, None, None, *tensors)
+            self._launch(stream, None, None, None, *pointers)
