@@ -384,14 +384,17 @@ def _plan_key(
     if not q.is_cuda or _launcher is not _default_launcher:
         return None
     dtype = q.dtype
+    # One tuple per call, hashed once by the lookup: kept flat and built from C calls
+    # (the host time of a tiny call is the point of plans).
     return (
         kind, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
-        dtype, k.dtype, v.dtype, _aligned(q), _aligned(k), _aligned(v),
+        dtype, k.dtype, v.dtype,
+        q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
         None if mask is None else (mask.shape, mask.stride(), mask.dtype, _aligned(mask)),
         None if seed is None else _aligned(seed),
         scalars, extra, torch._C._cuda_getDevice(), q.get_device(),
         dtype == torch.float32 and torch.get_float32_matmul_precision(),
-        tuning.current(),
+        tuning._CURRENT.get(),
     )  # fmt: skip
 
 
