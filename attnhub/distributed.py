@@ -94,6 +94,22 @@ def _check_layout(layout: Any) -> str:
     return str(layout)
 
 
+def _resolve(world_size: Any, rank: Any) -> tuple[int, int]:
+    """``(world_size, rank)`` from ints, or from a process group (None: the default
+    group) and this process's rank in it."""
+    if world_size is None or isinstance(world_size, dist.ProcessGroup):
+        group = world_size
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                "world_size must be an int when torch.distributed is not initialized "
+                "(or pass a process group once it is)"
+            )
+        return dist.get_world_size(group), dist.get_rank(group) if rank is None else rank
+    if rank is None:
+        raise TypeError("rank must be an int when world_size is one")
+    return world_size, rank
+
+
 def _check_world(world_size: Any, rank: Any) -> None:
     for name, value in (("world_size", world_size), ("rank", rank)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -134,9 +150,16 @@ def _chunk_len(n: int, world_size: int, layout: str, what: str) -> int:
 
 
 def shard(
-    x: torch.Tensor, dim: int, world_size: int, rank: int, layout: str = "zigzag"
+    x: torch.Tensor,
+    dim: int,
+    world_size: Any = None,
+    rank: int | None = None,
+    layout: str = "zigzag",
 ) -> torch.Tensor:
     """Rank ``rank``'s shard of the full sequence ``x`` along ``dim``.
+
+    ``world_size`` is an int (then ``rank`` too), or a process group, or None (the
+    default group), whose size it is and, unless ``rank`` is given, this process's rank.
 
     Example: q of shape (B, H, N, D) -> ``shard(q, 2, R, r)`` of shape (B, H, N/R, D),
     holding the chunks :func:`chunk_ids` names, concatenated. Position ids for the
@@ -146,6 +169,7 @@ def shard(
         ValueError: ``x.shape[dim]`` is not a multiple of the layout's chunk count
             (``2 * world_size`` for zigzag, ``world_size`` for contiguous).
     """
+    world_size, rank = _resolve(world_size, rank)
     ids = chunk_ids(world_size, rank, layout)
     n = x.shape[dim]
     c = _chunk_len(n, world_size, layout, f"sequence length (dim {dim})")
@@ -178,14 +202,15 @@ def unshard(shards: Sequence[torch.Tensor], dim: int, layout: str = "zigzag") ->
 
 def positions(
     seq_len: int,
-    world_size: int,
-    rank: int,
+    world_size: Any = None,
+    rank: int | None = None,
     layout: str = "zigzag",
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """The global position ids (int64, shape (seq_len / world_size,)) of rank ``rank``'s
     shard of a ``seq_len`` sequence, in the shard's order: feed them to rotary
-    embeddings (or anything positional) instead of ``arange(N_local)``."""
+    embeddings (or anything positional) instead of ``arange(N_local)``. ``world_size``
+    and ``rank`` as :func:`shard`."""
     return shard(torch.arange(seq_len, device=device), 0, world_size, rank, layout)
 
 
@@ -656,7 +681,34 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Any, dlse: Any) -> Any:
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(ctx.cfg, q, k, v, out, lse, dout, dlse)
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must not be
+            needed = [t for t in (dout, dlse, q, k, v) if t is not None and t.requires_grad]
+            if needed:  # differentiated again as if they had no attention terms
+                dq, dk, dv = _FirstDerivativeOnly.apply(3, dq, dk, dv, *needed)
         return dq, dk, dv, None
+
+
+DOUBLE_BACKWARD_ERROR = (
+    "the derivative for attnhub.distributed's ring attention backward is not implemented "
+    "(its gradients are first derivatives only)"
+)
+
+
+class _FirstDerivativeOnly(torch.autograd.Function):
+    """``apply(count, *tensors)`` returns ``tensors[:count]`` (the gradients) as outputs
+    of one node linked to every tensor that requires grad among the rest (the incoming
+    gradients and the inputs); differentiating them raises, as contract.md asks of a
+    backward that is not itself differentiable (the ring's gradients come from detached
+    recomputations, so a graph through them would silently lack every attention term).
+    The same construction as triton_flash's."""
+
+    @staticmethod
+    def forward(ctx: Any, count: int, *tensors: Any) -> Any:
+        return tuple(t.view_as(t) for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
 
 
 # ---------------------------------------------------------------------------
@@ -729,6 +781,7 @@ def context_parallel_attention(
     return_lse: bool = False,
     layout: str = "zigzag",
     backend: str | Sequence[str] | None = None,
+    alignment: str = "top_left",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a sequence sharded across the ranks of ``group``.
 
@@ -744,8 +797,9 @@ def context_parallel_attention(
         value: (B, Hkv, N_local, Dv).
         group: the process group (None: the default group). One process per device.
         causal, window, softcap, scale: as :func:`attnhub.attention`, in global
-            positions (the full query and key sequences have equal lengths, so
-            top-left and bottom-right alignment are the same).
+            positions.
+        alignment: "top_left" or "bottom_right", accepted for the signature's sake:
+            the full query and key sequences have equal lengths, so both are the same.
         return_lse: also return this rank's rows of the float32 (B, Hq, N_local) lse.
         layout: "zigzag" (rank r holds chunks r and 2R-1-r of 2R: balanced under a
             causal mask) or "contiguous" (rank r holds chunk r of R).
@@ -766,7 +820,7 @@ def context_parallel_attention(
     layout = _check_layout(layout)
     api._validate(
         query, key, value, None,
-        {"causal": causal, "alignment": "top_left", "window": None, "softcap": softcap,
+        {"causal": causal, "alignment": alignment, "window": None, "softcap": softcap,
          "scale": scale, "dropout_p": 0.0, "block_sparse": None, "return_lse": return_lse},
     )  # fmt: skip
     if query.shape[2] != key.shape[2]:
@@ -810,11 +864,14 @@ def context_parallel_attention(
         chunk=n_local // per_rank, causal=causal, window=sides, softcap=resolved.softcap,
         scale=resolved.scale, backend=backend,
     )  # fmt: skip
-    if n_local == 0:
-        b, hq = query.shape[:2]
-        out = query.new_zeros(b, hq, 0, value.shape[-1])
-        lse = query.new_zeros(b, hq, 0, dtype=torch.float32)
-        return (out, lse) if return_lse else out
+    if query.numel() == 0 or key.numel() == 0:
+        # B, H or N is 0 (on every rank: checked): the answer is empty (or, for no
+        # keys, zeros and -inf) wherever the sequence is; the local call gives it, with
+        # autograd, and no ring is needed.
+        return api.attention(
+            query, key, value, causal=causal, softcap=softcap, scale=scale,
+            return_lse=return_lse, backend=backend,
+        )  # fmt: skip
     needs_grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
     )

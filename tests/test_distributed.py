@@ -282,6 +282,7 @@ def _correctness_worker(rank: int, world: int, tmp: str, backend: str = "torch_r
             result["errors"] = _error_cases(rank, world)
             result["compile"] = _compile_case(rank, world)
             result["lse_fallback"] = _lse_fallback_case(rank, world)
+            result["api"] = _api_cases(rank, world)
         torch.distributed.destroy_process_group()
     except BaseException as exc:  # reported to the parent, which fails the test
         result["problems"].append(f"rank {rank} raised {type(exc).__name__}: {exc}")
@@ -368,6 +369,35 @@ def _lse_fallback_case(rank: int, world: int) -> list[str]:
     return seen
 
 
+def _api_cases(rank: int, world: int) -> list[str]:
+    """The group defaults of shard/positions, bottom-right alignment (the same as
+    top-left: equal lengths), empty batches, and a second derivative, which raises."""
+    seen = []
+    x = torch.randn(1, 2, 8, 8, dtype=torch.float64)
+    seen.append(str(torch.equal(cp.shard(x, 2), cp.shard(x, 2, world, rank))))
+    group = torch.distributed.group.WORLD
+    seen.append(str(torch.equal(cp.positions(8, group), cp.positions(8, world, rank))))
+    q = cp.shard(x, 2)
+    a = cp.context_parallel_attention(q, q, q, causal=True, backend="torch_reference")
+    b = cp.context_parallel_attention(
+        q, q, q, causal=True, alignment="bottom_right", backend="torch_reference"
+    )
+    seen.append(str(torch.equal(a, b)))
+    empty = torch.randn(0, 2, 4, 8, requires_grad=True)
+    out, lse = cp.context_parallel_attention(empty, empty, empty, causal=True, return_lse=True)
+    (grad,) = torch.autograd.grad(out.sum(), empty)
+    seen.append(f"empty: {tuple(out.shape)} {tuple(lse.shape)} {tuple(grad.shape)}")
+    q, k, v = (cp.shard(torch.randn(1, 2, 8, 8), 2).requires_grad_(True) for _ in range(3))
+    out = cp.context_parallel_attention(q, k, v, causal=True, backend="torch_reference")
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    try:
+        torch.autograd.grad(dq.sum(), k)
+        seen.append("second derivative: no error")
+    except RuntimeError as exc:
+        seen.append(str(exc))
+    return seen
+
+
 def _compile_case(rank: int, world: int) -> str:
     """torch.compile of a function around the call: the call runs eagerly (a graph
     break), the result and gradients are those of the eager call."""
@@ -414,6 +444,15 @@ def test_matches_the_single_process_call(world, tmp_path):
         ]
         assert errors[0] == want, errors[0]
         assert [r["compile"] for r in results] == ["same", "same"]
+        for result in results:
+            assert result["api"] == [
+                "True",
+                "True",
+                "True",
+                "empty: (0, 2, 4, 8) (0, 2, 4) (0, 2, 4, 8)",
+                "the derivative for attnhub.distributed's ring attention backward is not "
+                "implemented (its gradients are first derivatives only)",
+            ], result["api"]
         for result in results:
             assert result["lse_fallback"] == [
                 "cp_test_detached_lse",
