@@ -51,13 +51,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def tiny_calls(
-    shape: tuple[int, ...], dtype: torch.dtype
+    shape: tuple[int, ...], dtype: torch.dtype, device: str = "cuda"
 ) -> tuple[dict[str, Callable[[], Any]], str, torch.Tensor]:
     """The calls of the tiny section, attnhub's own choice for them, and sdpa's output."""
     from attnhub.backends.triton_flash import ops
 
     torch.manual_seed(0)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
     calls: dict[str, Callable[[], Any]] = {
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
         "triton_flash_op": lambda: ops.flash_attention(q, k, v, return_lse=False)[0],
@@ -69,24 +69,33 @@ def tiny_calls(
     return calls, str(chosen), calls["sdpa"]()
 
 
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def time_tiny(
-    calls: dict[str, Callable[[], Any]], n: int, rounds: int
+    calls: dict[str, Callable[[], Any]],
+    n: int,
+    rounds: int,
+    device: str = "cuda",
+    warmup: int = 200,
 ) -> dict[str, dict[str, float]]:
     """Per call: median and fastest round (us per call), and the median over rounds of
     its time minus sdpa's in the same round."""
     for fn in calls.values():  # warm up: compile, build plans, fill caches
-        for _ in range(200):
+        for _ in range(warmup):
             fn()
-    torch.cuda.synchronize()
+    _synchronize(device)
     per_round: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, fn in calls.items():
-            torch.cuda.synchronize()
+            _synchronize(device)
             start = time.perf_counter()
             for _ in range(n):
                 fn()
             per_round[name].append((time.perf_counter() - start) / n * 1e6)
-    torch.cuda.synchronize()
+    _synchronize(device)
     sdpa = per_round["sdpa"]
     return {
         name: {
@@ -98,27 +107,31 @@ def time_tiny(
     }
 
 
-def _env() -> dict[str, Any]:
+def _env(device: str) -> dict[str, Any]:
     import triton
 
     return {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else device,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
 
-def tiny(out_dir: str, shape: tuple[int, ...], dtype_name: str, n: int, rounds: int) -> dict:
-    calls, chosen, reference = tiny_calls(shape, DTYPES[dtype_name])
+def tiny(
+    out_dir: str, shape: tuple[int, ...], dtype_name: str, n: int, rounds: int, device: str = "cuda"
+) -> dict:
+    """The tiny section: times the calls, writes host-time-tiny.json and .md to
+    ``out_dir``, prints the table and returns the report."""
+    calls, chosen, reference = tiny_calls(shape, DTYPES[dtype_name], device)
     checks = {
         name: float((fn().float() - reference.float()).abs().max())
         for name, fn in calls.items()
         if name != "sdpa"
     }
-    results = time_tiny(calls, n, rounds)
+    results = time_tiny(calls, n, rounds, device, warmup=200 if device.startswith("cuda") else 2)
     report = {
-        "env": _env(),
+        "env": _env(device),
         "shape": list(shape),
         "dtype": dtype_name,
         "grad": False,
@@ -224,9 +237,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200, help="calls per round")
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--profile", action="store_true", help="also the profile section")
+    parser.add_argument("--device", default="cuda",
+                        help="cuda (the measurement); cpu with TRITON_INTERPRET=1 only checks the script")  # fmt: skip
     args = parser.parse_args()
     shape = tuple(int(s) for s in args.shape.split(","))
-    tiny(args.out_dir, shape, args.dtype, args.calls, args.rounds)
+    tiny(args.out_dir, shape, args.dtype, args.calls, args.rounds, args.device)
     if args.profile:
         profile_cases()
 
