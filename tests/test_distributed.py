@@ -74,13 +74,14 @@ def _expressed(call: Any, c_rows: int, c_keys: int) -> torch.Tensor:
 def test_plan_covers_exactly_the_kept_positions(layout):
     """Over every (rank, source block) pair, the planned calls keep exactly the positions
     the contract's mask keeps on the full sequence, each once, for causal, windows of
-    every size (crossing chunk borders, wider than the sequence, zero) and none."""
+    every size (crossing chunk borders, wider than the sequence, zero) and none, on 1
+    to 8 ranks."""
     options = [(False, None), (True, None)]
     for left in (None, 0, 1, 2, 3, 5, 7, 100):
         for right in (None, 0, 1, 4, 9):
             if (left, right) != (None, None):
                 options += [(False, (left, right)), (True, (left, right))]
-    for world in (1, 2, 3, 4):
+    for world in (1, 2, 3, 4, 5, 8):
         for c in (1, 3, 4):
             n = c * (2 * world if layout == "zigzag" else world)
             for causal, window in options:
