@@ -45,10 +45,10 @@ exact: the merge depends on lse_j). So the backward's steps need a backend whose
 carries a gradient (torch_reference and triton_flash; PyTorch's fused kernels, called
 through their ATen ops, return one without): where dispatch chose one without, the
 step is served by the next eligible backend in dispatch's order that has one (and a
-RuntimeError says so when none has). The recompute
-costs one forward per step in the backward, the price of calling any backend through
-its public interface (a kernel's backward fed the global output and lse would not
-need it).
+RuntimeError says so when none has). The recompute costs one forward per step in the
+backward, the price of calling any backend through its public interface (a kernel's
+backward fed the global output and lse would not need it). The gradients are first
+derivatives: differentiating them again raises.
 
 Failure: a peer that never takes part makes the call raise once the process group's
 timeout expires (gloo raises from the wait; NCCL's watchdog aborts the communicator),
