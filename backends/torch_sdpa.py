@@ -122,7 +122,7 @@ def _sdpa_mask(
 
 
 # PyTorch's CUDA kernels return NaN for a query row whose every key is masked (seen on
-# the H200, torch 2.11, benchmarks/results/archive gpu-check-2026-11-30): they take the
+# the H200, torch 2.11, benchmarks/results/archive/gpu-check-2026-11-30-run1.json): they take the
 # softmax of a row of -inf. The contract wants zeros there (and finite gradients). So on
 # CUDA a mask that may leave such rows is opened on exactly those rows (every key
 # visible: a finite softmax of no consequence) and their outputs are then set to zero;

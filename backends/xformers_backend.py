@@ -95,8 +95,9 @@ class XFormers(Backend):
             # scale <= 0 there (torch_sdpa_flash); no promise is made for it.
             return ["scale <= 0 is not known to work in xformers' FlashAttention-2 kernels"]
         if request.needs_grad and request.heads_q != request.heads_kv:
-            # Seen on the H200 (xformers 0.0.35, benchmarks/results/gpu-check-2026-11-30.json):
-            # gradients through the grouped 5-D form fail the conformance tolerance.
+            # Seen on the H200 (xformers 0.0.35,
+            # benchmarks/results/archive/gpu-check-2026-11-30-run2.json): gradients through
+            # the grouped 5-D form fail the conformance tolerance.
             return ["the backward of xformers' grouped-query (5-D) form is not conformant"]
         xops = _import_xformers()
         from xformers.ops.fmha import Inputs

@@ -1,9 +1,10 @@
 """``auto`` against the backend it chose, timed call by call in alternation (CUDA only).
 
 ``attnhub bench`` times each competitor in its own do_bench window. Between windows the
-same cuDNN kernel read up to 10% apart (``auto-paired-h200-2026-11-30-*-first.json``:
-two bench passes, cuDNN against itself 0.90-1.09, sd 2.9%), so auto/best from one grid
-run cannot resolve issue 4's 0.97 bar when auto runs the best backend's own kernel.
+same cuDNN kernel read up to 10% apart
+(``benchmarks/results/archive/auto-paired-h200-2026-11-30-*-first.json``: two bench
+passes, cuDNN against itself 0.90-1.09, sd 2.9%), so auto/best from one grid run cannot
+resolve issue 4's 0.97 bar when auto runs the best backend's own kernel.
 Here every rep times each call once, in rotating order, each after an L2 flush (as
 do_bench does) between CUDA events, and the medians are compared. The backend is timed
 twice under two names (``chosen``, ``chosen_again``): that ratio is the method's own

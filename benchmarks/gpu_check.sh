@@ -2,8 +2,9 @@
 # The H200 evidence run, in one call: install, then the GPU test suite (conformance of
 # every CUDA backend in bf16/fp16/fp32, large shapes), the FlexAttention plugin's
 # conformance, triton_flash's own GPU evidence (memory, determinism, long N), and the
-# benchmark grid. Everything lands under $OUT; the JSON summaries are committed under
-# benchmarks/results/.
+# benchmark grid. Everything lands under $OUT; what is kept is committed under
+# benchmarks/results/ as the kind's current file (<kind>-h200.*, the previous one moved to
+# archive/: see benchmarks/results/README.md).
 #
 #   bash benchmarks/gpu_check.sh [tests|evidence|bench|all]   (default: all)
 set -uo pipefail

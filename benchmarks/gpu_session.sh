@@ -12,6 +12,8 @@
 #   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16)
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
 # Usage (on the device): TESTS_S=150 MODELS_S=200 bash benchmarks/gpu_session.sh
+# Kept outputs are committed as benchmarks/results/<kind>-h200.* (gpu-tests-h200.log,
+# demo-h200.log, ...), the previous ones moved to archive/ (benchmarks/results/README.md).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}

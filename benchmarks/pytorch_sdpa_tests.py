@@ -10,7 +10,7 @@ except the tests docs/retrofit.md names as checking PyTorch's kernel choice or i
 dropout stream (``EXPECTED_DIFFERENCES`` below).
 
     python benchmarks/pytorch_sdpa_tests.py /path/to/test_transformers.py \\
-        --pythonpath /path/with/expecttest --output benchmarks/results/x.md
+        --pythonpath /path/with/expecttest --output benchmarks/results/pytorch-sdpa-tests-cpu.md
 
 ``torch.testing._internal`` ships with the torch wheel but needs the ``expecttest``
 package; ``--pythonpath`` adds a folder where it is installed (``pip install --target``)

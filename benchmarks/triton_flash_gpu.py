@@ -23,7 +23,7 @@ Usage (on the H200 machine, after ``pip install --no-build-isolation --no-deps -
 The sweeps force their candidates with ``tuning.override`` (backends/triton_flash/
 tuning.py), the one switch for tuning runs. The finished A/B sections (scale fold,
 merged-vs-split backward, window tiles, row-stride constants) were removed once their
-results were in the tables; their files stay in benchmarks/results/ and their code in
+results were in the tables; their files are in benchmarks/results/archive/ and their code in
 git history (before the tuning context replaced the switches they flipped).
 
 Writes JSON to OUT.json and prints the timing table last.

@@ -59,7 +59,7 @@ class TritonFlash(Backend):
     # torch.compile(fullgraph=True) through attnhub.attention compiles with no graph break
     # and matches eager: on CPU (interpreter, aot_eager) and on the H200 (Inductor, plus
     # CUDA-graph capture: tests/test_triton_flash.py::test_gpu_compile_fullgraph_and_cuda_graph,
-    # benchmarks/results/gpu-compile-2026-11-30.log).
+    # benchmarks/results/archive/gpu-compile-2026-11-30.log).
     compile_safe = True
     copies_strided = False
     # attnhub.attention_kvcache through the split-KV decode kernel (serving.py).

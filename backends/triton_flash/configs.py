@@ -58,12 +58,13 @@ INTERPRETER_BWD_KV = LaunchConfig(16, 32, 4, 1)  # BLOCK_M rows per step, BLOCK_
 INTERPRETER_BWD_Q = LaunchConfig(32, 16, 4, 1)
 
 # Measured entries cite a sweep: "sweep-1", the sweep section of
-# benchmarks/results/triton_flash-gpu-check-2026-11-30.json (H200, bf16, B=4, N=4096,
-# H=2048/D, each candidate checked against SDPA flash, then timed with do_bench), or
-# "sweep-3", triton_flash-sweep-n1k-n4k-n16k-2026-11-30-r3.json (the same at N = 1024,
-# 4096 and 16384, B = 16384/N, after the scale fold and the edge-segment flags lowered
-# the kernels' registers; TFLOP/s quoted as N = 1024 / 4096 / 16384). The fp32 and D=256
-# rows are first choices sized for shared memory, not yet measured.
+# benchmarks/results/archive/triton_flash-gpu-check-2026-11-30.json (H200, bf16, B=4,
+# N=4096, H=2048/D, each candidate checked against SDPA flash, then timed with do_bench),
+# or "sweep-3", benchmarks/results/archive/triton_flash-sweep-n1k-n4k-n16k-2026-11-30-r3.json
+# (the same at N = 1024, 4096 and 16384, B = 16384/N, after the scale fold and the
+# edge-segment flags lowered the kernels' registers; TFLOP/s quoted as N = 1024 / 4096 /
+# 16384). The fp32 and D=256 rows are first choices sized for shared memory, not yet
+# measured.
 _Rows = tuple[tuple[int, LaunchConfig], ...]
 
 # Forward, 2-byte dtypes: Q stays resident, K/V tiles stream through num_stages buffers.
@@ -130,8 +131,8 @@ _BWD_4B: tuple[_Rows, _Rows] = (
 
 
 # Short sequences (at most SHORT_N keys and queries), 2-byte dtypes: where the sweep at
-# N=1024 (B=16, H=2048/D; triton_flash-sweep-n1k-n16k-2026-11-30.json) found a
-# configuration more than 5% faster than the table's row. Each program walks only 8-16
+# N=1024 (B=16, H=2048/D; benchmarks/results/archive/triton_flash-sweep-n1k-n16k-2026-11-30.json)
+# found a configuration more than 5% faster than the table's row. Each program walks only 8-16
 # key tiles there, so smaller tiles (more programs in flight) win.
 SHORT_N = 1024
 _SHORT_2B: dict[tuple[str, int, bool], LaunchConfig] = {
@@ -145,7 +146,8 @@ _SHORT_2B: dict[tuple[str, int, bool], LaunchConfig] = {
 # Narrow calls: rows that visit at most NARROW_N keys (ops._Setup.walk: a sliding window
 # of at most 256 keys, or a sequence as short), 2-byte dtypes, with or without a mask.
 # Measured at the issue's window shape (bf16, B=2, H=16, N=16384, D=128, causal, window
-# (W-1, 0); triton_flash-window-sweep-2026-11-30.json): each row block then walks a few
+# (W-1, 0); benchmarks/results/archive/triton_flash-window-sweep-2026-11-30.json): each
+# row block then walks a few
 # key tiles, most of them on one of the band's two masked edges, and 64-row blocks waste
 # half as many masked rows as 128-row ones.
 NARROW_N = 256
@@ -170,7 +172,8 @@ _LEAN_2B: dict[tuple[str, int, bool, bool], LaunchConfig] = {
     ("fwd", 128, False, False): LaunchConfig(128, 128, 8, 3),
     # At N <= 1024, two programs per SM (96 KiB of shared memory each, registers capped
     # at 128; aot_check: 2/3 spill stores/loads in the loop): 0.3142 ms against 0.3249
-    # for (128,128,8,3), +3.4% in both runs of triton_flash-strides-ab-2026-11-30.json
+    # for (128,128,8,3), +3.4% in both runs of
+    # benchmarks/results/archive/triton_flash-strides-ab-2026-11-30.json
     # (at N=4096 1.133 against 1.161, inside the table's own two runs, 1.110 and 1.211;
     # at N=16384 2.8% slower). Each program walks eight key tiles at N=1024, so one
     # program's prologue loads wait while the other computes.
@@ -266,8 +269,9 @@ BWD_DEFAULT = "split"
 
 # Lean calls with 2-byte dtypes, by padded head dim: the launch measured fastest on the
 # H200 with the lean tiles, backward alone, ratios split / merged_heads at N = 1024 /
-# 4096 / 16384 (triton_flash-order-bwd-ab-2026-11-30-r2.json: each mode timed twice in
-# A B C C B A order; its first run in A B C order, -2026-11-30.json, in brackets):
+# 4096 / 16384 (benchmarks/results/archive/triton_flash-order-bwd-ab-2026-11-30-r2.json:
+# each mode timed twice in A B C C B A order; its first run in A B C order,
+# archive/triton_flash-order-bwd-ab-2026-11-30.json, in brackets):
 # D=128 non-causal 1.03 / 1.04 / 1.01 (1.01 / 1.01 / 1.01), causal 1.05 / 1.11 / 1.03
 # (1.03 / 1.07 / 1.02). D=64 stays split: 0.95-1.03 across the two runs, and -3 to -5%
 # causal in the first (every program gets the hungrier role's registers).

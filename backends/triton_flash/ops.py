@@ -257,7 +257,8 @@ def _edge_segments(
 # one folds them into one base plus immediate offsets: ptxas, sm_90, bf16 D=128 forward
 # (128, 64, 8, 3): 172 -> 156 registers; the D=128 N=4096 causal merged backward's spills
 # in its loops, 7 stores / 9 loads a step -> none. On the H200 (A B B A,
-# triton_flash-strides-ab-2026-11-30.json, runtime / constant time) the forward ran
+# benchmarks/results/archive/triton_flash-strides-ab-2026-11-30.json, runtime / constant
+# time) the forward ran
 # 1.4-11.5% faster at 11 of the 12 grid points (D=64 N=4K non-causal -0.5%), the
 # backward 1.6-15.5% faster at 10 (D=64 non-causal N=4K +0.1%, N=16K -1.8%), with
 # bitwise the same outputs and gradients. The constant is the tensor's actual stride,
