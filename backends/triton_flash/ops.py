@@ -360,15 +360,30 @@ def _delta(
 # dtypes, each tensor's 16-byte alignment (Triton specializes pointers on it), the
 # scalars, the devices, fp32's matmul precision and the active tuning override. The
 # first call of a key goes the full way (configuration, flags, Triton's binder, which
-# compiles or finds the kernel) and records a plan: the compiled kernel, its grid and
-# every non-tensor argument (launch.CachedLaunch). Later calls of the key allocate the
-# outputs and launch the plan. A plan is made only from a launch by the real launcher
-# with wrap_triton off (plain eager calls, the ops' eager path); traced, compiled and
-# interpreted calls never use one. Shapes that change every call (a KV cache grown by
-# concatenation) miss every time and pay the full path, as before; the table is
-# cleared when it reaches _MAX_PLANS keys.
+# compiles or finds the kernel) and marks the key; the second goes the full way too and
+# records a plan: the compiled kernel, its grid and every non-tensor argument
+# (launch.CachedLaunch). Later calls of the key allocate the outputs and launch the
+# plan. So a shape that changes every call (a KV cache grown by concatenation) pays the
+# full path, as before, and never the recording. A plan is made only from a launch by
+# the real launcher with wrap_triton off (plain eager calls, the ops' eager path);
+# traced, compiled and interpreted calls never use one. The table is cleared when it
+# reaches _MAX_PLANS keys.
 _PLANS: dict[tuple, Any] = {}
 _MAX_PLANS = 1024
+_SEEN = object()  # the mark of a key met once
+
+
+def _lookup(key: tuple) -> tuple[Any, tuple | None]:
+    """(plan, key to record under) for one call: the plan where there is one; else
+    None and, on the key's second call, the key (the full path then records a plan);
+    on its first, None and None (the key is marked)."""
+    entry = _PLANS.get(key)
+    if entry is None:
+        _remember(key, _SEEN)
+        return None, None
+    if entry is _SEEN:
+        return None, key
+    return entry, None
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -505,7 +520,7 @@ def _fwd_impl(
     scalars = (causal, bottom_right, window_left, window_right, softcap, scale, dropout_p)
     key = None if is_wrap_triton_enabled() else _plan_key("fwd", q, k, v, mask, seed, scalars, True)
     if key is not None:
-        plan = _PLANS.get(key)
+        plan, key = _lookup(key)
         if plan is not None:
             return plan(q, k, v, mask, seed)  # type: ignore[no-any-return]
     out, lse = _forward(q, k, v, mask, seed, scalars, True, key)
@@ -525,7 +540,7 @@ def _fwd_no_grad(
     autograd node, and without an lse unless ``store_lse``."""
     key = _plan_key("fwd", q, k, v, mask, seed, scalars, store_lse)
     if key is not None:
-        plan = _PLANS.get(key)
+        plan, key = _lookup(key)
         if plan is not None:
             return plan(q, k, v, mask, seed)  # type: ignore[no-any-return]
     with set_wrap_triton_enabled(False):
@@ -565,7 +580,7 @@ def _bwd_impl(
             _aligned(dout), out.stride(), _aligned(out), _aligned(lse), dlse is None,
         )  # fmt: skip
         if key is not None:
-            plan = _PLANS.get(key)
+            plan, key = _lookup(key)
             if plan is not None:
                 return plan(dout, q, k, v, mask, seed, out, lse, dlse)  # type: ignore[no-any-return]
     dq, dk, dv, empty = _grad_outputs(q, k, v)
