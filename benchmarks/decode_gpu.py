@@ -22,6 +22,10 @@ length Nk (so PyTorch's kernels read exactly the same keys from the un-sliced ca
   keys), Nk 32K and 128K, against ours on the contiguous cache.
 - ``nq4``: Nq=4 bottom-right causal, Nk 32K: ours, Flex (block mask), and SDPA's
   cuDNN / efficient kernels with a bool mask.
+- In each of these, ``triton_decode_fused`` (and ``..._paged{P}_fused``) is ours with the
+  merge fused into the split kernel (decode.DecodeConfig.fused_merge; off by default):
+  the A/B that decides the default. Its rows' errors show whether it is right on the
+  GPU (the last program reads other SMs' partials).
 - ``sweep`` (not with --no-sweep): launch configurations of ours (BLOCK_N, warps,
   stages) at Nq=1 Nk=32K, contiguous and 16-key pages, and split counts at Nk 32K
   and 4K: data for decode.default_config and the split heuristic (the default's
@@ -263,6 +267,13 @@ def ours_fn(q, k, v, seqlens, *, block_table=None, window=None, softcap=None, co
     return fn
 
 
+def fused_config(page_size: int | None) -> decode.DecodeConfig:
+    """The default launch with the merge fused into the split kernel (decode.DecodeConfig's
+    fused_merge, off by default until measured)."""
+    cfg = decode.default_config(D, DTYPE.itemsize, page_size)
+    return decode.DecodeConfig(cfg.block_n, cfg.num_warps, cfg.num_stages, None, True)
+
+
 def section_nq1(rows: list[dict], nks: list[int], flex: bool) -> None:
     for nk in nks:
         q, k, v, sl = make_cache(nk, 1)
@@ -270,6 +281,8 @@ def section_nq1(rows: list[dict], nks: list[int], flex: bool) -> None:
         nb = kv_bytes(nk, 1, None)
         case = f"nq1-{nk // 1024}K"
         rows.append(measure(case, "triton_decode", ours_fn(q, k, v, sl), ref, nb))
+        fn = ours_fn(q, k, v, sl, config=fused_config(None))
+        rows.append(measure(case, "triton_decode_fused", fn, ref, nb))
         for name, kernel in sdpa_impls().items():
             rows.append(measure(case, name, sdpa_fn(q, k, v, kernel), ref, nb))
         if flex:
@@ -286,6 +299,8 @@ def section_softcap_window(rows: list[dict], nks: list[int], flex: bool) -> None
         case = f"softcap50-window4096-{nk // 1024}K"
         fn = ours_fn(q, k, v, sl, window=4096, softcap=50.0)
         rows.append(measure(case, "triton_decode", fn, ref, nb))
+        fn = ours_fn(q, k, v, sl, window=4096, softcap=50.0, config=fused_config(None))
+        rows.append(measure(case, "triton_decode_fused", fn, ref, nb))
         if flex:
             rows.append(measure(case, "flex", flex_fn(q, k, v, nq=1, window=4096, softcap=50.0),
                                 ref, nb))  # fmt: skip
@@ -305,6 +320,8 @@ def section_paged(rows: list[dict], nks: list[int], page_sizes: list[int]) -> No
             vp, _ = to_paged(v, p)
             fn = ours_fn(q, kp, vp, sl, block_table=table)
             rows.append(measure(case, f"triton_decode_paged{p}", fn, ref, nb))
+            fn = ours_fn(q, kp, vp, sl, block_table=table, config=fused_config(p))
+            rows.append(measure(case, f"triton_decode_paged{p}_fused", fn, ref, nb))
             del kp, vp
         del q, k, v, ref
         torch.cuda.empty_cache()
@@ -317,6 +334,8 @@ def section_nq4(rows: list[dict], flex: bool) -> None:
     nb = kv_bytes(nk, nq, None)
     case = "nq4-causal-32K"
     rows.append(measure(case, "triton_decode", ours_fn(q, k, v, sl), ref, nb))
+    fn = ours_fn(q, k, v, sl, config=fused_config(None))
+    rows.append(measure(case, "triton_decode_fused", fn, ref, nb))
     mask = torch.arange(nk, device=DEV)[None, :] <= torch.arange(nq, device=DEV)[:, None] + nk - nq
     for name, kernel in sdpa_impls().items():
         if name != "sdpa_flash":  # flash takes no mask, and its is_causal is top-left
@@ -417,8 +436,9 @@ def summary(rows: list[dict]) -> dict:
             entry["fastest_other"] = best
             entry["speed_vs_fastest_other"] = others[best] / ours  # > 1: ours faster
         for r in timed:
-            if r["case"] == case and r["impl"].startswith("triton_decode_paged"):
-                entry[r["impl"] + "_vs_contiguous"] = ours / r["ms"]  # < 0.9: >10% slower
+            if r["case"] == case and r["impl"].startswith("triton_decode_"):
+                # paged: < 0.9 is more than 10% slower than contiguous; fused: > 1 faster
+                entry[r["impl"] + "_speed_vs_default"] = ours / r["ms"]
         out[case] = entry
     return out
 

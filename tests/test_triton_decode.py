@@ -117,14 +117,17 @@ SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 @pytest.mark.parametrize("nq", [1, 4])
 def test_gqa_lengths_and_splits(dtype, nq):  # type: ignore[no-untyped-def]
     """GQA (4 query heads on 2 kv heads), lengths 0, 1, 16 (one whole tile), 37 and 64
-    (the capacity), the default split count (here 4, one per tile) and one split (no
-    merge)."""
+    (the capacity), the default split count (here 4, one per tile), one split (no
+    merge), and 3 splits merged by the last program of each (the fused merge), which
+    leaves its arrival counters at zero."""
     lengths = [0, 1, 16, 37, 64]
     q, k, v, sl = make_inputs(5, 4, 2, nq, 64, 32, dtype, lengths, seed=nq)
     scale = 1 / math.sqrt(32)
-    for cfg in (None, decode.DecodeConfig(16, 4, 1, num_splits=1)):
+    fused = decode.DecodeConfig(16, 4, 1, num_splits=3, fused_merge=True)
+    for cfg in (None, decode.DecodeConfig(16, 4, 1, num_splits=1), fused):
         out, lse = decode.decode_attention(q, k, v, sl, scale=scale, return_lse=True, config=cfg)
         check(out, lse, q, k, v, lengths, scale=scale)
+    assert all((c == 0).all() for c in decode._COUNTERS.values()), "counters left at zero"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
@@ -166,10 +169,12 @@ def test_paged_equals_contiguous(page_size, dtype):  # type: ignore[no-untyped-d
         )  # fmt: skip
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
         check(*got, q, k, v, lengths, scale=0.2, window=window)
-    # Table columns past the capacity (pointing at NaN) change nothing.
-    wide = decode.decode_attention(q, kp, vp, sl, block_table=table, scale=0.2, return_lse=True,
-                                   config=decode.DecodeConfig(16, 4, 1, num_splits=4))  # fmt: skip
-    check(*wide, q, k, v, lengths, scale=0.2)
+    # Table columns past the capacity (pointing at NaN) change nothing; fused merge too.
+    for fused in (False, True):
+        cfg = decode.DecodeConfig(16, 4, 1, num_splits=4, fused_merge=fused)
+        wide = decode.decode_attention(q, kp, vp, sl, block_table=table, scale=0.2,
+                                       return_lse=True, config=cfg)  # fmt: skip
+        check(*wide, q, k, v, lengths, scale=0.2)
 
 
 def test_paged_small_pages_under_wide_tiles():  # type: ignore[no-untyped-def]
@@ -215,7 +220,8 @@ def _padded(x: torch.Tensor) -> torch.Tensor:
 
 def test_strided_inputs_and_large_group():  # type: ignore[no-untyped-def]
     """q and the cache as transposed (B, N, H, D) storage; 8 query heads x 16 tokens on
-    one kv head: 128 rows, two row blocks of 64; not causal."""
+    one kv head: 128 rows, two row blocks of 64 (each with its own counter in the fused
+    merge); causal and not."""
     lengths = [40, 21]
     q, k, v, sl = make_inputs(2, 8, 1, 16, 48, 16, torch.float32, lengths, seed=11)
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)
@@ -223,9 +229,10 @@ def test_strided_inputs_and_large_group():  # type: ignore[no-untyped-def]
     kt = _padded(k.transpose(1, 2)).transpose(1, 2)
     vt = _padded(v.transpose(1, 2)).transpose(1, 2)
     assert not qt.is_contiguous() and kt.stride(2) == 24
-    for causal in (True, False):
+    fused = decode.DecodeConfig(16, 4, 1, num_splits=2, fused_merge=True)
+    for causal, cfg in ((True, None), (False, None), (True, fused)):
         out, lse = decode.decode_attention(qt, kt, vt, sl, scale=0.5, causal=causal,
-                                           return_lse=True)  # fmt: skip
+                                           return_lse=True, config=cfg)  # fmt: skip
         check(out, lse, q, k, v, lengths, scale=0.5, causal=causal)
     out = decode.decode_attention(qt, kt, vt, sl, scale=0.5, window=(3, 2), causal=False)
     check(out, decode.decode_attention(qt, kt, vt, sl, scale=0.5, window=(3, 2), causal=False,
@@ -292,6 +299,8 @@ for dtype, d, nq, page, kw in [
     (torch.float16, 64, 1, 256, {}),
     (torch.float32, 256, 4, 0, {"window": (100, 0)}),
     (torch.bfloat16, 96, 16, 32, {}),
+    (torch.bfloat16, 128, 4, 0, {"config": decode.DecodeConfig(64, 4, 3, 6, True)}),
+    (torch.bfloat16, 128, 1, 16, {"config": decode.DecodeConfig(64, 4, 5, 6, True)}),
 ]:
     q = torch.randn(8, 32, nq, d, dtype=dtype)
     seqlens = torch.full((8,), 4096, dtype=torch.int32)
@@ -475,3 +484,39 @@ def test_gpu_cached_plan():  # type: ignore[no-untyped-def]
     assert len(decode._PLANS) == 3
     check(out, decode.decode_attention(q, k, v, sl, scale=0.1, window=(100, 0), return_lse=True)[1],
           q, k, v, lengths, scale=0.1, window=(100, 0))  # fmt: skip
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("page_size", [0, 16, 256])
+def test_gpu_fused_merge(page_size):  # type: ignore[no-untyped-def]
+    """The merge fused into the split kernel (the last program of each row block reads
+    the partials other SMs wrote) gives bitwise the two-launch answer (the same partials
+    merged by the same code in the same order), call after call (each launch leaves its
+    counters at zero for the next), for 3 to 64 splits; and inside a CUDA graph."""
+    lengths = [8192, 3000, 1, 0, 5000, 8191]
+    q, k, v, sl = make_inputs(6, 32, 8, 4, 8192, 128, torch.bfloat16, lengths, seed=page_size)
+    table = None
+    if page_size:
+        k, table = to_paged(k, page_size)
+        v, _ = to_paged(v, page_size)
+    base = decode.default_config(128, 2, page_size or None)
+    for splits in (3, 16, 64):
+        two = decode.DecodeConfig(base.block_n, base.num_warps, base.num_stages, splits)
+        one = decode.DecodeConfig(base.block_n, base.num_warps, base.num_stages, splits, True)
+        ref = decode.decode_attention(q, k, v, sl, block_table=table, scale=0.1,
+                                      window=(2000, 0), return_lse=True, config=two)  # fmt: skip
+        for _ in range(20):
+            got = decode.decode_attention(q, k, v, sl, block_table=table, scale=0.1,
+                                          window=(2000, 0), return_lse=True, config=one)  # fmt: skip
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        torch.cuda.synchronize()
+        assert all((c == 0).all() for c in decode._COUNTERS.values())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode.decode_attention(q, k, v, sl, block_table=table, scale=0.1,
+                                      window=(2000, 0), config=one)  # fmt: skip
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref[0])

@@ -72,6 +72,9 @@ LN2 = tl.constexpr(0.6931471805599453)  # natural lse = log2-domain lse * LN2
 # A window side this large keeps every key (contract.md: sides >= 2**30 are unbounded);
 # positions and keys stay below 2**31 - 2**30, so pos +- UNBOUNDED fits int32.
 UNBOUNDED = 1 << 30
+# Triton's interpreter runs these kernels (TRITON_INTERPRET=1 when this module is
+# imported, which is when Triton reads it to decorate them).
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def interpreting() -> bool:
@@ -194,9 +197,74 @@ def _decode_segment(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _fence(x):
+    """``fence.acq_rel.gpu`` in every thread (``x``: any int32 scalar, returned): makes
+    this thread's earlier stores visible GPU-wide before its later ones, and its later
+    loads see what the releases it acquired published. The interpreter runs programs
+    one after another and needs none (nor can it run PTX)."""
+    if not INTERPRETED:
+        x = tl.inline_asm_elementwise(
+            "fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+    return x
+
+
+@triton.jit
+def _merge_partials(
+    Part, bh, num_bh, num_splits, R, offs_r, offs_dv, row_ok, tile_ok, HEAD_DV,
+    BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """(out, lse2) of rows ``offs_r`` of ``bh`` from its ``num_splits`` partials (layout
+    in :func:`decode_split_kernel`), merged by log-sum-exp; lse2 in log2 units. Loads
+    bypass L1 (``.cg``): in the fused merge the partials were written by other SMs."""
+    lse_base = Part + num_bh.to(tl.int64) * num_splits * R * HEAD_DV
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
+    for split in range(0, num_splits):
+        prow = (bh.to(tl.int64) * num_splits + split) * R + offs_r
+        lse_s = tl.load(lse_base + prow, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        o_s = tl.load(Part + prow[:, None] * HEAD_DV + offs_dv[None, :], mask=tile_ok,
+                      other=0.0, cache_modifier=".cg")  # fmt: skip
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse_s - m_safe)
+        l_sum = l_sum * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o_s
+        m = m_new
+    has_key = l_sum > 0.0
+    out = acc / tl.where(has_key, l_sum, 1.0)[:, None]
+    lse2 = tl.where(has_key, m + tl.log2(tl.where(has_key, l_sum, 1.0)), float("-inf"))
+    return out, lse2
+
+
+@triton.jit
+def _store_final(
+    Out, Lse, out, lse2, bh, HKV, GROUP, NQ, R, offs_r, offs_dv, row_ok, tile_ok,
+    stride_ob, stride_oh, stride_om, stride_od,
+):  # fmt: skip
+    """Rows ``offs_r`` of ``bh`` into Out (four strides, its dtype) and Lse (natural)."""
+    b = bh // HKV
+    hkv = bh % HKV
+    g = offs_r // NQ
+    i = offs_r % NQ
+    o_ptrs = (
+        Out
+        + b.to(tl.int64) * stride_ob
+        + (hkv * GROUP + g).to(tl.int64)[:, None] * stride_oh
+        + i.to(tl.int64)[:, None] * stride_om
+        + offs_dv[None, :] * stride_od
+    )
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=tile_ok)
+    tl.store(Lse + bh.to(tl.int64) * R + offs_r, lse2 * LN2, mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def decode_split_kernel(
-    Q, K, V, SeqLens, BT, Part, Out, Lse,
+    Q, K, V, SeqLens, BT, Part, Out, Lse, Counter,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kp, stride_kh, stride_kn, stride_kd,
     stride_vp, stride_vh, stride_vn, stride_vd,
@@ -207,7 +275,7 @@ def decode_split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):  # fmt: skip
     """One (split, b * HKV + hkv, row block) program (module docstring).
 
@@ -217,6 +285,14 @@ def decode_split_kernel(
     ``Part[((bh * num_splits + split) * R + r) * HEAD_DV + d]`` and the lse part after
     all B * HKV * num_splits * R * HEAD_DV outputs; else the final Out (q's dtype,
     four strides) and Lse (float32, (B, HQ, NQ) contiguous: index bh * R + r).
+
+    FUSED_MERGE (with SPLIT): no merge launch. Each program, after storing its partial,
+    counts itself in ``Counter[bh * row blocks + row block]`` (int32, zero before the
+    launch); the last of the num_splits programs to arrive merges the partials and
+    stores the final rows, then puts the counter back to zero for the next launch.
+    The pattern of CUDA's threadFenceReduction sample: every thread fences its stores,
+    the program synchronizes, one atomic (acq_rel, GPU scope) counts it in; the last
+    program fences again and reads the partials past L1.
     """
     qk_scale = tl.cast(qk_scale, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
@@ -294,22 +370,33 @@ def decode_split_kernel(
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]  # rows without a key: acc is 0
     lse2 = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
     dv_ok = offs_dv[None, :] < HEAD_DV
+    tile_ok = row_ok[:, None] & dv_ok
     if SPLIT:
         prow = (bh.to(tl.int64) * num_splits + split) * R + offs_m
-        tl.store(Part + prow[:, None] * HEAD_DV + offs_dv[None, :], out,
-                 mask=row_ok[:, None] & dv_ok)  # fmt: skip
+        tl.store(Part + prow[:, None] * HEAD_DV + offs_dv[None, :], out, mask=tile_ok)
         lse_base = Part + tl.num_programs(1).to(tl.int64) * num_splits * R * HEAD_DV
         tl.store(lse_base + prow, lse2, mask=row_ok)
+        if FUSED_MERGE:
+            num_splits = _fence(num_splits)
+            tl.debug_barrier()
+            count = Counter + bh.to(tl.int64) * tl.num_programs(2) + tl.program_id(2)
+            arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                num_splits = _fence(num_splits)
+                out, lse2 = _merge_partials(
+                    Part, bh, tl.num_programs(1), num_splits, R, offs_m, offs_dv, row_ok,
+                    tile_ok, HEAD_DV, BLOCK_M, BLOCK_DV,
+                )  # fmt: skip
+                _store_final(
+                    Out, Lse, out, lse2, bh, HKV, GROUP, NQ, R, offs_m, offs_dv, row_ok,
+                    tile_ok, stride_ob, stride_oh, stride_om, stride_od,
+                )  # fmt: skip
+                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
     else:
-        o_ptrs = (
-            Out
-            + b64 * stride_ob
-            + (hkv * GROUP + g).to(tl.int64)[:, None] * stride_oh
-            + i.to(tl.int64)[:, None] * stride_om
-            + offs_dv[None, :] * stride_od
-        )
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
-        tl.store(Lse + bh.to(tl.int64) * R + offs_m, lse2 * LN2, mask=row_ok)
+        _store_final(
+            Out, Lse, out, lse2, bh, HKV, GROUP, NQ, R, offs_m, offs_dv, row_ok, tile_ok,
+            stride_ob, stride_oh, stride_om, stride_od,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -322,53 +409,34 @@ def decode_merge_kernel(
     """Merge the partials of rows pid0 * BLOCK_R .. + BLOCK_R - 1 of ``bh`` = pid1 by
     log-sum-exp (layout in :func:`decode_split_kernel`), into Out and Lse (natural)."""
     bh = tl.program_id(1)
-    b = bh // HKV
-    hkv = bh % HKV
     R = GROUP * NQ
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_r < R
     tile_ok = row_ok[:, None] & (offs_dv[None, :] < HEAD_DV)
-    lse_base = Part + tl.num_programs(1).to(tl.int64) * num_splits * R * HEAD_DV
-    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    l_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
-    for split in range(0, num_splits):
-        prow = (bh.to(tl.int64) * num_splits + split) * R + offs_r
-        lse_s = tl.load(lse_base + prow, mask=row_ok, other=float("-inf"))
-        o_s = tl.load(Part + prow[:, None] * HEAD_DV + offs_dv[None, :], mask=tile_ok, other=0.0)
-        m_new = tl.maximum(m, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse_s - m_safe)
-        l_sum = l_sum * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o_s
-        m = m_new
-    has_key = l_sum > 0.0
-    out = acc / tl.where(has_key, l_sum, 1.0)[:, None]
-    lse2 = tl.where(has_key, m + tl.log2(tl.where(has_key, l_sum, 1.0)), float("-inf"))
-    g = offs_r // NQ
-    i = offs_r % NQ
-    o_ptrs = (
-        Out
-        + b.to(tl.int64) * stride_ob
-        + (hkv * GROUP + g).to(tl.int64)[:, None] * stride_oh
-        + i.to(tl.int64)[:, None] * stride_om
-        + offs_dv[None, :] * stride_od
-    )
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=tile_ok)
-    tl.store(Lse + bh.to(tl.int64) * R + offs_r, lse2 * LN2, mask=row_ok)
+    out, lse2 = _merge_partials(
+        Part, bh, tl.num_programs(1), num_splits, R, offs_r, offs_dv, row_ok, tile_ok,
+        HEAD_DV, BLOCK_R, BLOCK_DV,
+    )  # fmt: skip
+    _store_final(
+        Out, Lse, out, lse2, bh, HKV, GROUP, NQ, R, offs_r, offs_dv, row_ok, tile_ok,
+        stride_ob, stride_oh, stride_om, stride_od,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch choices of one decode call. ``num_splits`` None: the heuristic
-    (:func:`num_splits_for`)."""
+    (:func:`num_splits_for`). ``fused_merge``: with more than one split, the last
+    program of each row block merges (FUSED_MERGE in :func:`decode_split_kernel`)
+    instead of a second launch; off by default until the H200 shows it right and
+    faster (benchmarks/decode_gpu.py times both, tests/test_triton_decode.py checks it)."""
 
     block_n: int
     num_warps: int
     num_stages: int
     num_splits: int | None = None
+    fused_merge: bool = False
 
 
 # Interpreter: 16-key tiles, so CPU tests with caches of a few dozen keys cross several
@@ -463,6 +531,7 @@ class _Plan:
     split_meta: dict
     merge_meta: dict
     part_numel: int
+    counters: int  # FUSED_MERGE's arrival counters (0: no fused merge)
 
 
 @functools.lru_cache(maxsize=256)
@@ -505,6 +574,7 @@ def _plan(
         "PAGE_SIZE": max(page_size, 1),
         "SPLIT": splits > 1,
         "INPUT_PRECISION": precision,
+        "FUSED_MERGE": splits > 1 and cfg.fused_merge,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
     }
@@ -517,6 +587,7 @@ def _plan(
         split_meta=split_meta,
         merge_meta=merge_meta,
         part_numel=b * hkv * splits * rows * (dv + 1) if splits > 1 else 0,
+        counters=b * hkv * row_blocks if splits > 1 and cfg.fused_merge else 0,
     )
 
 
@@ -623,28 +694,53 @@ def decode_attention(
         kp, kh, kn, kd = k_cache.stride()
         vp, vh, vn, vd = v_cache.stride()
         bt, bt_stride = cache_seqlens, 0
+    counter = _counters(q.device, plan.counters) if plan.counters else lse
     args = (
-        q, k_cache, v_cache, cache_seqlens, bt, part, out, lse,
+        q, k_cache, v_cache, cache_seqlens, bt, part, out, lse, counter,
         *q.stride(), kp, kh, kn, kd, vp, vh, vn, vd, bt_stride, *out.stride(),
         hkv, hq // hkv, nq, d, dv, splits, win_left, win_right,
         scale * 1.4426950408889634, scale, softcap if has_softcap else 1.0,
     )  # fmt: skip
     merge_args = (part, out, lse, *out.stride(), hkv, hq // hkv, nq, dv, splits)
+    merge = splits > 1 and not plan.counters
     if interpreting():
         with _INTERPRETER_LOCK:
             decode_split_kernel[plan.grid](*args, **plan.split_meta)
-            if splits > 1:
+            if merge:
                 decode_merge_kernel[plan.merge_grid](*merge_args, **plan.merge_meta)
         return (out, lse) if return_lse else out
     compiled = decode_split_kernel[plan.grid](*args, **plan.split_meta)
-    launches: list[tuple] = [(decode_split_kernel, compiled, plan.grid, args, plan.split_meta, 8)]
-    if splits > 1:
+    launches: list[tuple] = [(decode_split_kernel, compiled, plan.grid, args, plan.split_meta, 9)]
+    if merge:
         compiled = decode_merge_kernel[plan.merge_grid](*merge_args, **plan.merge_meta)
         launches.append((decode_merge_kernel, compiled, plan.merge_grid, merge_args,
                          plan.merge_meta, 3))  # fmt: skip
     if key is not None:
-        _remember(key, _CallPlan(out, lse, plan.part_numel, launches))
+        _remember(key, _CallPlan(out, lse, plan.part_numel, plan.counters, launches))
     return (out, lse) if return_lse else out
+
+
+# FUSED_MERGE's arrival counters: int32 zeros that each launch leaves at zero (the
+# merging program resets its counter), kept per (device, stream) so that launches on
+# two streams at once never share one. Inside CUDA-graph capture a fresh zeroed buffer
+# is made per call (its memset is captured with the kernel): a buffer kept for the
+# capture stream would be zeroed only when the graph first replays, and a graph may
+# replay on another stream beside eager calls.
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(n, dtype=torch.int32, device=device)
+        key: tuple = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    else:
+        key = (device.type, 0)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 # Cached launch plans (issue 17, item 3: decode runs once per layer and token, so the
@@ -691,9 +787,13 @@ def _remember(key: tuple, plan: Any) -> None:
 class _CallPlan:
     """One call signature's outputs and cached launches (see _PLANS)."""
 
-    __slots__ = ("device", "dtype", "lse_shape", "merge", "out_shape", "part_numel", "split")
+    __slots__ = (
+        "counters", "device", "dtype", "lse_shape", "merge", "out_shape", "part_numel", "split",
+    )  # fmt: skip
 
-    def __init__(self, out: torch.Tensor, lse: torch.Tensor, part_numel: int, launches: list):
+    def __init__(
+        self, out: torch.Tensor, lse: torch.Tensor, part_numel: int, counters: int, launches: list
+    ):
         from triton.compiler import CompiledKernel
 
         from .launch import CachedLaunch
@@ -701,7 +801,7 @@ class _CallPlan:
         self.out_shape, self.lse_shape, self.dtype, self.device = (
             out.shape, lse.shape, out.dtype, out.device,
         )  # fmt: skip
-        self.part_numel = part_numel
+        self.part_numel, self.counters = part_numel, counters
         cached: list[Any] = [
             CachedLaunch(kernel, compiled, grid, args, meta, tensors)
             if isinstance(compiled, CompiledKernel)
@@ -724,10 +824,15 @@ class _CallPlan:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(self.out_shape, device=self.device, dtype=self.dtype)
         lse = torch.empty(self.lse_shape, device=self.device, dtype=torch.float32)
-        if self.merge is None:
-            self.split(q, k, v, seqlens, seqlens if table is None else table, out, out, lse)
+        bt = seqlens if table is None else table
+        if not self.part_numel:
+            self.split(q, k, v, seqlens, bt, out, out, lse, lse)
+            return (out, lse) if return_lse else out
+        part = torch.empty(self.part_numel, device=self.device, dtype=torch.float32)
+        if self.counters:
+            counter = _counters(self.device, self.counters)
+            self.split(q, k, v, seqlens, bt, part, out, lse, counter)
         else:
-            part = torch.empty(self.part_numel, device=self.device, dtype=torch.float32)
-            self.split(q, k, v, seqlens, seqlens if table is None else table, part, out, lse)
+            self.split(q, k, v, seqlens, bt, part, out, lse, lse)
             self.merge(part, out, lse)
         return (out, lse) if return_lse else out
