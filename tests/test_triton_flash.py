@@ -939,6 +939,20 @@ def test_calls_on_cpu_or_recorded_launches_make_no_plans(monkeypatch: pytest.Mon
         assert ops._plan_key("fwd", q.cuda(), q.cuda(), q.cuda(), None, None, scalars) is None
 
 
+def test_forward_mode_ad_raises_instead_of_dropping_tangents() -> None:
+    """Dual tensors (forward-mode AD) do not require grad, but a call on them must not
+    take the no-autograd-node path, which would return an output without a tangent:
+    they go through DirectAttention, which has no jvp and says so."""
+    import torch.autograd.forward_ad as fwAD
+
+    q = torch.randn(1, 1, 8, 16, device=DEVICE)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, torch.randn_like(q))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            ops.flash_attention(dual, q, q)
+    assert ops.flash_attention(q, q, q)[0].shape == q.shape
+
+
 def test_a_plan_is_recorded_on_a_keys_second_call() -> None:
     """ops._lookup: a key's first call marks it (no recording, so a shape that changes
     every call never pays for one), its second asks the full path to record a plan,

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
+from torch.autograd import forward_ad
 from torch.library import triton_op, wrap_triton
 
 from . import kernels, tuning
@@ -850,6 +851,16 @@ def call_scalars(
     return seed, scalars
 
 
+def _records_no_gradient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a call on plain tensors needs no autograd node: no input requires grad
+    (or grad mode is off; the mask gets no gradient: mask_grad = False) and no forward-AD
+    level is open (dual tensors then go through DirectAttention, as they always did)."""
+    return (
+        not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        and forward_ad._current_level < 0
+    )
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -873,10 +884,7 @@ def flash_attention(
     """
     seed, scalars = call_scalars(q, causal, bottom_right, window, softcap, scale, dropout_p)
     if direct(q, k, v, mask):
-        if not (
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        ):
-            # No autograd node to build (the mask gets no gradient: mask_grad = False).
+        if _records_no_gradient(q, k, v):
             return _fwd_no_grad(q, k, v, mask, seed, scalars, return_lse)
         out, lse = DirectAttention.apply(_fwd_impl, _bwd_impl, (), q, k, v, mask, seed, *scalars)
     else:
