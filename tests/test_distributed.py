@@ -284,6 +284,7 @@ def _correctness_worker(rank: int, world: int, tmp: str, backend: str = "torch_r
             result["compile"] = _compile_case(rank, world)
             result["lse_fallback"] = _lse_fallback_case(rank, world)
             result["api"] = _api_cases(rank, world)
+            result["fsdp"] = _fsdp_case(rank, world)
         torch.distributed.destroy_process_group()
     except BaseException as exc:  # reported to the parent, which fails the test
         result["problems"].append(f"rank {rank} raised {type(exc).__name__}: {exc}")
@@ -399,6 +400,48 @@ def _api_cases(rank: int, world: int) -> list[str]:
     return seen
 
 
+def _fsdp_case(rank: int, world: int) -> dict[str, float]:
+    """FSDP2 (fully_shard over the same ranks) around a block whose attention is the
+    ring: the parameters' gradients (reduce-scattered, averaged over the ranks) times R
+    are those of the block on the whole sequence in one process. Returns, per
+    parameter, max|difference| / max|reference| (float64; the steps' lse is float32)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import attnhub
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48, dtype=torch.float64)
+            self.o = torch.nn.Linear(16, 16, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor, attend: Any) -> torch.Tensor:
+            b, n, _ = x.shape
+            q, k, v = self.qkv(x).view(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return self.o(attend(q, k, v).transpose(1, 2).reshape(b, n, 16))
+
+    torch.manual_seed(0)
+    reference = Block()
+    model = Block()
+    model.load_state_dict(reference.state_dict())
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    x = torch.randn(2, 8 * world, 16, dtype=torch.float64)
+    target = torch.randn(2, 8 * world, 16, dtype=torch.float64)
+    options = {"causal": True, "window": (5, None), "backend": "torch_reference"}
+    out = reference(x, lambda q, k, v: attnhub.attention(q, k, v, **options))
+    ((out - target) ** 2).sum().backward()
+    out = model(cp.shard(x, 1), lambda q, k, v: cp.context_parallel_attention(q, k, v, **options))
+    ((out - cp.shard(target, 1)) ** 2).sum().backward()
+    errors = {}
+    references = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        want = references[name].grad
+        got = p.grad.full_tensor() * world  # type: ignore[union-attr]
+        errors[name] = float((got - want).abs().max() / want.abs().max())
+    return errors
+
+
 def _compile_case(rank: int, world: int) -> str:
     """torch.compile of a function around the call: the call runs eagerly (a graph
     break), the result and gradients are those of the eager call."""
@@ -445,6 +488,10 @@ def test_matches_the_single_process_call(world, tmp_path):
         ]
         assert errors[0] == want, errors[0]
         assert [r["compile"] for r in results] == ["same", "same"]
+        for result in results:
+            fsdp = result["fsdp"]
+            assert set(fsdp) == {"qkv.weight", "qkv.bias", "o.weight", "o.bias"}, fsdp
+            assert max(fsdp.values()) < 1e-6, fsdp
         for result in results:
             assert result["api"] == [
                 "True",
