@@ -19,10 +19,12 @@ is started before the current block is computed (batched ``isend``/``irecv``), s
 step takes about max(compute, transfer).
 
 Sharding (:func:`shard`, :func:`unshard`, :func:`positions`): the sequence is cut into
-chunks of equal length. ``layout="zigzag"`` (the default) cuts it into 2R chunks and
-gives rank r chunks r and 2R-1-r, so that under a causal mask every rank has the same
-work (an early chunk and a late one); ``layout="contiguous"`` gives rank r chunk r of
-R. Chunk pairs a mask hides entirely are skipped, not computed.
+chunks of equal length (or lengths ``N // C`` and ``N // C + 1`` when N is not a
+multiple of the chunk count C: then pass ``seq_len=N``). ``layout="zigzag"`` (the
+default) cuts it into 2R chunks and gives rank r chunks r and 2R-1-r, so that under a
+causal mask every rank has the same work (an early chunk and a late one);
+``layout="contiguous"`` gives rank r chunk r of R. Chunk pairs a mask hides entirely
+are skipped, not computed.
 
 Masks between chunks: a pair of chunks whose global positions differ is a band of the
 (query, key) grid, ``key - query`` in ``[lo, hi]``. Every such band is expressed as a
@@ -54,7 +56,7 @@ Failure: a peer that never takes part makes the call raise once the process grou
 timeout expires (gloo raises from the wait; NCCL's watchdog aborts the communicator),
 it does not hang forever. Shapes are compared across ranks (one small all-gather) the
 first time a signature is used in a group, so that mismatched shards raise the same
-ValueError on every rank instead of corrupting a transfer.
+ValueError on every rank instead of corrupting a transfer or leaving ranks waiting.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ __all__ = [
     "chunk_ids",
     "context_parallel_attention",
     "gather",
+    "local_length",
     "positions",
     "shard",
     "unshard",
@@ -138,15 +141,24 @@ def _num_chunks(world_size: int, layout: str) -> int:
     return 2 * world_size if layout == "zigzag" else world_size
 
 
-def _chunk_len(n: int, world_size: int, layout: str, what: str) -> int:
+@functools.lru_cache(maxsize=4096)
+def _local_chunks(n: int, world_size: int, rank: int, layout: str) -> tuple[tuple[int, int], ...]:
+    """``(global offset, length)`` of each chunk rank ``rank`` holds, in local order, for
+    a sequence of ``n``: the layout's chunks have lengths ``n // C`` or one more (the
+    first ``n % C`` chunks), C the chunk count, so uneven lengths shard too."""
     chunks = _num_chunks(world_size, layout)
-    if n % chunks:
-        raise ValueError(
-            f"{what} {n} is not a multiple of {chunks} ({layout} layout over {world_size} "
-            f"ranks cuts the sequence into {chunks} chunks of equal length); pad the "
-            f"sequence to a multiple of {chunks} (uneven chunks are not supported)"
-        )
-    return n // chunks
+    base, extra = divmod(n, chunks)
+    offsets = [i * base + min(i, extra) for i in range(chunks + 1)]
+    return tuple(
+        (offsets[i], offsets[i + 1] - offsets[i]) for i in chunk_ids(world_size, rank, layout)
+    )
+
+
+def local_length(n: int, world_size: int, rank: int, layout: str = "zigzag") -> int:
+    """The length of rank ``rank``'s shard of a sequence of ``n`` (``n / world_size``
+    when ``n`` is a multiple of the layout's chunk count; otherwise ranks differ by up to
+    one token per chunk)."""
+    return sum(length for _, length in _local_chunks(n, world_size, rank, layout))
 
 
 def shard(
@@ -163,17 +175,14 @@ def shard(
 
     Example: q of shape (B, H, N, D) -> ``shard(q, 2, R, r)`` of shape (B, H, N/R, D),
     holding the chunks :func:`chunk_ids` names, concatenated. Position ids for the
-    shard (for rotary embeddings and the like) are :func:`positions`.
-
-    Raises:
-        ValueError: ``x.shape[dim]`` is not a multiple of the layout's chunk count
-            (``2 * world_size`` for zigzag, ``world_size`` for contiguous).
+    shard (for rotary embeddings and the like) are :func:`positions`. A length that is
+    not a multiple of the chunk count is cut into chunks of ``N // C`` and ``N // C + 1``
+    (:func:`local_length`); pass ``seq_len=N`` to :func:`context_parallel_attention`
+    when the ranks' shards then differ in length.
     """
     world_size, rank = _resolve(world_size, rank)
-    ids = chunk_ids(world_size, rank, layout)
-    n = x.shape[dim]
-    c = _chunk_len(n, world_size, layout, f"sequence length (dim {dim})")
-    return torch.cat([x.narrow(dim, i * c, c) for i in ids], dim=dim)
+    chunks = _local_chunks(x.shape[dim], world_size, rank, _check_layout(layout))
+    return torch.cat([x.narrow(dim, offset, length) for offset, length in chunks], dim=dim)
 
 
 def unshard(shards: Sequence[torch.Tensor], dim: int, layout: str = "zigzag") -> torch.Tensor:
@@ -182,22 +191,21 @@ def unshard(shards: Sequence[torch.Tensor], dim: int, layout: str = "zigzag") ->
     world_size = len(shards)
     if world_size < 1:
         raise ValueError("shards must hold one tensor per rank, got none")
-    per_rank = len(chunk_ids(world_size, 0, layout))
-    lengths = {s.shape[dim] for s in shards}
-    if len(lengths) != 1:
-        raise ValueError(f"every shard must have the same length along dim {dim}, got {lengths}")
-    n_local = lengths.pop()
-    if n_local % per_rank:
+    lengths = [s.shape[dim] for s in shards]
+    n = sum(lengths)
+    expected = [local_length(n, world_size, r, layout) for r in range(world_size)]
+    if lengths != expected:
         raise ValueError(
-            f"a {layout} shard holds {per_rank} chunks of equal length; its length "
-            f"{n_local} along dim {dim} is not a multiple of {per_rank}"
+            f"the shards' lengths along dim {dim} are {lengths}; {layout} shards of a "
+            f"sequence of {n} have lengths {expected}"
         )
-    c = n_local // per_rank
-    pieces: dict[int, torch.Tensor] = {}
+    pieces: list[tuple[int, torch.Tensor]] = []
     for r, s in enumerate(shards):
-        for a, g in enumerate(chunk_ids(world_size, r, layout)):
-            pieces[g] = s.narrow(dim, a * c, c)
-    return torch.cat([pieces[g] for g in range(len(pieces))], dim=dim)
+        start = 0
+        for offset, length in _local_chunks(n, world_size, r, layout):
+            pieces.append((offset, s.narrow(dim, start, length)))
+            start += length
+    return torch.cat([piece for _, piece in sorted(pieces, key=lambda p: p[0])], dim=dim)
 
 
 def positions(
@@ -207,20 +215,35 @@ def positions(
     layout: str = "zigzag",
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """The global position ids (int64, shape (seq_len / world_size,)) of rank ``rank``'s
-    shard of a ``seq_len`` sequence, in the shard's order: feed them to rotary
-    embeddings (or anything positional) instead of ``arange(N_local)``. ``world_size``
-    and ``rank`` as :func:`shard`."""
+    """The global position ids (int64, shape (local_length,)) of rank ``rank``'s shard
+    of a ``seq_len`` sequence, in the shard's order: feed them to rotary embeddings (or
+    anything positional) instead of ``arange(N_local)``. ``world_size`` and ``rank`` as
+    :func:`shard`."""
     return shard(torch.arange(seq_len, device=device), 0, world_size, rank, layout)
 
 
-def gather(x: torch.Tensor, dim: int, group: Any = None, layout: str = "zigzag") -> torch.Tensor:
+def gather(
+    x: torch.Tensor,
+    dim: int,
+    group: Any = None,
+    layout: str = "zigzag",
+    seq_len: int | None = None,
+) -> torch.Tensor:
     """The full sequence on every rank: an all-gather of ``x`` (this rank's shard along
-    ``dim``) and :func:`unshard`. Not differentiable; for evaluation and tests."""
+    ``dim``) and :func:`unshard`; ``seq_len`` where the shards differ in length. Not
+    differentiable; for evaluation and tests."""
     world_size = dist.get_world_size(group)
-    parts = [torch.empty_like(x) for _ in range(world_size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return unshard(parts, dim, layout)
+    n = x.shape[dim] * world_size if seq_len is None else seq_len
+    lengths = [local_length(n, world_size, r, layout) for r in range(world_size)]
+    longest = max(lengths)
+    padded = x.movedim(dim, 0)
+    if padded.shape[0] < longest:  # all_gather needs one shape: pad, then trim
+        pad = padded.new_zeros((longest - padded.shape[0], *padded.shape[1:]))
+        padded = torch.cat([padded, pad])
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    trimmed = [p[:length].movedim(0, dim) for p, length in zip(parts, lengths)]
+    return unshard(trimmed, dim, layout)
 
 
 # ---------------------------------------------------------------------------
@@ -244,10 +267,15 @@ _INF = math.inf
 
 
 def _band(
-    q_off: int, k_off: int, c: int, causal: bool, window: tuple[int | None, int | None] | None
+    q_off: int,
+    k_off: int,
+    nq: int,
+    nk: int,
+    causal: bool,
+    window: tuple[int | None, int | None] | None,
 ) -> tuple[float, float]:
     """Visible ``key - query`` offsets ``[lo, hi]`` (local indices j - i) of a chunk pair
-    of length c at global offsets q_off and k_off, clipped to the chunk's range."""
+    (nq queries at global offset q_off, nk keys at k_off), clipped to the pair's range."""
     d = q_off - k_off  # global key pos - query pos = (j - i) - d
     lo, hi = -_INF, _INF
     if window is not None:
@@ -258,22 +286,22 @@ def _band(
             hi = d + right
     if causal:
         hi = min(hi, d)
-    return max(lo, -(c - 1)), min(hi, c - 1)
+    return max(lo, -(nq - 1)), min(hi, nk - 1)
 
 
-def _band_call(a_row: int, b_row: int, c: int, lo: int, hi: int) -> _Call:
-    """A non-empty band ``j - i in [lo, hi]`` of a c x c chunk pair as a top-left call:
+def _band_call(a_row: int, b_row: int, nq: int, nk: int, lo: int, hi: int) -> _Call:
+    """A non-empty band ``j - i in [lo, hi]`` of an nq x nk chunk pair as a top-left call:
     cut the keys no query sees and the queries that see no key, then the band is
     ``causal`` and/or ``window`` with non-negative sides (see the module doc)."""
     t = max(0, -hi)  # rows i < -hi see no key (j <= i + hi < 0)
     s = max(0, lo)  # keys j < lo are seen by no row (j >= i + lo >= lo)
-    r_end = c - max(lo, 0)  # rows i > c - 1 - lo see no key
-    k_end = c + min(hi, 0)  # keys j > c - 1 + hi are seen by no row
-    nq, nk = r_end - t, k_end - s
+    r_end = min(nq, nk - lo)  # rows i > nk - 1 - lo see no key
+    k_end = min(nk, nq + hi)  # keys j > nq - 1 + hi are seen by no row
+    rows, keys = r_end - t, k_end - s
     left, right = s - t - lo, hi - s + t  # relative band: j' - i' in [-left, right]
     causal = right == 0
-    side_left: int | None = None if left >= nq - 1 else left
-    side_right: int | None = None if causal or right >= nk - 1 else right
+    side_left: int | None = None if left >= rows - 1 else left
+    side_right: int | None = None if causal or right >= keys - 1 else right
     window = None if side_left is None and side_right is None else (side_left, side_right)
     return _Call(a_row + t, a_row + r_end, b_row + s, b_row + k_end, causal, window)
 
@@ -284,27 +312,35 @@ def _plan(
     rank: int,
     src: int,
     layout: str,
-    c: int,
+    n: int,
     causal: bool,
     window: tuple[int | None, int | None] | None,
 ) -> tuple[_Call, ...]:
-    """The calls rank ``rank`` makes against the block of rank ``src`` (chunk length c)."""
-    q_ids = chunk_ids(world_size, rank, layout)
-    k_ids = chunk_ids(world_size, src, layout)
+    """The calls rank ``rank`` makes against the block of rank ``src``, for a sequence of
+    ``n`` (the chunks of :func:`_local_chunks`)."""
+    q_chunks = _local_chunks(n, world_size, rank, layout)
+    k_chunks = _local_chunks(n, world_size, src, layout)
     if src == rank and window is None:
         # One call on the whole shard: positions ascend within it, so top-left causal on
         # local indices is global causal (a later chunk sees an earlier one fully).
-        n = c * len(q_ids)
-        return (_Call(0, n, 0, n, causal, None),)
-    bands = {
-        (a, b): _band(qa * c, kb * c, c, causal, window)
-        for a, qa in enumerate(q_ids)
-        for b, kb in enumerate(k_ids)
-    }
-    visible = {p: band for p, band in bands.items() if band[0] <= band[1]}
+        length = sum(size for _, size in q_chunks)
+        return (_Call(0, length, 0, length, causal, None),) if length else ()
+    q_rows = [sum(size for _, size in q_chunks[:a]) for a in range(len(q_chunks) + 1)]
+    k_rows = [sum(size for _, size in k_chunks[:b]) for b in range(len(k_chunks) + 1)]
+    visible: dict[tuple[int, int], tuple[int, int]] = {}
+    for a, (q_off, nq) in enumerate(q_chunks):
+        for b, (k_off, nk) in enumerate(k_chunks):
+            if nq and nk:
+                lo, hi = _band(q_off, k_off, nq, nk, causal, window)
+                if lo <= hi:
+                    visible[a, b] = (int(lo), int(hi))
     if not visible:
         return ()
-    full = {p for p, (lo, hi) in visible.items() if lo == -(c - 1) and hi == c - 1}
+    full = {
+        (a, b)
+        for (a, b), (lo, hi) in visible.items()
+        if lo == -(q_chunks[a][1] - 1) and hi == k_chunks[b][1] - 1
+    }
     rows = sorted({a for a, _ in visible})
     cols = sorted({b for _, b in visible})
     rectangle = {(a, b) for a in rows for b in cols}
@@ -315,12 +351,13 @@ def _plan(
     ):
         # Every visible pair is fully visible and they tile one rectangle: one call.
         return (
-            _Call(rows[0] * c, (rows[-1] + 1) * c, cols[0] * c, (cols[-1] + 1) * c, False, None),
-        )
-    calls = []
-    for (a, b), (lo, hi) in sorted(visible.items()):
-        calls.append(_band_call(a * c, b * c, c, int(lo), int(hi)))
-    return tuple(calls)
+            _Call(q_rows[rows[0]], q_rows[rows[-1] + 1], k_rows[cols[0]], k_rows[cols[-1] + 1],
+                  False, None),
+        )  # fmt: skip
+    return tuple(
+        _band_call(q_rows[a], k_rows[b], q_chunks[a][1], k_chunks[b][1], lo, hi)
+        for (a, b), (lo, hi) in sorted(visible.items())
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -399,18 +436,28 @@ class _Config:
     world_size: int
     rank: int
     layout: str
-    chunk: int
+    seq_len: int  # the full sequence's length
     causal: bool
     window: tuple[int | None, int | None] | None
     softcap: float | None
     scale: float
     backend: Any
 
+    def source(self, step: int) -> int:
+        """The rank whose block this rank holds at ``step``."""
+        return (self.rank - step) % self.world_size
+
     def calls(self, step: int) -> tuple[_Call, ...]:
-        src = (self.rank - step) % self.world_size
         return _plan(
-            self.world_size, self.rank, src, self.layout, self.chunk, self.causal, self.window
-        )
+            self.world_size, self.rank, self.source(step), self.layout, self.seq_len,
+            self.causal, self.window,
+        )  # fmt: skip
+
+    def block_like(self, t: torch.Tensor, step: int, dtype: torch.dtype | None = None) -> Any:
+        """An empty tensor shaped as ``t`` but for the sequence length of the block held
+        at ``step`` (shards may differ in length)."""
+        n = local_length(self.seq_len, self.world_size, self.source(step), self.layout)
+        return t.new_empty((*t.shape[:2], n, *t.shape[3:]), dtype=dtype or t.dtype)
 
 
 def _step(
@@ -530,7 +577,7 @@ def _forward_loop(
     for step in range(cfg.world_size):
         pending = None
         if ring is not None and step < cfg.world_size - 1:
-            k_next, v_next = torch.empty_like(k_blk), torch.empty_like(v_blk)
+            k_next, v_next = cfg.block_like(k_blk, step + 1), cfg.block_like(v_blk, step + 1)
             pending = ring.start((k_blk, v_blk), (k_next, v_next))  # overlaps the compute
         for call in cfg.calls(step):
             out, lse = _step(
@@ -636,7 +683,7 @@ def _backward_loop(
     for step in range(cfg.world_size):
         kv_pending = None
         if ring is not None and step < cfg.world_size - 1:
-            k_next, v_next = torch.empty_like(k_blk), torch.empty_like(v_blk)
+            k_next, v_next = cfg.block_like(k_blk, step + 1), cfg.block_like(v_blk, step + 1)
             kv_pending = ring.start((k_blk, v_blk), (k_next, v_next))
         dk_blk = torch.zeros(k_blk.shape, dtype=acc, device=k.device)
         dv_blk = torch.zeros(v_blk.shape, dtype=acc, device=v.device)
@@ -652,7 +699,9 @@ def _backward_loop(
                 ring.wait(dkv_pending)
                 dk_blk += dk_in
                 dv_blk += dv_in
-            dk_in, dv_in = torch.empty_like(dk_blk), torch.empty_like(dv_blk)
+            # What arrives is the gradient of the block held next (at the last step:
+            # of this rank's own block, step R being step 0).
+            dk_in, dv_in = cfg.block_like(dk_blk, step + 1), cfg.block_like(dv_blk, step + 1)
             dkv_pending = ring.start((dk_blk, dv_blk), (dk_in, dv_in))
         if kv_pending is not None and ring is not None:
             ring.wait(kv_pending)
@@ -732,32 +781,49 @@ def _as_int(value: Any) -> int:
 
 
 def _check_ranks(
-    group: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, facts: tuple[Any, ...]
+    group: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_len: int | None,
+    layout: str,
+    facts: tuple[Any, ...],
 ) -> None:
-    """The same shapes, dtype and options on every rank, checked once per signature and
-    group with one all-gather; every rank raises the same ValueError when they differ."""
+    """The same shapes (but for the sequence length), dtype and options on every rank,
+    and each rank's shard length that of its shard of a ``seq_len`` sequence (None:
+    rank 0's shard length times the world size, the same on every rank): checked
+    once per signature and group with one all-gather, so that every rank raises the
+    same ValueError instead of some of them waiting in the ring for the others."""
     signature = (id(group), tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, facts)
     if signature in _checked:
         return
     mine = [*q.shape, *k.shape, *v.shape, _DTYPE_CODES.get(q.dtype, 0), *map(_as_int, facts)]
     device = q.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
     local = torch.tensor(mine, dtype=torch.int64, device=device)
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    world_size = dist.get_world_size(group)
+    parts = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(parts, local, group=group)
     rows = [p.tolist() for p in parts]
-    if any(row != rows[0] for row in rows):
-        names = "q shape (4), k shape (4), v shape (4), dtype, options"
+
+    def rest(row: list[int]) -> list[int]:  # all but the three sequence lengths
+        return row[:2] + row[3:6] + row[7:10] + row[11:]
+
+    problems = []
+    if any(rest(row) != rest(rows[0]) for row in rows):
         listing = "; ".join(f"rank {r}: {row[:12]}" for r, row in enumerate(rows))
-        raise ValueError(
-            "context_parallel_attention needs the same shard shapes, dtype and options "
-            f"on every rank (uneven shards are not supported: pad the sequence); "
-            f"got [{names}] {listing}"
-            + (
-                ""
-                if all(row[12:] == rows[0][12:] for row in rows)
-                else " (dtype or options differ)"
-            )
+        what = "shapes" if all(row[12:] == rows[0][12:] for row in rows) else "dtype or options"
+        problems.append(f"the {what} differ between ranks (q, k, v shapes: {listing})")
+    lengths = [(row[2], row[6], row[10]) for row in rows]
+    n = rows[0][2] * world_size if seq_len is None else seq_len
+    expected = [local_length(n, world_size, r, layout) for r in range(world_size)]
+    if lengths != [(n, n, n) for n in expected]:
+        problems.append(
+            f"the shards' (q, k, v) lengths per rank are {lengths}, and {layout} shards of a "
+            f"sequence of {n} have lengths {expected} (attnhub.distributed.shard cuts "
+            "them; where they differ between ranks, pass seq_len=)"
         )
+    if problems:
+        raise ValueError("context_parallel_attention: " + "; ".join(problems))
     if len(_checked) >= _CHECKED_LIMIT:
         _checked.clear()
     _checked[signature] = None
@@ -780,6 +846,7 @@ def context_parallel_attention(
     scale: float | None = None,
     return_lse: bool = False,
     layout: str = "zigzag",
+    seq_len: int | None = None,
     backend: str | Sequence[str] | None = None,
     alignment: str = "top_left",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -803,6 +870,9 @@ def context_parallel_attention(
         return_lse: also return this rank's rows of the float32 (B, Hq, N_local) lse.
         layout: "zigzag" (rank r holds chunks r and 2R-1-r of 2R: balanced under a
             causal mask) or "contiguous" (rank r holds chunk r of R).
+        seq_len: the full sequence's length N; None means ``N_local * R`` (every rank's
+            shard of the same length). Needed where N makes the shards' lengths differ
+            (N not a multiple of the chunk count: :func:`local_length`).
         backend: passed to every ring step's ``attnhub.attention`` (None: dispatch
             chooses among backends that return an lse). For gradients the backend's
             lse must carry a gradient (see the module doc).
@@ -813,8 +883,9 @@ def context_parallel_attention(
     Raises:
         TypeError, ValueError: bad input (as :func:`attnhub.attention`, named), before
             any communication; shards whose shapes, dtypes or options differ between
-            ranks (every rank raises), N_local not a multiple of the layout's chunks
-            per rank. Attention masks, dropout and block sparsity are not supported.
+            ranks, or whose lengths are not those :func:`shard` gives for ``seq_len``
+            (every rank raises alike). Attention masks, dropout and block sparsity are
+            not supported.
         RuntimeError: a peer that does not take part, once the group's timeout expires.
     """
     layout = _check_layout(layout)
@@ -840,15 +911,12 @@ def context_parallel_attention(
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError("this process is not a member of group")
-    n_local = query.shape[2]
-    per_rank = len(chunk_ids(world_size, rank, layout))
-    if n_local % per_rank:
-        raise ValueError(
-            f"query's shard length {n_local} is not a multiple of {per_rank}: a {layout} "
-            f"shard holds {per_rank} chunks of equal length (shard a sequence whose length "
-            f"is a multiple of {per_rank * world_size} with attnhub.distributed.shard)"
-        )
-    n_total = n_local * world_size
+    if seq_len is None:
+        n_total = query.shape[2] * world_size
+    elif isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be None or an int >= 0, got {seq_len!r}")
+    else:
+        n_total = seq_len
     resolved = make_params(
         query, key=key, causal=causal, alignment="top_left", window=None, softcap=softcap,
         scale=scale, dropout_p=0.0, block_sparse=None, return_lse=return_lse,
@@ -856,18 +924,19 @@ def context_parallel_attention(
     sides = _check_window(window, 2 * n_total)
     options = (
         LAYOUTS.index(layout), causal, *(sides or (None, None)), sides is None,
-        resolved.softcap, resolved.scale,
+        resolved.softcap, resolved.scale, seq_len,
     )  # fmt: skip
-    _check_ranks(group, query, key, value, options)
+    _check_ranks(group, query, key, value, seq_len, layout, options)
     cfg = _Config(
-        group=group, world_size=world_size, rank=rank, layout=layout,
-        chunk=n_local // per_rank, causal=causal, window=sides, softcap=resolved.softcap,
-        scale=resolved.scale, backend=backend,
+        group=group, world_size=world_size, rank=rank, layout=layout, seq_len=n_total,
+        causal=causal, window=sides, softcap=resolved.softcap, scale=resolved.scale,
+        backend=backend,
     )  # fmt: skip
-    if query.numel() == 0 or key.numel() == 0:
-        # B, H or N is 0 (on every rank: checked): the answer is empty (or, for no
-        # keys, zeros and -inf) wherever the sequence is; the local call gives it, with
-        # autograd, and no ring is needed.
+    if query.shape[0] == 0 or query.shape[1] == 0 or key.shape[1] == 0 or n_total == 0:
+        # Empty on every rank (checked): B, H or the whole sequence is 0, and the local
+        # call gives the empty answer, with autograd; no ring is needed. (A rank whose
+        # shard alone is empty, a sequence shorter than the chunk count, still relays
+        # the others' blocks around the ring.)
         return api.attention(
             query, key, value, causal=causal, softcap=softcap, scale=scale,
             return_lse=return_lse, backend=backend,

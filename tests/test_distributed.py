@@ -33,30 +33,34 @@ JOIN_TIMEOUT_S = 150.0
 
 
 def test_shard_unshard_positions_round_trip():
-    x = torch.arange(2 * 24).reshape(2, 24)
-    for layout in cp.LAYOUTS:
-        for world in (1, 2, 3, 4):
-            shards = [cp.shard(x, 1, world, r, layout) for r in range(world)]
-            assert torch.equal(cp.unshard(shards, 1, layout), x)
-            for r in range(world):
-                pos = cp.positions(24, world, r, layout)
-                assert torch.equal(shards[r][0], pos), (layout, world, r)
+    for n in (24, 25, 29, 3, 0):  # even, uneven, shorter than the chunk count, empty
+        x = torch.arange(2 * n).reshape(2, n)
+        for layout in cp.LAYOUTS:
+            for world in (1, 2, 3, 4):
+                shards = [cp.shard(x, 1, world, r, layout) for r in range(world)]
+                assert torch.equal(cp.unshard(shards, 1, layout), x)
+                for r in range(world):
+                    pos = cp.positions(n, world, r, layout)
+                    assert torch.equal(shards[r][0], pos), (layout, world, r)
+                    assert len(pos) == cp.local_length(n, world, r, layout)
     # zigzag: rank r holds chunks r and 2R-1-r
     assert cp.positions(8, 2, 0).tolist() == [0, 1, 6, 7]
     assert cp.positions(8, 2, 1).tolist() == [2, 3, 4, 5]
     assert cp.positions(8, 2, 1, "contiguous").tolist() == [4, 5, 6, 7]
+    # uneven: chunks of N // C and N // C + 1 (the first N % C chunks)
+    assert cp.positions(10, 2, 0).tolist() == [0, 1, 2, 8, 9]
+    assert cp.positions(11, 2, 1).tolist() == [3, 4, 5, 6, 7, 8]
+    assert cp.positions(3, 4, 3).tolist() == []
 
 
-def test_shard_rejects_uneven_lengths_and_bad_arguments():
-    with pytest.raises(ValueError, match=r"not a multiple of 4 \(zigzag layout over 2 ranks"):
-        cp.shard(torch.zeros(10), 0, 2, 0)
-    with pytest.raises(ValueError, match="not a multiple of 3"):
-        cp.shard(torch.zeros(10), 0, 3, 0, "contiguous")
+def test_shard_errors():
     with pytest.raises(ValueError, match="layout must be one of"):
         cp.shard(torch.zeros(8), 0, 2, 0, "striped")
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
         cp.shard(torch.zeros(8), 0, 2, 2)
-    with pytest.raises(ValueError, match="same length"):
+    with pytest.raises(TypeError, match="rank must be an int when world_size is one"):
+        cp.shard(torch.zeros(8), 0, 2)
+    with pytest.raises(ValueError, match=r"lengths along dim 0 are \[4, 6\]; zigzag shards "):
         cp.unshard([torch.zeros(4), torch.zeros(6)], 0)
 
 
@@ -75,15 +79,16 @@ def test_plan_covers_exactly_the_kept_positions(layout):
     """Over every (rank, source block) pair, the planned calls keep exactly the positions
     the contract's mask keeps on the full sequence, each once, for causal, windows of
     every size (crossing chunk borders, wider than the sequence, zero) and none, on 1
-    to 8 ranks."""
+    to 8 ranks, chunks of equal and of unequal lengths."""
     options = [(False, None), (True, None)]
     for left in (None, 0, 1, 2, 3, 5, 7, 100):
         for right in (None, 0, 1, 4, 9):
             if (left, right) != (None, None):
                 options += [(False, (left, right)), (True, (left, right))]
     for world in (1, 2, 3, 4, 5, 8):
-        for c in (1, 3, 4):
-            n = c * (2 * world if layout == "zigzag" else world)
+        chunks = 2 * world if layout == "zigzag" else world
+        # chunk lengths 1, 3 and 4, and uneven ones (N not a multiple of the chunks)
+        for n in sorted({chunks, 3 * chunks, 4 * chunks, 3 * chunks + 1, 4 * chunks - 1, 5}):
             for causal, window in options:
                 full = keep_mask(n, n, AttentionParams(causal=causal, window=window), "cpu")
                 for rank in range(world):
@@ -95,12 +100,12 @@ def test_plan_covers_exactly_the_kept_positions(layout):
                             if full is None
                             else full[rows][:, cols]
                         )
-                        calls = cp._plan(world, rank, src, layout, c, causal, window)
+                        calls = cp._plan(world, rank, src, layout, n, causal, window)
                         count = torch.zeros(len(rows), len(cols), dtype=torch.int64)
                         for call in calls:
                             assert call.r1 > call.r0 and call.k1 > call.k0, call
                             count += _expressed(call, len(rows), len(cols)).long()
-                        what = (layout, world, c, causal, window, rank, src, calls)
+                        what = (layout, world, n, causal, window, rank, src, calls)
                         assert torch.equal(count, want.long()), what
 
 
@@ -112,7 +117,7 @@ def test_plan_skips_hidden_chunks_and_balances_causal_zigzag():
     for rank in range(world):
         area = 0
         for src in range(world):
-            calls = cp._plan(world, rank, src, "zigzag", c, True, None)
+            calls = cp._plan(world, rank, src, "zigzag", 2 * world * c, True, None)
             assert len(calls) == 1, calls
             area += sum((k.r1 - k.r0) * (k.k1 - k.k0) for k in calls)
         areas.append(area)
@@ -121,10 +126,10 @@ def test_plan_skips_hidden_chunks_and_balances_causal_zigzag():
     # the (2Rc)^2 grid in total over R ranks, half of it plus the diagonal chunks.
     assert areas[0] == 4 * c * c + (world - 1) * 2 * c * c
     # contiguous causal: rank r skips every later rank's block
-    assert cp._plan(4, 1, 3, "contiguous", c, True, None) == ()
+    assert cp._plan(4, 1, 3, "contiguous", 4 * c, True, None) == ()
     # a narrow window skips far blocks: rank 0 (chunks 0, 7) sees nothing of rank 2's
     # chunks (2, 5) under window (1, 0) with chunks of 8
-    assert cp._plan(4, 0, 2, "zigzag", c, False, (1, 0)) == ()
+    assert cp._plan(4, 0, 2, "zigzag", 8 * c, False, (1, 0)) == ()
 
 
 # ---------------------------------------------------------------------------
@@ -194,6 +199,10 @@ CASES: list[tuple[str, dict[str, Any], tuple[int, int], int, int]] = [
     ("mqa_scale_window", {"scale": -0.7, "window": (2, 2)}, (4, 1), 3, 6),
     ("contiguous_causal", {"causal": True, "layout": "contiguous"}, (2, 2), 4, 8),
     ("contiguous_window", {"window": (3, 0), "layout": "contiguous"}, (2, 1), 4, 8),
+    # "extra": tokens beyond a multiple of the chunk count (uneven shards, seq_len=)
+    ("uneven_causal", {"causal": True, "extra": 3}, (2, 2), 2, 8),
+    ("uneven_window", {"window": (3, 1), "layout": "contiguous", "extra": 1}, (2, 1), 3, 8),
+    ("shorter_than_the_chunks", {"causal": True, "extra": 3}, (2, 2), 0, 8),
 ]
 
 
@@ -203,7 +212,7 @@ def _reference(
     """Output, lse and (dq, dk, dv) of one attnhub call on the full sequence."""
     import attnhub
 
-    options = {key: val for key, val in options.items() if key != "layout"}
+    options = {key: val for key, val in options.items() if key not in ("layout", "extra")}
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
     out, lse = attnhub.attention(q, k, v, **options, return_lse=True, backend="torch_reference")
     grads = torch.autograd.grad((out, lse), (q, k, v), (dout.to(out.dtype), dlse))
@@ -227,7 +236,10 @@ def _correctness_worker(rank: int, world: int, tmp: str, backend: str = "torch_r
             if not reference_run and name not in TRITON_CASES:
                 continue
             layout = options.get("layout", "zigzag")
-            n = c * (2 * world if layout == "zigzag" else world)
+            n = c * (2 * world if layout == "zigzag" else world) + options.get("extra", 0)
+            call = {key: val for key, val in options.items() if key != "extra"}
+            if "extra" in options:
+                call["seq_len"] = n
             gen = torch.Generator().manual_seed(1234 + len(name))
             b, d = 2, 8
             if not reference_run:  # triton_flash: head dims 16..256; the interpreter is slow
@@ -245,7 +257,7 @@ def _correctness_worker(rank: int, world: int, tmp: str, backend: str = "torch_r
                     for t in (q64, k64, v64)
                 )
                 o, lse = cp.context_parallel_attention(
-                    q, k, v, **options, return_lse=True, backend=backend
+                    q, k, v, **call, return_lse=True, backend=backend
                 )
                 upstream = (cp.shard(dout, 2, world, rank, layout).to(o.dtype),
                             cp.shard(dlse, 2, world, rank, layout))  # fmt: skip
@@ -308,10 +320,13 @@ def _error_cases(rank: int, world: int) -> list[str]:
     seen = []
     x = torch.randn(1, 2, 4, 8)
     attempts = [
-        # an odd shard cannot hold two zigzag chunks of equal length
-        lambda: cp.context_parallel_attention(x[:, :, :3], x[:, :, :3], x[:, :, :3]),
-        # different shard lengths on the two ranks (checked across ranks)
+        # shards of 4 are not those of a sequence of 9 (5 and 4 tokens)
+        lambda: cp.context_parallel_attention(x, x, x, seq_len=9),
+        # different shard lengths on the two ranks without seq_len (checked across ranks)
         lambda: cp.context_parallel_attention(*(torch.randn(1, 2, 4 + 2 * rank, 8),) * 3),
+        # a different dtype on one rank
+        lambda: cp.context_parallel_attention(*(x.double() if rank else x,) * 3),
+        lambda: cp.context_parallel_attention(x, x, x, seq_len=-1),
         # Hq not a multiple of Hkv: the contract's error, before any communication
         lambda: cp.context_parallel_attention(torch.randn(1, 3, 4, 8), x, x),
         lambda: cp.context_parallel_attention(x, x, x, window=(-1, 2)),
@@ -323,7 +338,7 @@ def _error_cases(rank: int, world: int) -> list[str]:
             attempt()
             seen.append("no error")
         except ValueError as exc:
-            seen.append(str(exc).split(":")[0])
+            seen.append(str(exc))
     out = cp.context_parallel_attention(x, x, x, causal=True, backend="torch_reference")
     seen.append(f"works after: {tuple(out.shape)}")
     return seen
@@ -379,6 +394,8 @@ def _api_cases(rank: int, world: int) -> list[str]:
     seen.append(str(torch.equal(cp.shard(x, 2), cp.shard(x, 2, world, rank))))
     group = torch.distributed.group.WORLD
     seen.append(str(torch.equal(cp.positions(8, group), cp.positions(8, world, rank))))
+    uneven = torch.arange(2 * 9 * 3).reshape(2, 9, 3)  # shards of 5 and 4 along dim 1
+    seen.append(str(torch.equal(cp.gather(cp.shard(uneven, 1), 1, seq_len=9), uneven)))
     q = cp.shard(x, 2)
     a = cp.context_parallel_attention(q, q, q, causal=True, backend="torch_reference")
     b = cp.context_parallel_attention(
@@ -474,10 +491,20 @@ def test_matches_the_single_process_call(world, tmp_path):
     if world == 2:
         errors = [r["errors"] for r in results]
         assert errors[0] == errors[1], errors  # every rank raises the same
+        lengths_hint = (
+            "(attnhub.distributed.shard cuts them; where they differ between ranks, pass seq_len=)"
+        )
         want = [
-            "query's shard length 3 is not a multiple of 2",
-            "context_parallel_attention needs the same shard shapes, dtype and options on "
-            "every rank (uneven shards are not supported",
+            "context_parallel_attention: the shards' (q, k, v) lengths per rank are "
+            "[(4, 4, 4), (4, 4, 4)], and zigzag shards of a sequence of 9 have lengths "
+            f"[5, 4] {lengths_hint}",
+            "context_parallel_attention: the shards' (q, k, v) lengths per rank are "
+            "[(4, 4, 4), (6, 6, 6)], and zigzag shards of a sequence of 8 have lengths "
+            f"[4, 4] {lengths_hint}",
+            "context_parallel_attention: the dtype or options differ between ranks (q, k, "
+            "v shapes: rank 0: [1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8]; rank 1: [1, 2, 4, 8, "
+            "1, 2, 4, 8, 1, 2, 4, 8])",
+            "seq_len must be None or an int >= 0, got -1",
             "query heads Hq=3 must be a multiple of key/value heads Hkv=2 (grouped-query "
             "attention)",
             "window sides must be >= 0 (or None for unbounded), got left=-1",
@@ -494,6 +521,7 @@ def test_matches_the_single_process_call(world, tmp_path):
             assert max(fsdp.values()) < 1e-6, fsdp
         for result in results:
             assert result["api"] == [
+                "True",
                 "True",
                 "True",
                 "True",
