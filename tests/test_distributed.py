@@ -635,6 +635,9 @@ def _cuda_cases() -> list[tuple[Any, Any]]:
         cases += [
             (Case(dtype=dtype, Nq=2048, Nk=2048, causal=True, softcap=30.0, **gqa), None),
             (Case(dtype=dtype, Nq=2048, Nk=2048, causal=True, **gqa), "triton_flash"),
+            # uneven: shards of different lengths on 2 GPUs (seq_len=)
+            (Case(dtype=dtype, Nq=1001, Nk=1001, causal=True, **base), None),
+            (Case(dtype=dtype, Nq=1001, Nk=1001, window=(77, 0), **base), None),
         ]
     return cases
 
@@ -668,7 +671,7 @@ def _cuda_worker(rank: int, world: int, tmp: str) -> None:
                 local(t).requires_grad_(True) for t in (inputs.query, inputs.key, inputs.value)
             )
             out, lse = cp.context_parallel_attention(
-                q, k, v, **options, return_lse=True, backend=backend
+                q, k, v, **options, seq_len=case.Nq, return_lse=True, backend=backend
             )
             grads = torch.autograd.grad(out, (q, k, v), local(inputs.grad_out))
             for what, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
