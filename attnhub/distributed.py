@@ -402,7 +402,7 @@ class _Ring:
         return handle
 
     def wait(self, handle: tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]) -> None:
-        works, send, recv = handle
+        works = handle[0]
         self.pending = [h for h in self.pending if h is not handle]
         if self.stream is None:
             for work in works:
@@ -412,7 +412,6 @@ class _Ring:
             for work in works:
                 work.wait()  # NCCL: the side stream waits for the transfer
         torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-        del send, recv  # released only now: the compute stream is ordered after the transfer
 
     def drain(self) -> None:
         """Complete the transfers still in flight, ignoring their errors: called when a
@@ -505,6 +504,8 @@ def _step_for_grad(
             out, lse = _step(cfg, call, q, k, v, selection)
         if lse.requires_grad or not out.requires_grad:
             if selection is not None:
+                if len(_grad_selection) >= _CHECKED_LIMIT:
+                    _grad_selection.clear()
                 _grad_selection[signature] = selection
             return out, lse
         decision = api.explain(
