@@ -250,6 +250,27 @@ def test_empty_calls():  # type: ignore[no-untyped-def]
     assert out.shape == (2, 2, 0, 16)
 
 
+def test_compile_fullgraph():  # type: ignore[no-untyped-def]
+    """Under torch.compile (fullgraph) the call goes through the registered op
+    attnhub::triton_decode (on CPU an opaque custom op whose fake implementation only
+    allocates) and gives the eager answer; paged, GQA, window, lse."""
+    lengths = [40, 9]
+    q, k, v, sl = make_inputs(2, 4, 2, 4, 64, 32, torch.float32, lengths, seed=31)
+    kp, table = to_paged(k, 16)
+    vp, _ = to_paged(v, 16)
+
+    def f(q, kp, vp, sl, table):  # type: ignore[no-untyped-def]
+        return decode.decode_attention(q, kp, vp, sl, block_table=table, scale=0.3,
+                                       window=(20, 0), return_lse=True)  # fmt: skip
+
+    backend = "inductor" if HAS_CUDA else "aot_eager"
+    got = torch.compile(f, backend=backend, fullgraph=True)(q, kp, vp, sl, table)
+    eager = f(q, kp, vp, sl, table)
+    torch.testing.assert_close(got[0], eager[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], eager[1], atol=1e-5, rtol=1e-5)
+    check(*got, q, k, v, lengths, scale=0.3, window=(20, 0))
+
+
 def test_split_heuristic(monkeypatch):  # type: ignore[no-untyped-def]
     """The fewest splits whose waves of 3 programs per SM are within 15% of the best
     filled, with at least 4 tiles per split, at most 64 (under the interpreter: up to 4

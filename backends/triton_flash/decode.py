@@ -593,7 +593,7 @@ def _plan(
 
 # Triton's interpreter patches triton.language while a kernel runs: two threads
 # interpreting at once break each other (ops._INTERPRETER_LOCK has the story). Interpreted
-# launches here take turns too; GPU launches do not lock.
+# launches here take turns too (_Serialized); GPU launches do not lock.
 _INTERPRETER_LOCK = threading.Lock()
 
 
@@ -640,14 +640,43 @@ def decode_attention(
         cache_seqlens = cache_seqlens.contiguous()
     if block_table is not None and block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
+    if not _direct(q, k_cache, v_cache, cache_seqlens, block_table):
+        # Traced (torch.compile, export, fake tensors, dispatch/function modes): the
+        # registered op, whose kernels Inductor sees through wrap_triton.
+        out, lse = triton_decode(
+            q, k_cache, v_cache, cache_seqlens, block_table,
+            *_op_options(q, scale, window, softcap, causal, config),
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
     key = None
-    if USE_PLANS and q.is_cuda and not torch.compiler.is_compiling():
+    if USE_PLANS and q.is_cuda:
         key = _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, scale, window,
                         softcap, causal, config)  # fmt: skip
-        if key is not None:
-            cached = _PLANS.get(key)
-            if cached is not None:
-                return cached(q, k_cache, v_cache, cache_seqlens, block_table, return_lse)
+        cached = _PLANS.get(key)
+        if cached is not None:
+            return cached(q, k_cache, v_cache, cache_seqlens, block_table, return_lse)
+    out, lse = _run(q, k_cache, v_cache, cache_seqlens, block_table, scale, window, softcap,
+                    causal, config, key, False)  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def _run(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    scale: float | None,
+    window: tuple[int | None, int | None] | None,
+    softcap: float | None,
+    causal: bool,
+    config: DecodeConfig | None,
+    key: tuple | None,
+    traced: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of :func:`decode_attention` by the full path: choose the launch,
+    allocate, launch (``traced``: through :func:`_launcher`, as the registered op does;
+    else the kernels themselves), and record the plan under ``key`` if one is given."""
     b, hq, nq, d = q.shape
     paged = block_table is not None
     if paged:
@@ -669,7 +698,7 @@ def decode_attention(
         if out.numel():
             out.zero_()
         lse.fill_(float("-inf"))
-        return (out, lse) if return_lse else out
+        return out, lse
 
     if scale is None:
         scale = 1.0 / math.sqrt(d)
@@ -694,7 +723,10 @@ def decode_attention(
         kp, kh, kn, kd = k_cache.stride()
         vp, vh, vn, vd = v_cache.stride()
         bt, bt_stride = cache_seqlens, 0
-    counter = _counters(q.device, plan.counters) if plan.counters else lse
+    counter = lse
+    if plan.counters:
+        # A traced call's counters are its own (never a kept buffer of fake tensors).
+        counter = _counters(q.device, plan.counters, fresh=traced)
     args = (
         q, k_cache, v_cache, cache_seqlens, bt, part, out, lse, counter,
         *q.stride(), kp, kh, kn, kd, vp, vh, vn, vd, bt_stride, *out.stride(),
@@ -703,12 +735,11 @@ def decode_attention(
     )  # fmt: skip
     merge_args = (part, out, lse, *out.stride(), hkv, hq // hkv, nq, dv, splits)
     merge = splits > 1 and not plan.counters
-    if interpreting():
-        with _INTERPRETER_LOCK:
-            decode_split_kernel[plan.grid](*args, **plan.split_meta)
-            if merge:
-                decode_merge_kernel[plan.merge_grid](*merge_args, **plan.merge_meta)
-        return (out, lse) if return_lse else out
+    if traced or interpreting():
+        _launcher(decode_split_kernel, q)[plan.grid](*args, **plan.split_meta)
+        if merge:
+            _launcher(decode_merge_kernel, q)[plan.merge_grid](*merge_args, **plan.merge_meta)
+        return out, lse
     compiled = decode_split_kernel[plan.grid](*args, **plan.split_meta)
     launches: list[tuple] = [(decode_split_kernel, compiled, plan.grid, args, plan.split_meta, 9)]
     if merge:
@@ -717,7 +748,124 @@ def decode_attention(
                          plan.merge_meta, 3))  # fmt: skip
     if key is not None:
         _remember(key, _CallPlan(out, lse, plan.part_numel, plan.counters, launches))
-    return (out, lse) if return_lse else out
+    return out, lse
+
+
+def _direct(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call on these tensors runs the kernels itself (plain tensors in plain
+    eager mode) rather than through the registered op (ops.direct's rule)."""
+    return (
+        not torch.compiler.is_compiling()
+        and all(t is None or type(t) is torch.Tensor for t in tensors)
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._is_torch_function_mode_enabled()
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
+def _noop_launch(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class _NoLaunch:
+    def __getitem__(self, grid: Any) -> Any:
+        return _noop_launch
+
+
+class _Serialized:
+    """An interpreted kernel whose launches take _INTERPRETER_LOCK."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid: Any) -> Any:
+        launch = self.kernel[grid]
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with _INTERPRETER_LOCK:
+                return launch(*args, **kwargs)
+
+        return locked
+
+
+def _launcher(kernel: Any, like: torch.Tensor) -> Any:
+    """``kernel[grid]`` as the registered op launches it (ops._launcher's rule): on the
+    GPU through wrap_triton (traceable, a no-op on fake tensors); interpreted kernels
+    cannot be traced, so there they run directly, one launch at a time, and not at all
+    on fake tensors (a fake implementation only allocates the outputs)."""
+    if interpreting():
+        from torch._subclasses.fake_tensor import is_fake
+
+        return _NoLaunch() if is_fake(like) else _Serialized(kernel)
+    from torch.library import wrap_triton
+
+    return wrap_triton(kernel)
+
+
+def _op_options(
+    q: torch.Tensor,
+    scale: float | None,
+    window: tuple[int | None, int | None] | None,
+    softcap: float | None,
+    causal: bool,
+    config: DecodeConfig | None,
+) -> tuple:
+    """The options as the op's schema takes them: window sides -1 = absent, softcap 0 =
+    none, config fields (block_n 0 = the default launch, num_splits 0 = the heuristic)."""
+    left, right = window if window is not None else (None, None)
+    cfg = config or DecodeConfig(0, 0, 0)
+    return (
+        float(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])),
+        -1 if left is None else int(left), -1 if right is None else int(right),
+        float(softcap or 0.0), bool(causal), cfg.block_n, cfg.num_warps, cfg.num_stages,
+        cfg.num_splits or 0, cfg.fused_merge,
+    )  # fmt: skip
+
+
+def _op_impl(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    causal: bool,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+    num_splits: int,
+    fused_merge: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attnhub::triton_decode``: (out, lse) of :func:`decode_attention`, options
+    encoded as :func:`_op_options` does."""
+    window = None
+    if window_left != -1 or window_right != -1:
+        window = (None if window_left == -1 else window_left,
+                  None if window_right == -1 else window_right)  # fmt: skip
+    config = None
+    if block_n:
+        config = DecodeConfig(block_n, num_warps, num_stages, num_splits or None, fused_merge)
+    return _run(q, k_cache, v_cache, cache_seqlens, block_table, scale, window,
+                softcap or None, causal, config, None, True)  # fmt: skip
+
+
+def _define(name: str, impl: Any) -> Any:
+    """``impl`` as the op ``name`` (ops._define's rule): a ``triton_op`` on the GPU, which
+    torch.compile traces through to the wrapped kernels; under the interpreter an opaque
+    ``custom_op`` whose fake implementation is ``impl`` (launches skipped on fakes)."""
+    if interpreting():
+        op = torch.library.custom_op(name, mutates_args=())(impl)
+        op.register_fake(impl)
+        return op
+    from torch.library import triton_op
+
+    return triton_op(name, mutates_args={})(impl)
+
+
+triton_decode = _define("attnhub::triton_decode", _op_impl)
 
 
 # FUSED_MERGE's arrival counters: int32 zeros that each launch leaves at zero (the
@@ -729,7 +877,9 @@ def decode_attention(
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
-def _counters(device: torch.device, n: int) -> torch.Tensor:
+def _counters(device: torch.device, n: int, fresh: bool = False) -> torch.Tensor:
+    if fresh:
+        return torch.zeros(n, dtype=torch.int32, device=device)
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return torch.zeros(n, dtype=torch.int32, device=device)
