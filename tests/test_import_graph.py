@@ -25,7 +25,7 @@ RUNTIME_LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"dispatch", "validation"}),
     frozenset({"autotune", "serving_validation"}),
     frozenset({"api", "serving"}),
-    frozenset({"patching", "integrations.transformers", "distributed"}),
+    frozenset({"patching", "integrations.transformers", "distributed", "paged_cache"}),
 )
 TOOLING = frozenset({"bench", "bench_report", "bench_workloads", "bench_models", "tune", "demo", "cli", "__main__"})  # fmt: skip
 

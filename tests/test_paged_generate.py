@@ -1,0 +1,201 @@
+"""examples/paged_generate.py and attnhub.paged_cache: batched greedy generation through a
+paged KV cache gives transformers' own greedy tokens; the allocator's bookkeeping."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnhub
+from attnhub.paged_cache import PagedKVCache
+
+pytest.importorskip("transformers")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "paged_generate.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("paged_generate_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def example():
+    return _example()
+
+
+@pytest.fixture(scope="module")
+def model(example):
+    example.register()
+    m = example.build_model(layers=2, hidden=64, heads=4, kv_heads=2, vocab=128,
+                            max_positions=128, dtype=torch.float32, device="cpu")  # fmt: skip
+    m.set_attn_implementation(example.IMPLEMENTATION)
+    return m
+
+
+# Lengths that start inside a page, fill one exactly (16, 32) and cross pages while
+# decoding (30 + 12 crosses 32).
+PROMPTS_LENGTHS = (3, 16, 30, 32)
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_greedy_tokens_equal_transformers_generate(example, model, page_size):
+    prompts = _prompts(PROMPTS_LENGTHS)
+    attnhub.reset_stats()
+    ours = example.generate(model, prompts, 12, page_size=page_size)
+    served = attnhub.stats()
+    reference = example.hf_generate(model, prompts, 12)
+    assert ours.shape == (4, 12)
+    assert torch.equal(ours, reference), (ours, reference)
+    # 2 layers: one varlen prefill and 11 paged decode steps each, all through attnhub.
+    assert sum(served.values()) == 2 * 12
+    assert model.config._attn_implementation == example.IMPLEMENTATION  # restored
+
+
+def test_unchecked_indices_and_one_page_per_token_step(example, model):
+    """check_indices=False (the allocator vouches) gives the same tokens, and so does a
+    pool with pages to spare (other page numbers in the table)."""
+    prompts = _prompts((7, 21), seed=1)
+    checked = example.generate(model, prompts, 6, page_size=16)
+    unchecked = example.generate(model, prompts, 6, page_size=16, check_indices=False,
+                                 num_pages=9)  # fmt: skip
+    assert torch.equal(checked, unchecked)
+    assert torch.equal(checked, example.hf_generate(model, prompts, 6))
+
+
+def test_triton_flash_serves_the_paged_decode_steps(example, model):
+    """triton_flash pinned first (the Triton interpreter on CPU): it serves the paged
+    decode calls; the varlen prefill, which it does not declare, goes to the next name."""
+    name = "triton_flash"
+    if attnhub.get_registry().unavailable_reason(name) is not None:
+        pytest.skip(f"{name}: {attnhub.get_registry().unavailable_reason(name)}")
+    prompts = _prompts((5, 18), seed=2)
+    attnhub.reset_stats()
+    ours = example.generate(model, prompts, 3, page_size=16,
+                            backend=(name, "torch_reference"))  # fmt: skip
+    served = attnhub.stats()
+    assert served.get(name) == 2 * 2, served  # 2 layers x 2 decode steps
+    assert served.get("torch_reference") == 2, served  # 2 layers x 1 prefill
+    assert torch.equal(ours, example.hf_generate(model, prompts, 3))
+
+
+def test_the_example_runs_as_a_script(example, capsys):
+    assert example.main(["--batch", "2", "--new-tokens", "4", "--page-size", "32", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out
+    assert "equal to transformers' generate() (DynamicCache, eager): True" in out
+
+
+def test_the_attention_function_refuses_a_call_without_a_cache(example, model):
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="paged_cache"):
+        model(input_ids=ids, use_cache=False)
+
+
+# -- the cache's bookkeeping ------------------------------------------------------------
+
+
+def _cache(**changes):
+    args = dict(num_layers=1, batch=2, num_pages=6, page_size=16, kv_heads=2, head_dim=8)
+    args.update(changes)
+    return PagedKVCache(**args)
+
+
+def test_pages_are_handed_out_as_sequences_grow_and_come_back_on_release():
+    cache = _cache()
+    cache.start([20, 3])  # 2 pages and 1
+    cache.finish()
+    assert cache.lengths == [20, 3]
+    assert cache.pages_of(0) == [0, 1] and cache.pages_of(1) == [2]
+    assert cache.block_table.tolist() == [[0, 1, -1, -1, -1, -1], [2, -1, -1, -1, -1, -1]]
+    cache.start(13)  # 33 keys: a third page for sequence 0; 16 keys: still one for 1
+    assert cache.cache_seqlens.tolist() == [20, 3]  # the lengths before the step
+    cache.finish()
+    assert cache.pages_of(0) == [0, 1, 3] and cache.pages_of(1) == [2]
+    assert cache.free_pages == 2
+    cache.release(0)
+    assert cache.free_pages == 5 and cache.lengths == [0, 16]
+    assert cache.block_table[0].tolist() == [-1] * 6
+    cache.start([40, 0])
+    assert cache.pages_of(0) == [0, 1, 3]  # reused, lowest first
+    cache.finish()
+
+
+def test_packed_prefill_writes_each_key_into_its_page_slot():
+    cache = _cache(check_indices=True)
+    lengths = [20, 5]
+    total = sum(lengths)
+    q = torch.randn(total, 4, 8)
+    k, v = torch.randn(total, 2, 8), torch.randn(total, 2, 8)
+    cache.start(lengths)
+    out = cache.attend(0, q, k, v)
+    cache.finish()
+    # The answer is attention_varlen's, and every key sits at block_table[b, p // 16], p % 16.
+    cu = torch.tensor([0, 20, 25])
+    torch.testing.assert_close(out, attnhub.attention_varlen(q, k, v, cu, cu, causal=True))
+    start = 0
+    for b, n in enumerate(lengths):
+        for p in range(n):
+            page = int(cache.block_table[b, p // 16])
+            torch.testing.assert_close(cache.k_pools[0][page, p % 16], k[start + p], rtol=0, atol=0)
+            torch.testing.assert_close(cache.v_pools[0][page, p % 16], v[start + p], rtol=0, atol=0)
+        start += n
+
+
+def test_decode_step_equals_dense_attention_on_the_gathered_keys():
+    cache = _cache(check_indices=True)
+    cache.start([20, 5])
+    total = 25
+    cache.attend(0, torch.randn(total, 4, 8), torch.randn(total, 2, 8), torch.randn(total, 2, 8))
+    cache.finish()
+    q, k_new, v_new = torch.randn(2, 4, 2, 8), torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8)
+    cache.start(2)
+    out = cache.attend(0, q, k_new, v_new)
+    cache.finish()
+    for b, n in enumerate(cache.lengths):
+        pages = cache.block_table[b, : -(-n // 16)].long()
+        keys = cache.k_pools[0][pages].flatten(0, 1)[:n].transpose(0, 1)[None]
+        values = cache.v_pools[0][pages].flatten(0, 1)[:n].transpose(0, 1)[None]
+        torch.testing.assert_close(keys[0, :, -2:], k_new[b], rtol=0, atol=0)
+        dense = attnhub.attention(q[b : b + 1], keys, values, causal=True, alignment="bottom_right")
+        torch.testing.assert_close(out[b : b + 1], dense)
+
+
+def test_bad_steps_raise_before_anything_is_allocated():
+    cache = _cache(num_pages=2, pages_per_seq=2)
+    with pytest.raises(ValueError, match="new_tokens"):
+        cache.start([1])
+    with pytest.raises(ValueError, match="new_tokens"):
+        cache.start([-1, 2])
+    with pytest.raises(ValueError, match="pages_per_seq"):
+        cache.start([33, 0])
+    with pytest.raises(RuntimeError, match="2 are free"):
+        cache.start([17, 1])  # 3 pages
+    assert cache.free_pages == 2
+    with pytest.raises(RuntimeError, match="start"):
+        cache.attend(0, torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+    cache.start([1, 1])
+    with pytest.raises(RuntimeError, match="not finished"):
+        cache.start([1, 1])
+    with pytest.raises(ValueError, match="expected 2 packed tokens"):
+        cache.attend(0, torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8))
+    with pytest.raises(ValueError, match="query"):
+        cache.attend(0, torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8))
+    cache.finish()
+    cache.start([1, 0])
+    with pytest.raises(ValueError, match="cache empty"):
+        cache.attend(0, torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+    cache.finish()
+    with pytest.raises(ValueError, match="page_size"):
+        _cache(page_size=0)
