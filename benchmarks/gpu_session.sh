@@ -7,11 +7,16 @@
 #   DEMO_S      demo.log: `attnhub demo` (the large model, stock vs patched, judged)
 #   OVERHEAD_S  overhead.json/txt: dispatch overhead over PyTorch's own calls
 #   CHURN_S     churn.json/txt: per-call cost with a new key length each call
-#   SERVING_S   serving.json/md: `attnhub bench --decode --varlen`
+#   DECODE_S    decode-gpu.json/md: benchmarks/decode_gpu.py (DECODE_ARGS, e.g. --no-sweep)
+#   HOST_S      host-time-tiny.json/md: benchmarks/host_time.py (the tiny call's host time)
+#   SERVING_S   serving.json/txt: benchmarks/serving_gpu.py (SERVING_ARGS, e.g. --quick)
+#   CP_S        context-parallel*: benchmarks/context_parallel.py at world size 1 (torchrun)
 #   MODELS_S    models.json/md: `attnhub bench --models` (MODELS: comma-separated names)
 #   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16)
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
 # Usage (on the device): TESTS_S=150 MODELS_S=200 bash benchmarks/gpu_session.sh
+# Every output also goes into $OUT/session.tgz after each step (the device returns at most
+# 8 files), so a call cut at its limit still returns what the finished steps wrote.
 # Kept outputs are committed as benchmarks/results/<kind>-h200.* (gpu-tests-h200.log,
 # demo-h200.log, ...), the previous ones moved to archive/ (benchmarks/results/README.md).
 set -uo pipefail
@@ -27,9 +32,10 @@ step() {  # step LIMIT_S NAME COMMAND...: run COMMAND under LIMIT_S seconds, if 
     local start=$SECONDS
     timeout -s INT -k 10 "$limit" "$@"
     echo "[$name: exit $?, $((SECONDS - start)) s]"
+    (cd "$OUT" && tar czf session.tgz --exclude=session.tgz . 2>/dev/null)
 }
 
-step "${TESTS_S:-0}" tests python3 -m pytest -m gpu -n 6 -q -rfE --tb=line -p no:cacheprovider \
+step "${TESTS_S:-0}" tests python3 -m pytest -m gpu -n "${TESTS_N:-6}" -q -rfE --tb=line -p no:cacheprovider --timeout 120 \
     --continue-on-collection-errors tests > "$OUT/gpu-tests.log" 2>&1
 tail -25 "$OUT/gpu-tests.log" 2>/dev/null | grep -v "^\.\.\.\." | tail -12
 step "${DEMO_S:-0}" demo python3 -m attnhub demo > "$OUT/demo.log" 2>&1
@@ -40,8 +46,18 @@ cat "$OUT/overhead.txt" 2>/dev/null
 step "${CHURN_S:-0}" churn python3 benchmarks/shape_churn_probe.py --json "$OUT/churn.json" \
     > "$OUT/churn.txt" 2>&1
 cat "$OUT/churn.txt" 2>/dev/null
-step "${SERVING_S:-0}" serving python3 -m attnhub bench --decode --varlen --device cuda \
-    -o "$OUT/serving.json" > "$OUT/serving.md" 2> "$OUT/serving.err"
+step "${DECODE_S:-0}" decode python3 benchmarks/decode_gpu.py "$OUT" ${DECODE_ARGS:-} \
+    > "$OUT/decode.log" 2>&1
+tail -40 "$OUT/decode-gpu.md" 2>/dev/null
+step "${HOST_S:-0}" host python3 benchmarks/host_time.py "$OUT" > "$OUT/host.log" 2>&1
+cat "$OUT/host-time-tiny.md" 2>/dev/null
+step "${SERVING_S:-0}" serving python3 benchmarks/serving_gpu.py "$OUT" ${SERVING_ARGS:-} \
+    > "$OUT/serving.txt" 2>&1
+cat "$OUT/serving.txt" 2>/dev/null
+step "${CP_S:-0}" context-parallel torchrun --standalone --nproc-per-node=1 \
+    benchmarks/context_parallel.py --out "$OUT/cp" --impls attnhub_cp,torch_cp,attnhub_single,sdpa_single \
+    --seqlens "${CP_SEQLENS:-8192,32768,131072}" > "$OUT/cp.log" 2>&1
+cat "$OUT/cp/context-parallel.md" 2>/dev/null
 step "${MODELS_S:-0}" models python3 -m attnhub bench --models --model-names "${MODELS:-llama,mistral-window1024,gemma2-window1024-softcap50,qwen2}" \
     --device cuda --repeats 3 -o "$OUT/models.json" > "$OUT/models.md" 2> "$OUT/models.err"
 cat "$OUT/models.md" 2>/dev/null
