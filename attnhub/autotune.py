@@ -25,6 +25,11 @@ it cannot or must not:
 A backend that declares ``compiles_per_shape`` (FlexAttention compiled with static
 shapes) is not timed: its warm-up call would compile, for seconds, in the user's first
 call of every signature; it is ranked after the timed backends by the policies beneath.
+Nor is a backend that no timing could rank first: the reference (it serves only where
+nothing else can) and, where a linear-memory backend is eligible, every quadratic-memory
+one (every policy ranks linear memory first). Timing those would only spend the
+caller's memory: the reference materializes the float32 scores, 64 GiB for a causal
+call of B=1, H=16, N=32K (seen on the H200: a 130 GiB peak in the first call).
 
 Timing never touches the caller's tensors (they are read, never written; gradients go
 to detached leaves), nor the caller's random state; the outputs of the timed calls are
@@ -43,7 +48,7 @@ from typing import Any
 import torch
 
 from . import env, measured
-from .dispatch import Decision, prepare_candidate
+from .dispatch import REFERENCE, Decision, prepare_candidate
 from .registry import get_registry
 from .request import AttentionParams
 
@@ -57,13 +62,31 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _untimed(decision: Decision) -> dict[str, str]:
+    """The eligible candidates left untimed, each with the reason (module docstring)."""
+    registry = get_registry()
+    eligible = [registry.get(c.name) for c in decision.candidates if c.eligible]
+    linear = any(
+        b.name != REFERENCE and b.memory_class(decision.request) == "linear" for b in eligible
+    )
+    why: dict[str, str] = {}
+    for b in eligible:
+        if b.name == REFERENCE:
+            why[b.name] = "the reference: serves only where no other backend can"
+        elif getattr(b, "compiles_per_shape", False):
+            why[b.name] = "compiles per shape: not timed at a first call"
+        elif linear and b.memory_class(decision.request) != "linear":
+            why[b.name] = "quadratic memory, ranked after the linear-memory backends"
+    return why
+
+
 def wanted(decision: Decision, params: AttentionParams, device: torch.device) -> bool:
     """Whether this call's signature should be measured now (see the module docstring)."""
     if device.type not in measured.DEVICES or not env.flag(env.AUTOTUNE, default=True):
         return False
     if decision.selection.names is not None or params.dropout_p > 0:
         return False
-    if sum(c.eligible for c in decision.candidates) < 2:
+    if sum(c.eligible for c in decision.candidates) - len(_untimed(decision)) < 2:
         return False
     if torch.compiler.is_compiling() or _capturing(device) or measured.distributed_job():
         return False
@@ -118,13 +141,9 @@ def measure(
         if found is not None:  # another thread measured it meanwhile
             return found
         ms: dict[str, float] = {}
-        failed: dict[str, str] = {}
-        registry = get_registry()
+        failed = _untimed(decision)
         for candidate in decision.candidates:
-            if not candidate.eligible:
-                continue
-            if getattr(registry.get(candidate.name), "compiles_per_shape", False):
-                failed[candidate.name] = "compiles per shape: not timed at a first call"
+            if not candidate.eligible or candidate.name in failed:
                 continue
             try:
                 runner = prepare_candidate(candidate.name, decision.request, params)

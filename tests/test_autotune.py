@@ -257,3 +257,34 @@ def test_a_backend_that_compiles_per_shape_is_not_timed_at_a_first_call(tuned):
     assert decision.chosen == "fast"
     (note,) = [c.note for c in decision.candidates if c.name == "compiling"]
     assert "compiles per shape: not timed at a first call" in note
+
+
+def test_backends_no_timing_could_rank_first_are_not_timed(tuned):
+    """The reference (ranked last whatever it costs) and, beside a linear-memory backend,
+    a quadratic-memory one (ranked after every linear one) are not timed: timing them
+    spends the caller's memory (the reference's float32 scores) for nothing."""
+    registry = tuned[2]
+    reference = _backend("torch_reference", -100, 0.0)
+    type(reference).memory = "quadratic"
+    quadratic = _backend("quadratic", 1000, 0.0)
+    type(quadratic).memory = "quadratic"
+    registry.add(reference)
+    registry.add(quadratic)
+    q, k, v = _qkv()
+    attnhub.attention(q, k, v)
+    assert reference.calls == 0 and quadratic.calls == 0
+    decision = attnhub.explain(q, k, v)
+    assert decision.chosen == "fast"
+    notes = {c.name: c.note for c in decision.candidates}
+    assert "quadratic memory, ranked after the linear-memory backends" in notes["quadratic"]
+    assert "measured" not in notes["torch_reference"]  # ranked last, by declaration
+
+
+def test_quadratic_backends_are_timed_where_no_linear_one_is_eligible(tuned):
+    slow, fast, registry = tuned
+    for timed in (slow, fast):
+        type(timed).memory = "quadratic"
+    q, k, v = _qkv()
+    attnhub.attention(q, k, v)
+    assert slow.calls == 1 + autotune.REPEATS
+    assert attnhub.explain(q, k, v).chosen == "fast"
