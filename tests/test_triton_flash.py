@@ -367,6 +367,61 @@ def test_backward_launch_mode() -> None:
                       "HEAD_MAJOR": True, "num_warps": 8, "num_stages": 3}  # fmt: skip
 
 
+@pytest.mark.parametrize("where", ["another thread", "after the block"])
+def test_a_backward_runs_under_the_tuning_of_its_forward(monkeypatch, where: str) -> None:
+    """Autograd runs a CUDA backward on its own device thread, which sees none of the
+    forward thread's context variables, and a backward may run after the block: the
+    override the forward ran under holds for its backward either way (before, the
+    backward launched the table's tiles, and a sweep of backward tiles timed none)."""
+    import threading
+
+    from attnhub.backends.triton_flash import tuning
+
+    launched: list[tuple[str, dict]] = []
+    launcher = ops._launcher
+
+    def recording(kernel, like):  # type: ignore[no-untyped-def]
+        launch = launcher(kernel, like)
+
+        class Grid:
+            def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+                def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+                    launched.append((kernel.fn.__name__, kwargs))
+                    return launch[grid](*args, **kwargs)
+
+                return run
+
+        return Grid()
+
+    monkeypatch.setattr(ops, "_launcher", recording)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16, requires_grad=True) for _ in range(3))
+    forced = (16, 16, 4, 1)  # not the interpreter's table (16, 32, 4, 1)
+    with tuning.override(bwd_kv=forced, backward_launch="split"):
+        out, _ = ops.flash_attention(q, k, v, causal=True)
+    grads: list = []
+
+    def backward() -> None:
+        grads.extend(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+
+    if where == "another thread":
+        thread = threading.Thread(target=backward)
+        thread.start()
+        thread.join()
+    else:
+        backward()
+    (dkdv,) = [kw for name, kw in launched if name == "attn_bwd_dkdv_kernel"]
+    assert (dkdv["BLOCK_M"], dkdv["BLOCK_N"]) == forced[:2]
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = torch.autograd.grad(
+        reference_attention(*ref, None, AttentionParams(causal=True, scale=0.25))[0],
+        ref,
+        torch.ones_like(out).double(),
+    )
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
 def test_tuning_override_is_scoped_validated_and_nests() -> None:
     """tuning.override: bad values raise before the block; inner blocks change only the
     fields they name; the enclosing value comes back after a block, also when it

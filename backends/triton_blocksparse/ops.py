@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from attnhub.backends.triton_flash import tuning
 from attnhub.backends.triton_flash.configs import launch_config
 from attnhub.backends.triton_flash.ops import (
     DirectAttention,
@@ -290,15 +291,17 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     out, lse = output
     ctx.save_for_backward(q, k, v, mask, seed, out, lse, *index)
     ctx.scalars = scalars
+    ctx.tuning = tuning.current()
 
 
 def _backward(ctx, dout, dlse):  # type: ignore[no-untyped-def]
     q, k, v, mask, seed, out, lse, *index = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = triton_blocksparse_bwd(
-        dout, q, k, v, mask, seed, list(index), out, lse, dlse, *ctx.scalars
-    )
+    with tuning.restored(ctx.tuning):
+        dq, dk, dv = triton_blocksparse_bwd(
+            dout, q, k, v, mask, seed, list(index), out, lse, dlse, *ctx.scalars
+        )
     return (dq, dk, dv, None, None, [None] * len(index)) + (None,) * _N_SCALARS
 
 

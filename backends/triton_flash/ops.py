@@ -710,13 +710,15 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     out, lse = output
     ctx.save_for_backward(q, k, v, mask, seed, out, lse)
     ctx.scalars = scalars
+    ctx.tuning = tuning.current()
 
 
 def _backward(ctx, dout, dlse):  # type: ignore[no-untyped-def]
     q, k, v, mask, seed, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = triton_flash_bwd(dout, q, k, v, mask, seed, out, lse, dlse, *ctx.scalars)
+    with tuning.restored(ctx.tuning):
+        dq, dk, dv = triton_flash_bwd(dout, q, k, v, mask, seed, out, lse, dlse, *ctx.scalars)
     return (dq, dk, dv, None, None) + (None,) * len(_SCALARS)
 
 
@@ -810,6 +812,7 @@ class DirectAttention(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, mask, seed, out, lse)
         ctx.impl = (bwd_impl, extra, scalars)
+        ctx.tuning = tuning.current()  # the backward's too (tuning.restored)
         return out, lse
 
     @staticmethod
@@ -818,7 +821,7 @@ class DirectAttention(torch.autograd.Function):
         bwd_impl, extra, scalars = ctx.impl
         if dout is None:
             dout = torch.zeros_like(out)
-        with set_wrap_triton_enabled(False):
+        with set_wrap_triton_enabled(False), tuning.restored(ctx.tuning):
             grads = bwd_impl(dout, q, k, v, mask, seed, *extra, out, lse, dlse, *scalars)
         dq, dk, dv = once_differentiable(grads, dout, dlse, q, k, v, mask)
         return (None, None, None, dq, dk, dv, None, None) + (None,) * len(scalars)

@@ -10,8 +10,11 @@ Normal calls never enter one: the library's tables (configs.py) decide. The over
 a :class:`contextvars.ContextVar`, so it holds for the thread (or asyncio task) that
 entered the block and ends with it, whatever happens inside; nothing is written to
 ``os.environ`` or to module globals, and other threads keep the tables. Overrides nest:
-an inner block changes only the fields it names. Under ``torch.compile`` the override
-active when a graph is traced is baked into that graph (as any Python-level choice is).
+an inner block changes only the fields it names. A call's backward runs under the
+override its forward ran under (:func:`restored`; the ops save it with the call), also
+when autograd runs it on its CUDA device thread or after the block. Under
+``torch.compile`` the override active when a graph is traced is baked into that graph
+(as any Python-level choice is).
 
 Who reads it: :func:`configs.launch_config` (``fwd``, ``bwd_kv``, ``bwd_q``; the
 block-sparse ops take their tiles from it too), :func:`configs.backward_launch`
@@ -69,6 +72,19 @@ def current() -> Tuning | None:
     return _CURRENT.get()
 
 
+@contextlib.contextmanager
+def restored(saved: Tuning | None) -> Iterator[None]:
+    """Inside the block, ``saved`` (what :func:`current` returned at a call's forward) is
+    the active tuning. A backward runs under the tuning of its forward: autograd runs a
+    CUDA backward on its own device thread, which sees none of the forward thread's
+    context variables, and a backward may run after the forward's block has ended."""
+    token = _CURRENT.set(saved)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
 def _as_config(direction: str, value: ConfigLike) -> LaunchConfig:
     from .configs import LaunchConfig
 
@@ -96,7 +112,8 @@ def override(
     (``"split"``, ``"merged"`` or ``"merged_heads"``; a merged mode is still split where
     the two roles' launch options differ, see configs.backward_launch) and, with
     ``packed_row_strides=False``, every row stride is a runtime argument. Arguments left
-    None keep the enclosing block's value (or the table's). Yields the active
+    None keep the enclosing block's value (or the table's). The backward of a call made
+    inside the block uses the block's tuning wherever it runs. Yields the active
     :class:`Tuning`. Bad values raise before the block runs."""
     if backward_launch is not None and backward_launch not in BACKWARD_LAUNCHES:
         raise ValueError(
