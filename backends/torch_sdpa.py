@@ -140,6 +140,23 @@ def _may_leave_rows_without_keys(request: AttentionRequest) -> bool:
     )
 
 
+def _bool_mask_on_cuda(request: AttentionRequest) -> bool:
+    """The call reaches PyTorch's CUDA kernel with a bool mask: one given, or the keep
+    mask built for bottom-right causal with Nq > Nk.
+
+    Declined with a backward: on the H200 (torch 2.11, cuDNN 9.19, bf16) the causal
+    key-padding call of `attnhub demo` (B=2, H=16, N=4096, D=128, a left-padded row)
+    served this way, its key-less rows opened and zeroed, gave parameter gradients 77x
+    the contract's tolerance (benchmarks/results/demo-h200.log); stock SDPA's step on
+    the same model is 3.71x outside it. The cause inside PyTorch's kernel is not
+    isolated; the forward was not seen to fail, and small calls pass on the GPU
+    (test_gpu_torch_sdpa_gives_zeros_and_finite_grads_on_rows_without_keys)."""
+    return request.device_type == "cuda" and (
+        request.mask == "bool"
+        or (request.causal and request.alignment == "bottom_right" and request.q_longer)
+    )
+
+
 def _open_rows_without_keys(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the mask with its key-less rows made all-visible, those rows as a (.., Nq, 1) bool).
 
@@ -262,6 +279,11 @@ class TorchSDPA(Backend):
             # picks for fp16/bf16, give NaN for every call; the memory-efficient one,
             # NaN gradients where it is given a mask (bottom-right causal here).
             return ["on CUDA, scale <= 0: PyTorch's flash and cuDNN kernels give NaN"]
+        if request.needs_grad and _bool_mask_on_cuda(request):
+            return [
+                "on CUDA, a bool mask with a backward: PyTorch's kernel gave gradients "
+                "77x outside the contract's tolerance on the H200 (attnhub demo)"
+            ]
         return []
 
     def memory_class(self, request: AttentionRequest) -> str:

@@ -93,6 +93,32 @@ def test_on_cuda_torch_sdpa_serves_masks_and_rows_without_keys():
         assert not torch_sdpa._may_leave_rows_without_keys(request)  # the CPU gives zeros
 
 
+def test_on_cuda_torch_sdpa_declines_a_bool_mask_with_a_backward():
+    """The H200 demo's causal key-padding step, served by torch_sdpa with a bool mask,
+    gave gradients far outside the tolerance: such calls with a backward go elsewhere;
+    the same call without one, and a float mask with one, are still served."""
+    q = torch.empty(2, 4, 64, 64, device="meta", dtype=torch.float16)
+    k = torch.empty(2, 4, 32, 64, device="meta", dtype=torch.float16)
+    sdpa = get_registry().get("torch_sdpa")
+    bool_mask = torch.empty(2, 1, 1, 64, device="meta", dtype=torch.bool)
+    float_mask = torch.empty(2, 1, 64, 64, device="meta", dtype=torch.float16)
+    for mask, keys, options, declined in (
+        (bool_mask, q, {"causal": True}, True),
+        (None, k, {"causal": True, "alignment": "bottom_right"}, True),  # a built bool mask
+        (float_mask, q, {}, False),
+        (None, q, {"causal": True}, False),
+    ):
+        request, _ = _request(q, keys, keys, mask, **options)
+        cuda = dataclasses.replace(request, device_type="cuda", capability=(9, 0))
+        assert sdpa.extra_reasons(cuda) == []  # no backward: served
+        training = dataclasses.replace(cuda, needs_grad=True)
+        reasons = sdpa.extra_reasons(training)
+        assert bool(reasons) == declined, (options, reasons)
+        if declined:
+            assert "bool mask with a backward" in reasons[0]
+        assert sdpa.extra_reasons(dataclasses.replace(request, needs_grad=True)) == []  # CPU
+
+
 # --- on the GPU -----------------------------------------------------------------------
 
 
