@@ -158,11 +158,21 @@ def test_gpu_pinned_kernels_serve_what_pytorch_says_they_serve(name, hq, hkv, d)
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_explain_quotes_pytorch_for_a_kernel_it_rejects():
-    q = torch.randn(1, 8, 64, 64, device="cuda", dtype=torch.float16)
-    k = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16)
-    decision = attnhub.explain(q, k, k)
-    text = str(decision)
-    assert "torch_sdpa_efficient" in text and "PyTorch's can_use_efficient_attention()" in text
+    """A call every declaration of torch_sdpa_flash admits, with the kernel switched off
+    through PyTorch's own flag: PyTorch's check rejects it, and explain() quotes it. (A
+    GQA call does not show this for the memory-efficient kernel: its ATen op takes no
+    GQA, which the backend declares, so PyTorch is not asked.) The shape is this test's
+    own, so no earlier answer for it is cached."""
+    q = torch.randn(1, 3, 72, 40, device="cuda", dtype=torch.float16)
+    enabled = torch.backends.cuda.flash_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        decision = attnhub.explain(q, q, q)
+    finally:
+        torch.backends.cuda.enable_flash_sdp(enabled)
+    (flash,) = [c for c in decision.candidates if c.name == "torch_sdpa_flash"]
+    assert not flash.eligible
+    assert any("PyTorch's can_use_flash_attention()" in r for r in flash.reasons), flash.reasons
 
 
 @pytest.mark.gpu
