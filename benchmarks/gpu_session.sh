@@ -15,14 +15,16 @@
 #   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16)
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
 # Usage (on the device): TESTS_S=150 MODELS_S=200 bash benchmarks/gpu_session.sh
-# Every output also goes into $OUT/session.tgz after each step (the device returns at most
-# 8 files), so a call cut at its limit still returns what the finished steps wrote.
+# The steps write into a scratch folder, bundled into $OUT/session.tgz (the only file in
+# $OUT) after each step: the device returns at most 8 files (more, and the rest are lost),
+# and a call cut at its limit still returns what the finished steps wrote.
 # Kept outputs are committed as benchmarks/results/<kind>-h200.* (gpu-tests-h200.log,
 # demo-h200.log, ...), the previous ones moved to archive/ (benchmarks/results/README.md).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-out}
-mkdir -p "$OUT"
+DEST=${OUT:-out}
+OUT=$(mktemp -d)
+mkdir -p "$DEST"
 python3 -m pip install -q --no-build-isolation --no-deps -e . -e plugins/attnhub-flex 2>&1 | grep -v WARNING
 
 step() {  # step LIMIT_S NAME COMMAND...: run COMMAND under LIMIT_S seconds, if > 0
@@ -32,7 +34,7 @@ step() {  # step LIMIT_S NAME COMMAND...: run COMMAND under LIMIT_S seconds, if 
     local start=$SECONDS
     timeout -s INT -k 10 "$limit" "$@"
     echo "[$name: exit $?, $((SECONDS - start)) s]"
-    (cd "$OUT" && tar czf session.tgz --exclude=session.tgz . 2>/dev/null)
+    tar czf "$DEST/session.tgz" -C "$OUT" . 2>/dev/null
 }
 
 step "${TESTS_S:-0}" tests python3 -m pytest -m gpu -n "${TESTS_N:-6}" -q -rfE --tb=line -p no:cacheprovider --timeout 120 \
@@ -80,4 +82,5 @@ try:
 except Exception as exc:
     print("workloads summary failed:", exc)
 PY
+tar czf "$DEST/session.tgz" -C "$OUT" . 2>/dev/null
 true
