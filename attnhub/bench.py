@@ -1147,6 +1147,28 @@ def _block_sparse_config(args: argparse.Namespace) -> dict[str, Any]:
     return chosen
 
 
+def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """--decode (attnhub.bench_decode) and --serving / --varlen (attnhub.bench_serving),
+    declared here: those modules import Triton and CUDA-only code, which ``--help`` and
+    the other kinds must not need."""
+    g = parser.add_argument_group(
+        "serving (--decode, --serving, --varlen; CUDA)",
+        "--decode: triton_flash's split-KV decode op against PyTorch's kernels and "
+        "FlexAttention (B=8, Hq 32 / Hkv 8, D=128, bf16; Nq=1 at Nk 4K-128K, softcap + "
+        "window, paged caches, Nq=4), JSON + table + bandwidth plot. --serving: "
+        "attention_kvcache and attention_varlen through the public API per eligible "
+        "backend; --varlen: the varlen part only (16 documents, 64K tokens, causal, "
+        "against SDPA on the padded batch). --quick shortens both.",
+    )
+    g.add_argument("--decode", action="store_true", help="the decode kernels (attnhub.bench_decode)")  # fmt: skip
+    g.add_argument("--decode-sections", metavar="S,...", help="with --decode: a subset of nq1,softcap_window,paged,nq4,host,sweep")  # fmt: skip
+    g.add_argument("--no-sweep", action="store_true", help="with --decode: skip the launch-configuration sweep")  # fmt: skip
+    g.add_argument("--no-flex", dest="flex", action="store_false", help="with --decode: leave FlexAttention out")  # fmt: skip
+    g.add_argument("--serving", action="store_true", help="decode and varlen through the public API (attnhub.bench_serving)")  # fmt: skip
+    g.add_argument("--varlen", action="store_true", help="attention_varlen through the public API only")  # fmt: skip
+    g.add_argument("--iters", type=int, default=20, help="with --serving/--varlen: timed calls per case (default 20)")  # fmt: skip
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .bench_models import add_arguments as add_model_arguments
     from .bench_workloads import add_arguments as add_workload_arguments
@@ -1155,6 +1177,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_block_sparse_arguments(parser)
     add_workload_arguments(parser)
     add_model_arguments(parser)
+    add_serving_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("-o", "--output", help="results JSON (default attnhub-bench-<date>.json); plots and a markdown table go beside it")  # fmt: skip
     out.add_argument("--no-plots", dest="plots", action="store_false", help="write no PNG plots")
@@ -1176,6 +1199,17 @@ def main(args: argparse.Namespace) -> int:
         from .bench_models import main as models_main
 
         return models_main(args)
+    if args.decode:
+        if args.report is not None and len(args.report) != 1:
+            print("attnhub bench --decode --report: one results file", file=sys.stderr)
+            return 2
+        from .bench_decode import main as decode_main
+
+        return decode_main(args)
+    if args.serving or args.varlen:
+        from .bench_serving import main as serving_main
+
+        return serving_main(args)
     if args.report:
         data = bench_report.merge([bench_report.load(p) for p in args.report])
         target = Path(args.output) if args.output else Path(args.report[0])

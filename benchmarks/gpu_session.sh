@@ -7,9 +7,9 @@
 #   DEMO_S      demo.log: `attnhub demo` (the large model, stock vs patched, judged)
 #   OVERHEAD_S  overhead.json/txt: dispatch overhead over PyTorch's own calls
 #   CHURN_S     churn.json/txt: per-call cost with a new key length each call
-#   DECODE_S    decode-gpu.json/md: benchmarks/decode_gpu.py (DECODE_ARGS, e.g. --no-sweep)
+#   DECODE_S    decode.json/md/-bandwidth.png: `attnhub bench --decode` (DECODE_ARGS, e.g. --no-sweep)
 #   HOST_S      host-time-tiny.json/md: benchmarks/host_time.py (the tiny call's host time)
-#   SERVING_S   serving.json/txt: benchmarks/serving_gpu.py (SERVING_ARGS, e.g. --quick)
+#   SERVING_S   serving.json/txt: `attnhub bench --serving` (SERVING_ARGS, e.g. --quick)
 #   CP_S        context-parallel*: benchmarks/context_parallel.py at world size 1 (torchrun)
 #   MODELS_S    models.json/md: `attnhub bench --models` (MODELS: comma-separated names)
 #   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16)
@@ -48,12 +48,12 @@ cat "$OUT/overhead.txt" 2>/dev/null
 step "${CHURN_S:-0}" churn python3 benchmarks/shape_churn_probe.py --json "$OUT/churn.json" \
     > "$OUT/churn.txt" 2>&1
 cat "$OUT/churn.txt" 2>/dev/null
-step "${DECODE_S:-0}" decode python3 benchmarks/decode_gpu.py "$OUT" ${DECODE_ARGS:-} \
+step "${DECODE_S:-0}" decode python3 -m attnhub bench --decode -o "$OUT/decode.json" ${DECODE_ARGS:-} \
     > "$OUT/decode.log" 2>&1
 tail -40 "$OUT/decode-gpu.md" 2>/dev/null
 step "${HOST_S:-0}" host python3 benchmarks/host_time.py "$OUT" > "$OUT/host.log" 2>&1
 cat "$OUT/host-time-tiny.md" 2>/dev/null
-step "${SERVING_S:-0}" serving python3 benchmarks/serving_gpu.py "$OUT" ${SERVING_ARGS:-} \
+step "${SERVING_S:-0}" serving python3 -m attnhub bench --serving -o "$OUT/serving.json" ${SERVING_ARGS:-} \
     > "$OUT/serving.txt" 2>&1
 cat "$OUT/serving.txt" 2>/dev/null
 step "${CP_S:-0}" context-parallel torchrun --standalone --nproc-per-node=1 \

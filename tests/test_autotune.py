@@ -281,7 +281,7 @@ def test_backends_no_timing_could_rank_first_are_not_timed(tuned):
 
 
 def test_quadratic_backends_are_timed_where_no_linear_one_is_eligible(tuned):
-    slow, fast, registry = tuned
+    slow, fast, _ = tuned
     for timed in (slow, fast):
         type(timed).memory = "quadratic"
     q, k, v = _qkv()

@@ -27,7 +27,7 @@ RUNTIME_LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"api", "serving"}),
     frozenset({"patching", "integrations.transformers", "distributed", "paged_cache"}),
 )
-TOOLING = frozenset({"bench", "bench_report", "bench_workloads", "bench_models", "tune", "demo", "cli", "__main__"})  # fmt: skip
+TOOLING = frozenset({"bench", "bench_report", "bench_workloads", "bench_models", "bench_decode", "bench_serving", "tune", "demo", "cli", "__main__"})  # fmt: skip
 
 
 def _imports(path: Path, module: str) -> set[str]:

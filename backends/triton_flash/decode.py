@@ -430,7 +430,7 @@ class DecodeConfig:
     (:func:`num_splits_for`). ``fused_merge``: with more than one split, the last
     program of each row block merges (FUSED_MERGE in :func:`decode_split_kernel`)
     instead of a second launch; off by default until the H200 shows it right and
-    faster (benchmarks/decode_gpu.py times both, tests/test_triton_decode.py checks it)."""
+    faster (`attnhub bench --decode` times both, tests/test_triton_decode.py checks it)."""
 
     block_n: int
     num_warps: int
@@ -447,7 +447,7 @@ INTERPRETER_CONFIG = DecodeConfig(16, 4, 1)
 def default_config(head_dim: int, element_size: int, page_size: int | None) -> DecodeConfig:
     """First choices for sm_90, from compiling for it without a GPU (Triton's AOT path:
     registers, spills, shared memory, the pipeliner's buffers); not yet timed
-    (benchmarks/decode_gpu.py's sweep times the alternatives on the H200).
+    (`attnhub bench --decode`'s sweep times the alternatives on the H200).
 
     The split kernel is bandwidth-bound: per step a (BLOCK_N, D) K tile and V tile,
     loaded through cp.async into num_stages - 1 shared buffers on a contiguous cache
@@ -902,7 +902,7 @@ def _counters(device: torch.device, n: int, fresh: bool = False) -> torch.Tensor
 # compiled kernels with their grids and non-tensor arguments (launch.CachedLaunch, as
 # ops._PLANS does for the other kernels); later calls allocate the outputs and launch
 # those. The table is cleared when it reaches _MAX_PLANS keys. USE_PLANS = False: every
-# call takes the full path (A/B runs: benchmarks/decode_gpu.py's host section).
+# call takes the full path (A/B runs: `attnhub bench --decode`'s host section).
 USE_PLANS = True
 _PLANS: dict[tuple, Any] = {}
 _MAX_PLANS = 1024

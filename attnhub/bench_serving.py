@@ -2,9 +2,11 @@
 a GPU: what dispatch picks, how fast each eligible backend is, and what the API's host
 path costs over the raw decode op.
 
-    python benchmarks/serving_gpu.py OUT_DIR [--quick]
+    attnhub bench --serving [-o FILE.json] [--quick] [--iters N]   # decode and varlen
+    attnhub bench --varlen [-o FILE.json] [--quick] [--iters N]    # varlen only
 
-Writes OUT_DIR/serving.json and prints a table. Decode: B=8, Hq 32 / Hkv 8, D=128, bf16,
+Writes the JSON (default ``attnhub-serving.json``) and a text table beside it (``.txt``),
+and prints the table; needs a CUDA GPU. Decode: B=8, Hq 32 / Hkv 8, D=128, bf16,
 Nq=1 against contiguous and paged (page 16, 256) caches of 4K and 32K keys (and softcap
 50 + window 4096), TB/s of K/V read; the API with check_indices True (one host
 transfer) and False (nothing read, decisions cached), and triton_flash's raw
@@ -21,6 +23,7 @@ import functools
 import json
 import math
 import pathlib
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +54,7 @@ def _eligible(decision: attnhub.Decision) -> list[str]:
 
 def decode_cases(quick: bool) -> list[dict[str, Any]]:
     lengths = [4096] if quick else [4096, 32768]
-    cases = []
+    cases: list[dict[str, Any]] = []
     for n in lengths:
         for page in (None, 16, 256):
             cases.append({"nk": n, "page": page, "options": {"causal": True}})
@@ -72,9 +75,11 @@ def run_decode(case: dict[str, Any], iters: int) -> list[dict[str, Any]]:
         k = torch.randn(b * per_seq, page, hkv, d, device=dev, dtype=dtype)
         table = torch.randperm(b * per_seq, device=dev).view(b, per_seq).int()
     v = torch.randn_like(k)
-    kv_bytes = 2 * b * hkv * nk * d * k.element_size()
     options = case["options"]
-    rows = []
+    window = options.get("window")
+    keys = nk if window is None else min(nk, window[0] + 1)  # what the call must read
+    kv_bytes = 2 * b * hkv * keys * d * k.element_size()
+    rows: list[dict[str, Any]] = []
     decision = attnhub.explain_kvcache(q, k, v, seqlens, block_table=table, **options)
     for name in _eligible(decision):
         for checked in (True, False):
@@ -93,7 +98,6 @@ def run_decode(case: dict[str, Any], iters: int) -> list[dict[str, Any]]:
     try:  # the raw op: the API's host path is the difference
         from attnhub.backends.triton_flash.decode import decode_attention
 
-        window = options.get("window")
         ms = _time(
             lambda: decode_attention(
                 q, k, v, seqlens, block_table=table, scale=1 / math.sqrt(d), window=window,
@@ -120,7 +124,7 @@ def run_varlen(iters: int, quick: bool) -> list[dict[str, Any]]:
     total = int(lengths.sum())
     hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
     cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to("cuda", torch.int32)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for train in (False, True):
         q = torch.randn(total, hq, d, device="cuda", dtype=dtype, requires_grad=train)
         k = torch.randn(total, hkv, d, device="cuda", dtype=dtype, requires_grad=train)
@@ -131,8 +135,8 @@ def run_varlen(iters: int, quick: bool) -> list[dict[str, Any]]:
         for name in _eligible(decision):
             if name == "torch_reference":
                 continue  # quadratic: 8K-token documents in float32 scores, slow
-            row = {"kind": "varlen", "train": train, "docs": n_docs, "tokens": total,
-                   "backend": name, "auto": decision.chosen}  # fmt: skip
+            row: dict[str, Any] = {"kind": "varlen", "train": train, "docs": n_docs,
+                                   "tokens": total, "backend": name, "auto": decision.chosen}  # fmt: skip
             call = functools.partial(
                 attnhub.attention_varlen, q, k, v, cu, cu, causal=True, backend=name
             )
@@ -143,15 +147,17 @@ def run_varlen(iters: int, quick: bool) -> list[dict[str, Any]]:
             rows.append(row)
         # SDPA on the documents padded to one batch (the padding baseline).
         n = int(lengths.max())
-        padded = [
-            torch.zeros(n_docs, h, n, d, device="cuda", dtype=dtype, requires_grad=train)
+        qp, kp, vp = (
+            torch.randn(n_docs, h, n, d, device="cuda", dtype=dtype, requires_grad=train)
             for h in (hq, hkv, hkv)
-        ]
-        call = functools.partial(
-            F.scaled_dot_product_attention, *padded, is_causal=True, enable_gqa=True
         )
+
+        padded = functools.partial(
+            F.scaled_dot_product_attention, qp, kp, vp, is_causal=True, enable_gqa=True
+        )
+
         grad_padded = torch.randn(n_docs, hq, n, d, device="cuda", dtype=dtype)
-        ms = _time(functools.partial(_step, call, grad_padded if train else None), iters)
+        ms = _time(functools.partial(_step, padded, grad_padded if train else None), iters)
         rows.append({"kind": "varlen", "train": train, "docs": n_docs, "tokens": total,
                      "backend": "sdpa padded", "ms": ms})  # fmt: skip
     return rows
@@ -164,31 +170,35 @@ def _step(call: Callable[[], torch.Tensor], grad: torch.Tensor | None) -> None:
         out.backward(grad)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=pathlib.Path)
-    parser.add_argument("--quick", action="store_true", help="4K decode, 8K-token varlen")
-    parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA GPU")
-    args.out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    rows: list[dict[str, Any]] = []
-    for case in decode_cases(args.quick):
-        rows += run_decode(case, args.iters)
-    rows += run_varlen(args.iters, args.quick)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "attnhub": attnhub.__version__, "seconds": round(time.time() - started, 1)}  # fmt: skip
-    (args.out / "serving.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+def table(rows: list[dict[str, Any]]) -> str:
+    """One line per row: its case, then the time (and TB/s) or the error."""
+    lines = []
     for row in rows:
         what = ", ".join(f"{k}={row[k]}" for k in row if k not in ("ms", "tb_s", "error"))
         result = row.get("error") or (
             f"{row['ms']:.4f} ms" + (f", {row['tb_s']:.2f} TB/s" if "tb_s" in row else "")
         )
-        print(f"{what}: {result}")
+        lines.append(f"{what}: {result}")
+    return "\n".join(lines) + "\n"
+
+
+def main(args: argparse.Namespace) -> int:
+    """``attnhub bench --serving`` / ``--varlen`` (see the module docstring)."""
+    if not torch.cuda.is_available():
+        print("attnhub bench --serving/--varlen: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    output = pathlib.Path(args.output or "attnhub-serving.json")
+    started = time.time()
+    rows: list[dict[str, Any]] = []
+    if args.serving:
+        for case in decode_cases(args.quick):
+            rows += run_decode(case, args.iters)
+    rows += run_varlen(args.iters, args.quick)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "attnhub": attnhub.__version__, "seconds": round(time.time() - started, 1)}  # fmt: skip
+    output.write_text(json.dumps({"kind": "serving", "meta": meta, "rows": rows}, indent=1))
+    text = table(rows)
+    output.with_suffix(".txt").write_text(text)
+    print(text, end="")
+    print(f"wrote {output}, {output.with_suffix('.txt')}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

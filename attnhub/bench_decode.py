@@ -1,13 +1,12 @@
 """KV-cache decoding on the GPU: triton_flash's split-KV op against PyTorch and Flex.
 
-Usage (on the H200 machine, after ``pip install --no-build-isolation --no-deps -e .``)::
-
-    python benchmarks/decode_gpu.py OUT_DIR [--quick] [--no-flex] [--no-sweep]
-        [--only nq1,softcap_window,paged,nq4,host,sweep]
-
-Writes ``OUT_DIR/decode-gpu.json`` and ``OUT_DIR/decode-gpu.md`` and prints the table.
-Meant to finish within about three minutes (a deadline skips what is left, and says so
-in the JSON's ``skipped_sections``; ``--only`` runs those in a second call).
+``attnhub bench --decode [-o FILE.json] [--quick] [--decode-sections ...] [--no-sweep]
+[--no-flex]``, on a CUDA machine. Writes the JSON (default ``attnhub-decode.json``), a
+markdown table (``.md``) and a plot of K/V bandwidth against cache length
+(``-bandwidth.png``) beside it, and prints the table; ``attnhub bench --decode --report
+FILE.json`` redraws the table and plot from a results file. Meant to finish within about
+three minutes (a deadline skips the sections left, and says so in the JSON's
+``skipped_sections``; ``--decode-sections`` runs those in a second call).
 
 Issue 17's shapes, bf16, B=8, Hq 32 / Hkv 8, D=128, every sequence at the cache's full
 length Nk (so PyTorch's kernels read exactly the same keys from the un-sliced cache):
@@ -46,7 +45,7 @@ import argparse
 import datetime
 import json
 import math
-import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -62,8 +61,9 @@ from attnhub.backends.triton_flash import decode
 DEV = "cuda"
 B, HQ, HKV, D = 8, 32, 8, 128
 DTYPE = torch.bfloat16
-DEADLINE_S = 170.0  # the lead's call is limited; stop starting new sections after this
-START = time.monotonic()
+DEADLINE_S = 170.0  # the device's calls are limited; stop starting new sections after this
+START = time.monotonic()  # reset by run()
+SECTIONS = ("nq1", "softcap_window", "paged", "nq4", "host", "sweep")
 
 
 def _elapsed() -> float:
@@ -93,7 +93,7 @@ def bench_ms(fn: Callable[[], Any]) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
-def make_cache(nk: int, nq: int, seed: int = 0):  # type: ignore[no-untyped-def]
+def make_cache(nk: int, nq: int, seed: int = 0):
     g = torch.Generator(device=DEV).manual_seed(seed)
     q = torch.randn(B, HQ, nq, D, device=DEV, dtype=DTYPE, generator=g)
     k = torch.randn(B, HKV, nk, D, device=DEV, dtype=DTYPE, generator=g)
@@ -102,7 +102,7 @@ def make_cache(nk: int, nq: int, seed: int = 0):  # type: ignore[no-untyped-def]
     return q, k, v, seqlens
 
 
-def to_paged(cache: torch.Tensor, page_size: int, seed: int = 1):  # type: ignore[no-untyped-def]
+def to_paged(cache: torch.Tensor, page_size: int, seed: int = 1):
     """(paged (B * pages, page_size, Hkv, D), block table (B, pages) int32): the same
     keys as ``cache`` in shuffled pages."""
     b, h, n, d = cache.shape
@@ -116,7 +116,7 @@ def to_paged(cache: torch.Tensor, page_size: int, seed: int = 1):  # type: ignor
     return paged, perm.view(b, pages).to(torch.int32)
 
 
-def reference(q, k, v, *, scale, window=None, softcap=None):  # type: ignore[no-untyped-def]
+def reference(q, k, v, *, scale, window=None, softcap=None):
     """float32 bottom-right causal attention (GQA by reshape, no expanded K/V)."""
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
@@ -179,7 +179,7 @@ def sdpa_impls() -> dict[str, Any]:
     }
 
 
-def sdpa_fn(q, k, v, kernel, mask=None):  # type: ignore[no-untyped-def]
+def sdpa_fn(q, k, v, kernel, mask=None):
     from torch.nn.attention import sdpa_kernel
 
     def fn() -> torch.Tensor:
@@ -192,7 +192,7 @@ def sdpa_fn(q, k, v, kernel, mask=None):  # type: ignore[no-untyped-def]
 _FLEX: dict[str, Any] = {}
 
 
-def flex_fn(q, k, v, *, nq: int, window: int | None = None, softcap: float | None = None):  # type: ignore[no-untyped-def]
+def flex_fn(q, k, v, *, nq: int, window: int | None = None, softcap: float | None = None):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if "compiled" not in _FLEX:
@@ -202,7 +202,7 @@ def flex_fn(q, k, v, *, nq: int, window: int | None = None, softcap: float | Non
     block_mask = None
     if nq > 1 or window is not None:
 
-        def mask_mod(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        def mask_mod(b, h, q_idx, kv_idx):
             keep = kv_idx <= q_idx + offset
             if window is not None:
                 keep = keep & (kv_idx >= q_idx + offset - window)
@@ -212,7 +212,7 @@ def flex_fn(q, k, v, *, nq: int, window: int | None = None, softcap: float | Non
     score_mod = None
     if softcap is not None:
 
-        def score_mod(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        def score_mod(score, b, h, q_idx, kv_idx):
             return softcap * torch.tanh(score / softcap)
 
     compiled = _FLEX["compiled"]
@@ -223,7 +223,7 @@ def flex_fn(q, k, v, *, nq: int, window: int | None = None, softcap: float | Non
     return fn
 
 
-def ours_fn(q, k, v, seqlens, *, block_table=None, window=None, softcap=None, config=None):  # type: ignore[no-untyped-def]
+def ours_fn(q, k, v, seqlens, *, block_table=None, window=None, softcap=None, config=None):
     scale = 1.0 / math.sqrt(D)
     win = (window, 0) if window is not None else None
 
@@ -258,9 +258,9 @@ def ours_fn(q, k, v, seqlens, *, block_table=None, window=None, softcap=None, co
                 }
         return info
 
-    fn.compiled_info = compiled_info  # type: ignore[attr-defined]
+    fn.compiled_info = compiled_info
     meta = plan.split_meta
-    fn.launch = {  # type: ignore[attr-defined]
+    fn.launch = {
         "splits": plan.num_splits, "block_n": meta["BLOCK_N"], "block_m": meta["BLOCK_M"],
         "warps": meta["num_warps"], "stages": meta["num_stages"],
     }  # fmt: skip
@@ -366,7 +366,9 @@ def section_sweep(rows: list[dict], quick: bool) -> None:
         for suffix, tensors, bt, tiles in layouts:
             case = f"sweep-{nk // 1024}K{suffix}"
             default = decode.default_config(D, 2, 16 if bt is not None else None)
-            points = [(*t, None) for t in tiles] if nk == 32768 else []
+            points: list[tuple[int, int, int, int | None]] = (
+                [(*t, None) for t in tiles] if nk == 32768 else []
+            )
             points += [(default.block_n, default.num_warps, default.num_stages, sp)
                        for sp in SWEEP_SPLITS]  # fmt: skip
             for bn, w, st, sp in points[:6] if quick else points:
@@ -445,7 +447,7 @@ def summary(rows: list[dict]) -> dict:
 
 def markdown(meta: dict, rows: list[dict], summ: dict) -> str:
     lines = [
-        "# KV-cache decode on the GPU (benchmarks/decode_gpu.py)",
+        "# KV-cache decode on the GPU (attnhub bench --decode)",
         "",
         f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}, "
         f"commit {meta['attnhub_commit']}. bf16, B={B}, Hq {HQ} / Hkv {HKV}, D={D}. TB/s: bytes "
@@ -474,57 +476,116 @@ def markdown(meta: dict, rows: list[dict], summ: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("out_dir")
-    ap.add_argument("--quick", action="store_true", help="Nk 4K and 32K only, a short sweep")
-    ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--only", default="", help="comma-separated sections: nq1, "
-                    "softcap_window, paged, nq4, host, sweep")  # fmt: skip
-    args = ap.parse_args()
-    os.makedirs(args.out_dir, exist_ok=True)
+def run(quick: bool = False, flex: bool = True, sections: tuple[str, ...] = SECTIONS) -> dict:
+    """Time the chosen ``sections`` (``SECTIONS``; the module docstring says what each
+    holds) and return ``{"kind": "decode", "meta", "rows", "summary"}``."""
+    global START
+    START = time.monotonic()
     meta = env()
     print(json.dumps(meta), flush=True)
-    flex = not args.no_flex
-    nks = [4096, 32768] if args.quick else [4096, 32768, 131072]
-    long = [32768] if args.quick else [32768, 131072]
+    nks = [4096, 32768] if quick else [4096, 32768, 131072]
+    long = [32768] if quick else [32768, 131072]
     rows: list[dict] = []
-    sections: list[tuple[str, Callable[[], None]]] = [
-        ("nq1", lambda: section_nq1(rows, nks, flex)),
-        ("softcap_window", lambda: section_softcap_window(rows, long, flex)),
-        ("paged", lambda: section_paged(rows, long, [16, 256])),
-        ("nq4", lambda: section_nq4(rows, flex)),
-        ("host", lambda: section_host(rows)),
-    ]
-    if not args.no_sweep:
-        sections.append(("sweep", lambda: section_sweep(rows, args.quick)))
-    if args.only:
-        chosen = args.only.split(",")
-        sections = [(name, run) for name, run in sections if name in chosen]
+    runners: dict[str, Callable[[], None]] = {
+        "nq1": lambda: section_nq1(rows, nks, flex),
+        "softcap_window": lambda: section_softcap_window(rows, long, flex),
+        "paged": lambda: section_paged(rows, long, [16, 256]),
+        "nq4": lambda: section_nq4(rows, flex),
+        "host": lambda: section_host(rows),
+        "sweep": lambda: section_sweep(rows, quick),
+    }
     skipped = []
-    for name, run in sections:
+    for name in sections:
         if _elapsed() > DEADLINE_S:
             skipped.append(name)
             continue
         print(f"[{_elapsed():6.1f}s] {name}", flush=True)
         try:
-            run()
+            runners[name]()
         except Exception as exc:  # keep what the other sections measured
             rows.append({"case": name, "error": f"{type(exc).__name__}: {exc}"[:500]})
             print(f"  section {name} failed: {exc}", flush=True)
-    summ = summary(rows)
     meta["elapsed_s"] = round(_elapsed(), 1)
     meta["skipped_sections"] = skipped
-    result = {"meta": meta, "rows": rows, "summary": summ}
-    with open(os.path.join(args.out_dir, "decode-gpu.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    md = markdown(meta, rows, summ)
-    with open(os.path.join(args.out_dir, "decode-gpu.md"), "w") as f:
-        f.write(md)
-    print(md)
+    return {"kind": "decode", "meta": meta, "rows": rows, "summary": summary(rows)}
+
+
+def plot(data: dict, path: pathlib.Path) -> pathlib.Path | None:
+    """TB/s of K/V read against the cache length, one line per implementation, for the
+    Nq=1 cases (``nq1-*``) and the paged ones (``paged-*``); None without matplotlib or
+    such rows."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for r in data["rows"]:
+        case, impl = r.get("case", ""), r.get("impl")
+        if not r.get("tb_s") or not case.startswith(("nq1-", "paged-")):
+            continue
+        nk = int(case.rsplit("-", 1)[1].removesuffix("K")) * 1024
+        if case.startswith("paged-") and impl == "triton_decode":
+            continue  # the contiguous row again, as the paged cases' baseline
+        lines.setdefault(impl, []).append((nk, r["tb_s"]))
+    if not lines:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for impl, points in sorted(lines.items()):
+        xs, ys = zip(*sorted(points))
+        ax.plot(xs, ys, marker="o", label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("cache length Nk (keys per sequence)")
+    ax.set_ylabel("K/V read, TB/s")
+    meta = data.get("meta", {})
+    ax.set_title(f"decode, Nq=1, B={B} Hq {HQ} / Hkv {HKV} D={D} bf16 ({meta.get('gpu', '?')})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(data: dict, output: pathlib.Path, plots: bool = True) -> list[pathlib.Path]:
+    """The markdown table (``.md``) and the plot (``-bandwidth.png``) beside ``output``."""
+    md = output.with_suffix(".md")
+    md.write_text(
+        markdown(data["meta"], data["rows"], data.get("summary") or summary(data["rows"]))
+    )
+    written = [md]
+    if plots:
+        png = plot(data, output.with_name(output.stem + "-bandwidth.png"))
+        if png is not None:
+            written.append(png)
+    return written
+
+
+def main(args: argparse.Namespace) -> int:
+    """``attnhub bench --decode`` (see the module docstring)."""
+    if args.report:
+        (source,) = args.report
+        data = json.loads(pathlib.Path(source).read_text())
+        output = pathlib.Path(args.output or source)
+    else:
+        if not torch.cuda.is_available():
+            print("attnhub bench --decode: needs a CUDA GPU", file=sys.stderr)
+            return 2
+        sections = tuple(args.decode_sections.split(",")) if args.decode_sections else SECTIONS
+        unknown = sorted(set(sections) - set(SECTIONS))
+        if unknown:
+            print(f"attnhub bench --decode-sections: unknown {', '.join(unknown)} "
+                  f"(sections: {', '.join(SECTIONS)})", file=sys.stderr)  # fmt: skip
+            return 2
+        if args.no_sweep:
+            sections = tuple(s for s in sections if s != "sweep")
+        output = pathlib.Path(args.output or "attnhub-decode.json")
+        data = run(args.quick, args.flex, sections)
+    output.write_text(json.dumps(data, indent=1))
+    written = [output, *write_report(data, output, plots=args.plots)]
+    print(written[1].read_text())
+    for path in written:
+        print(f"wrote {path}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
