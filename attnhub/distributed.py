@@ -54,9 +54,10 @@ derivatives: differentiating them again raises.
 
 Failure: a peer that never takes part makes the call raise once the process group's
 timeout expires (gloo raises from the wait; NCCL's watchdog aborts the communicator),
-it does not hang forever. Shapes are compared across ranks (one small all-gather) the
-first time a signature is used in a group, so that mismatched shards raise the same
-ValueError on every rank instead of corrupting a transfer or leaving ranks waiting.
+it does not hang forever. Shapes, options and the backend selection are compared across
+ranks on every call (one small all-gather), so that mismatched shards or options raise
+the same ValueError on every rank instead of corrupting a transfer, leaving ranks
+waiting or computing each with its own options.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +73,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import api
+from . import api, dispatch
+from .registry import get_registry
 from .validation import _check_window, make_params
 
 __all__ = [
@@ -767,8 +770,7 @@ class _FirstDerivativeOnly(torch.autograd.Function):
 _DTYPE_CODES = {
     torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4,
 }  # fmt: skip
-_checked: dict[tuple[Any, ...], None] = {}
-_CHECKED_LIMIT = 1024
+_CHECKED_LIMIT = 1024  # entries of the per-process caches below
 
 
 def _as_int(value: Any) -> int:
@@ -789,15 +791,17 @@ def _check_ranks(
     seq_len: int | None,
     layout: str,
     facts: tuple[Any, ...],
+    local_problem: str | None = None,
 ) -> None:
     """The same shapes (but for the sequence length), dtype and options on every rank,
     and each rank's shard length that of its shard of a ``seq_len`` sequence (None:
-    rank 0's shard length times the world size, the same on every rank): checked
-    once per signature and group with one all-gather, so that every rank raises the
-    same ValueError instead of some of them waiting in the ring for the others."""
-    signature = (id(group), tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, facts)
-    if signature in _checked:
-        return
+    rank 0's shard length times the world size, the same on every rank): checked with
+    one small all-gather on every call, so that every rank raises the same ValueError
+    instead of some of them waiting in the ring for the others, or each computing
+    with its own options. (Not once per signature: a rank that skipped the check for a
+    signature it had seen would leave a rank that had not waiting in the all-gather,
+    and options differing only in a later call would go unseen.) On NCCL the result is
+    read on the host: the call waits for the device once there."""
     mine = [*q.shape, *k.shape, *v.shape, _DTYPE_CODES.get(q.dtype, 0), *map(_as_int, facts)]
     device = q.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
     local = torch.tensor(mine, dtype=torch.int64, device=device)
@@ -809,7 +813,7 @@ def _check_ranks(
     def rest(row: list[int]) -> list[int]:  # all but the three sequence lengths
         return row[:2] + row[3:6] + row[7:10] + row[11:]
 
-    problems = []
+    problems = [] if local_problem is None else [local_problem]
     if any(rest(row) != rest(rows[0]) for row in rows):
         listing = "; ".join(f"rank {r}: {row[:12]}" for r, row in enumerate(rows))
         what = "shapes" if all(row[12:] == rows[0][12:] for row in rows) else "dtype or options"
@@ -825,9 +829,25 @@ def _check_ranks(
         )
     if problems:
         raise ValueError("context_parallel_attention: " + "; ".join(problems))
-    if len(_checked) >= _CHECKED_LIMIT:
-        _checked.clear()
-    _checked[signature] = None
+
+
+def _selection_fact(backend: str | Sequence[str] | None) -> tuple[int, str | None]:
+    """(the backend selection every ring step will use: ``backend=``, else
+    ``use_backend`` or ``ATTNHUB_BACKEND``, and strictness, as an int that is the same
+    on every process for the same selection; why it cannot serve, or None). A name no
+    backend has is not raised here but by :func:`_check_ranks`, after the all-gather,
+    so that the other ranks do not wait in it for this one."""
+    selection = dispatch.current_selection(backend)
+    registry = get_registry()
+    problem = None
+    for name in selection.names or ():
+        try:
+            registry.get(name)
+        except ValueError as exc:  # names the known backends
+            problem = str(exc)
+            break
+    text = f"{','.join(selection.names or ('*',))};{int(selection.strict)}"
+    return zlib.crc32(text.encode()), problem
 
 
 # ---------------------------------------------------------------------------
@@ -923,11 +943,12 @@ def context_parallel_attention(
         scale=scale, dropout_p=0.0, block_sparse=None, return_lse=return_lse,
     )  # fmt: skip
     sides = _check_window(window, 2 * n_total)
+    selection, unusable = _selection_fact(backend)
     options = (
         LAYOUTS.index(layout), causal, *(sides or (None, None)), sides is None,
-        resolved.softcap, resolved.scale, seq_len,
+        resolved.softcap, resolved.scale, seq_len, selection,
     )  # fmt: skip
-    _check_ranks(group, query, key, value, seq_len, layout, options)
+    _check_ranks(group, query, key, value, seq_len, layout, options, unusable)
     cfg = _Config(
         group=group, world_size=world_size, rank=rank, layout=layout, seq_len=n_total,
         causal=causal, window=sides, softcap=resolved.softcap, scale=resolved.scale,

@@ -339,7 +339,27 @@ def _error_cases(rank: int, world: int) -> list[str]:
             seen.append("no error")
         except ValueError as exc:
             seen.append(str(exc))
-    out = cp.context_parallel_attention(x, x, x, causal=True, backend="torch_reference")
+    # Checked on every call, not once per signature: options that differ in a later call
+    # of a signature both ranks have seen (each rank would mask with its own), and a
+    # backend= name one rank lacks (it raises after the check's all-gather, so that the
+    # other rank does not wait in it); the same unknown name everywhere raises alike.
+    ref = "torch_reference"
+    cp.context_parallel_attention(x, x, x, causal=True, backend=ref)
+    later = [
+        lambda: cp.context_parallel_attention(x, x, x, causal=rank == 0, backend=ref),
+        lambda: cp.context_parallel_attention(x, x, x, backend="no_such_backend" if rank == 0 else ref),
+        lambda: cp.context_parallel_attention(x, x, x, backend="no_such_backend"),
+    ]  # fmt: skip
+    for attempt in later:
+        try:
+            attempt()
+            seen.append("no error")
+        except ValueError as exc:
+            text = str(exc)
+            seen.append(
+                "differ between ranks" if "differ between ranks" in text else text.split(";")[0]
+            )
+    out = cp.context_parallel_attention(x, x, x, causal=True, backend=ref)
     seen.append(f"works after: {tuple(out.shape)}")
     return seen
 
@@ -511,6 +531,9 @@ def test_matches_the_single_process_call(world, tmp_path):
             "context_parallel_attention needs query and key shards of the same length "
             "(self-attention over one sharded sequence), got Nq=4 and Nk=2",
             "layout must be one of ('zigzag', 'contiguous'), got 'ring'",
+            "differ between ranks",
+            "differ between ranks",
+            "context_parallel_attention: unknown backend 'no_such_backend'",
             "works after: (1, 2, 4, 8)",
         ]
         assert errors[0] == want, errors[0]
