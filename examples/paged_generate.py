@@ -174,8 +174,8 @@ def generate(
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(max_new_tokens - 1):
+        cache.start(1)  # refreshes cache_seqlens: the keys before this step
         positions = cache.cache_seqlens.long()[:, None]  # the new token's position
-        cache.start(1)
         logits = model(input_ids=tokens[-1][:, None], position_ids=positions, **extra).logits
         cache.finish()
         tokens.append(logits[:, -1].argmax(-1))

@@ -63,6 +63,24 @@ def test_greedy_tokens_equal_transformers_generate(example, model, page_size):
     assert model.config._attn_implementation == example.IMPLEMENTATION  # restored
 
 
+def test_each_step_passes_the_new_tokens_positions(example, model, monkeypatch):
+    """Prefill positions 0..L-1 per prompt, then decode step t at position L + t (the
+    keys already cached). The tiny random model barely reacts to positions, so the
+    tokens alone did not show the decode steps' positions one step behind (and 0 first)."""
+    seen = []
+    forward = type(model).forward
+
+    def recording(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(kwargs["position_ids"].tolist())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", recording)
+    lengths = (3, 5)
+    example.generate(model, _prompts(lengths), 4, page_size=16)
+    assert seen[0] == [[*range(3), *range(5)]]
+    assert seen[1:] == [[[3 + t], [5 + t]] for t in range(3)]
+
+
 def test_unchecked_indices_and_one_page_per_token_step(example, model):
     """check_indices=False (the allocator vouches) gives the same tokens, and so does a
     pool with pages to spare (other page numbers in the table)."""
