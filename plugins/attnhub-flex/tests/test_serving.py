@@ -106,3 +106,55 @@ def test_kvcache_matches_the_reference(page_size, nq, new, options):
 def test_serving_layouts_are_declared():
     backend = attnhub.get_registry().get("flex_attention")
     assert backend.layouts == frozenset({"dense", "varlen", "kvcache", "paged"})
+
+
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_kvcache_ignores_what_slots_no_key_occupies_hold(page_size):
+    """Slots at or beyond a sequence's length, and pages no sequence uses, may hold
+    anything (the contract): NaN and Inf there (a cache from torch.empty, a page freed
+    by an earlier sequence) leave the answer as it is with zeros there. Before, the
+    masked (zero) weights times a NaN value made every row NaN."""
+    g = torch.Generator().manual_seed(7)
+    b, hq, hkv, d, nmax = 2, 4, 2, 16, 12
+    seqlens = torch.tensor([5, 9], dtype=torch.int32)
+    q = torch.randn(b, hq, 2, d, generator=g)
+    k, v = (torch.randn(b, hkv, nmax, d, generator=g) for _ in range(2))
+    used = torch.arange(nmax)[None, None, :, None] < seqlens[:, None, None, None].long()
+    clean = [t.masked_fill(~used, 0.0) for t in (k, v)]
+    dirty = [t.masked_fill(~used, bad) for t, bad in zip((k, v), (float("inf"), float("nan")))]
+    table = None
+    if page_size is not None:  # the same keys in pages, one spare page full of NaN
+        per_seq = nmax // page_size
+        order = torch.randperm(b * per_seq + 1, generator=g)
+        table = order[: b * per_seq].view(b, per_seq).int()
+
+        def paged(t: torch.Tensor, spare: float) -> torch.Tensor:
+            pool = torch.full((b * per_seq + 1, page_size, hkv, d), spare)
+            logical = t.transpose(1, 2).reshape(b, per_seq, page_size, hkv, d)
+            pool[table.long()] = logical
+            return pool
+
+        clean = [paged(t, 0.0) for t in clean]
+        dirty = [paged(t, float("nan")) for t in dirty]
+    got = attnhub.attention_kvcache(q, *dirty, seqlens, block_table=table, causal=True,
+                                    return_lse=True, backend="flex_attention")  # fmt: skip
+    want = attnhub.attention_kvcache(q, *clean, seqlens, block_table=table, causal=True,
+                                     return_lse=True, backend="torch_reference")  # fmt: skip
+    assert torch.isfinite(got[0]).all()
+    _close(got, want)
+
+
+def test_a_page_named_twice_in_one_table_is_read_twice():
+    """Position p reads page block_table[b, p // page_size], also where the table names
+    one page at two positions (the inverse table used before kept one of them)."""
+    g = torch.Generator().manual_seed(3)
+    kp, vp = (torch.randn(3, 4, 2, 16, generator=g) for _ in range(2))
+    q = torch.randn(1, 4, 1, 16, generator=g)
+    table = torch.tensor([[1, 1, 2]], dtype=torch.int32)
+    seqlens = torch.tensor([10], dtype=torch.int32)
+    got = attnhub.attention_kvcache(q, kp, vp, seqlens, block_table=table, return_lse=True,
+                                    backend="flex_attention")  # fmt: skip
+    contiguous = [t[table[0].long()].reshape(1, 12, 2, 16).transpose(1, 2) for t in (kp, vp)]
+    want = attnhub.attention_kvcache(q, *contiguous, seqlens, return_lse=True,
+                                     backend="torch_reference")  # fmt: skip
+    _close(got, want)

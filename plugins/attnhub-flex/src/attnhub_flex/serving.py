@@ -6,17 +6,21 @@ Both become one FlexAttention call whose ``mask_mod`` reads small index tensors:
   batch row of Tq queries and Tk keys, viewed as (1, H, T, D) without a copy; each token's
   sequence number and offset within it come from the cu_seqlens, and a query keeps a key
   only within its own sequence (then causal / window about its per-sequence diagonal);
-- a contiguous KV cache (B, Hkv, Nmax, D) is the key and value as they are; a query of
-  sequence b keeps keys below ``seqlens_k[b]`` (and causal / window about
-  ``seqlens_k[b] - Nq + i``, bottom-right, or ``i``, top-left);
-- a paged cache (num_pages, page_size, Hkv, D) is the whole page pool as one key
-  sequence of num_pages * page_size keys, viewed (no copy) as (1, Hkv, pool, D): a key
-  batch of 1 for the B query rows (FlexAttention's own paged attention does so). An
-  inverse block table (B, num_pages), the logical page of each physical page in
-  sequence b or -1, turns a pool index into the sequence's key position, and keys of
-  pages the sequence does not use are masked. The BlockMask built
-  from that mask_mod lets the kernel skip every block of pages a sequence does not own
-  (as FlexAttention's own paged-attention helper does).
+- a KV cache: a query of sequence b keeps keys below ``seqlens_k[b]`` (and causal /
+  window about ``seqlens_k[b] - Nq + i``, bottom-right, or ``i``, top-left). A
+  contiguous cache (B, Hkv, Nmax, D) is the key as it is; a paged one (num_pages,
+  page_size, Hkv, D) is first gathered through the block table into that layout (B,
+  Hkv, pages_per_seq * page_size, D): a copy of the table's pages, which also serves a
+  table that names one page twice. The value is a copy with every slot at or beyond
+  ``seqlens_k[b]`` zeroed: FlexAttention multiplies a block's masked (zero) weights by
+  its values, so a NaN or Inf left in a slot no key of the call occupies (an unused
+  tail, a page freed by an earlier sequence) would make the row NaN, where the contract
+  says such slots may hold anything. (Masked scores are -inf whatever the keys hold.)
+
+Varlen calls keep one limitation of computing packed blocks: a NaN or Inf in one
+sequence's values can reach the rows of a sequence packed beside it in the same block
+(on the CPU, where FlexAttention runs eagerly over the whole batch, any sequence's);
+torch_reference and triton_flash compute each sequence alone.
 
 The softcap is the same ``score_mod`` as dense calls. One BlockMask is built per call
 (``create_block_mask``; not cached: its inputs are the index tensors' values).
@@ -127,40 +131,26 @@ def kvcache(
     block_table: torch.Tensor | None,
     params: AttentionParams,
 ) -> Any:
-    """attention_kvcache through ``run``: a contiguous cache as it is, a paged one as the
-    page pool with an inverse block table (see the module docstring)."""
+    """attention_kvcache through ``run``: a contiguous cache as it is, a paged one
+    gathered through its block table, the value with unused slots zeroed (see the module
+    docstring)."""
     b, hq, nq, _ = query.shape
     lengths = seqlens_k.to(torch.int64)
     diagonal = _diagonal(params)
     if block_table is None:
         key, value = k_cache, v_cache
-        nk = k_cache.shape[2]
-
-        def position(batch: Any, k: Any) -> Any:
-            return k
-
     else:
-        pages, page_size = k_cache.shape[:2]
-        nk = pages * page_size
-        # (1, Hkv, pool, D) views of the pool (flatten copies only a pool whose pages
-        # are not evenly strided), one key batch row for every query row: FlexAttention
-        # takes a key batch of 1 with a BlockMask of the query's batch (the way its own
-        # paged attention runs), so the pool is never repeated.
-        key = k_cache.flatten(0, 1).transpose(0, 1).unsqueeze(0)
-        value = v_cache.flatten(0, 1).transpose(0, 1).unsqueeze(0)
-        inverse = _inverse_table(block_table, lengths, page_size, pages)
-
-        def position(batch: Any, k: Any) -> Any:
-            logical = inverse[batch, k // page_size]
-            return torch.where(logical >= 0, logical * page_size + k % page_size, -1)
+        key, value = _logical(k_cache, block_table), _logical(v_cache, block_table)
+    nk = key.shape[2]
+    unused = torch.arange(nk, device=key.device) >= lengths[:, None]  # (B, nk)
+    value = value.masked_fill(unused[:, None, :, None], 0.0)
 
     def mask_mod(batch: Any, h: Any, q: Any, k: Any) -> Any:
         length = lengths[batch]
-        k_pos = position(batch, k)
-        keep = (k_pos >= 0) & (k_pos < length)
+        keep = k < length
         if diagonal is None:
             return keep
-        return keep & diagonal(q, k_pos, nq, length)
+        return keep & diagonal(q, k, nq, length)
 
     block_mask = flex.create_block_mask(mask_mod, b, 1, nq, nk, device=query.device)
     result = run(
@@ -175,17 +165,12 @@ def kvcache(
     return result
 
 
-def _inverse_table(
-    block_table: torch.Tensor, lengths: torch.Tensor, page_size: int, pages: int
-) -> torch.Tensor:
-    """(B, num_pages) int64: the logical page index of physical page p in sequence b's
-    table, among the pages it uses (``ceil(L_b / page_size)``), or -1."""
+def _logical(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, pages_per_seq * page_size, D): the pages ``block_table`` names, in order.
+    Entries beyond a sequence's pages may hold anything (-1): they are clamped into the
+    pool, and the keys they bring are masked and their values zeroed by the caller."""
+    pages, page_size, hkv, d = pool.shape
     b, per_seq = block_table.shape
-    used = (lengths + page_size - 1) // page_size
-    logical = torch.arange(per_seq, device=block_table.device).expand(b, per_seq)
-    in_use = logical < used.unsqueeze(1)
-    inverse = torch.full((b, pages + 1), -1, device=block_table.device, dtype=torch.int64)
-    # Entries not in use go to the extra column (dropped), whatever their value (-1 too).
-    target = torch.where(in_use, block_table.to(torch.int64), pages)
-    inverse.scatter_(1, target, torch.where(in_use, logical, -1))
-    return inverse[:, :pages]
+    index = block_table.to(torch.int64).clamp(0, pages - 1)
+    gathered = pool[index]  # (B, per_seq, page_size, Hkv, D)
+    return gathered.reshape(b, per_seq * page_size, hkv, d).transpose(1, 2)
