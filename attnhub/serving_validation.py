@@ -270,7 +270,7 @@ def check_varlen(
     if not check_indices:
         return _unchecked_varlen(
             query, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options,
-            hq=hq, hkv=hkv, d=d, dv=dv, needs_grad=_needs_grad(query, key, value),
+            hq=hq, hkv=hkv, d=d, dv=dv, tq=tq, tk=tk, needs_grad=_needs_grad(query, key, value),
             contiguous=_last_dim_contiguous(query, key, value),
         )  # fmt: skip
     # One transfer: both tensors' values (int64 on the host).
@@ -328,15 +328,18 @@ def _unchecked_varlen(
             )
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise TypeError(f"{name} must be an int >= 0, got {value!r}")
-    params = _options(max_seqlen_q, max_seqlen_k, shape["d"], options)
+    # No sequence is longer than the packed tokens: with none on a side (Tq or Tk of 0),
+    # the request is empty, as the checked path finds, and the reference answers.
+    max_q, max_k = min(max_seqlen_q, shape["tq"]), min(max_seqlen_k, shape["tk"])
+    params = _options(max_q, max_k, shape["d"], options)
     same = cu_seqlens_q is cu_seqlens_k
     request = _request(
         query, params, layout="varlen", page_size=None, batch=cu_seqlens_q.shape[0] - 1,
-        heads_q=shape["hq"], heads_kv=shape["hkv"], max_q=max_seqlen_q, max_k=max_seqlen_k,
+        heads_q=shape["hq"], heads_kv=shape["hkv"], max_q=max_q, max_k=max_k,
         same_seqlen=same, q_longer=not same, head_dim=shape["d"], head_dim_v=shape["dv"],
         needs_grad=shape["needs_grad"], contiguous=shape["contiguous"],
     )  # fmt: skip
-    return VarlenCall(request, params, (), (), max_seqlen_q, max_seqlen_k)
+    return VarlenCall(request, params, (), (), max_q, max_k)
 
 
 def _lengths(name: str, cu: list[int], total: int, tensor: str) -> tuple[int, ...]:

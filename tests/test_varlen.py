@@ -475,6 +475,24 @@ def test_unchecked_indices_read_nothing_and_give_the_same_answer(monkeypatch):
     assert (same.same_seqlen, other.same_seqlen, other.q_longer) == (True, False, True)
 
 
+@pytest.mark.parametrize("empty", ["keys", "queries"])
+def test_unchecked_calls_without_tokens_on_a_side_are_empty(empty):
+    """check_indices=False with no packed keys (or queries) at all but max_seqlen > 0:
+    the request is empty, as the checked path finds, and the reference answers (zero
+    rows, lse -inf); before, such a call went to a backend chosen for a non-empty one
+    (FlexAttention then raised an IndexError)."""
+    tq, tk = (5, 0) if empty == "keys" else (0, 6)
+    q, k, v = (torch.randn(t, 2, 16) for t in (tq, tk, tk))
+    cu_q, cu_k = torch.tensor([0, tq], dtype=torch.int32), torch.tensor([0, tk], dtype=torch.int32)
+    args = (q, k, v, cu_q, cu_k, 5, 6)
+    decision = attnhub.explain_varlen(*args, window=(1, 2), check_indices=False)
+    assert decision.request.empty and decision.chosen == "torch_reference"
+    out, lse = attnhub.attention_varlen(*args, window=(1, 2), return_lse=True,
+                                        check_indices=False)  # fmt: skip
+    assert out.shape == (tq, 2, 16) and lse.shape == (tq, 2)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+
+
 def test_selection_and_strict_mode_apply_as_for_attention():
     args = _good()
     strict = pytest.raises(attnhub.NoBackendError, match="strict mode: only torch_reference")
