@@ -944,9 +944,14 @@ def context_parallel_attention(
     )  # fmt: skip
     sides = _check_window(window, 2 * n_total)
     selection, unusable = _selection_fact(backend)
+    # Whether the call records a backward: a rank whose shard needs no gradient would
+    # not take part in the others' backward ring.
+    needs_grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+    )
     options = (
         LAYOUTS.index(layout), causal, *(sides or (None, None)), sides is None,
-        resolved.softcap, resolved.scale, seq_len, selection,
+        resolved.softcap, resolved.scale, seq_len, selection, needs_grad,
     )  # fmt: skip
     _check_ranks(group, query, key, value, seq_len, layout, options, unusable)
     cfg = _Config(
@@ -963,9 +968,6 @@ def context_parallel_attention(
             query, key, value, causal=causal, softcap=softcap, scale=scale,
             return_lse=return_lse, backend=backend,
         )  # fmt: skip
-    needs_grad = torch.is_grad_enabled() and (
-        query.requires_grad or key.requires_grad or value.requires_grad
-    )
     if needs_grad:
         out, lse = _RingAttention.apply(query, key, value, cfg)
     else:

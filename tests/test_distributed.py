@@ -349,6 +349,8 @@ def _error_cases(rank: int, world: int) -> list[str]:
         lambda: cp.context_parallel_attention(x, x, x, causal=rank == 0, backend=ref),
         lambda: cp.context_parallel_attention(x, x, x, backend="no_such_backend" if rank == 0 else ref),
         lambda: cp.context_parallel_attention(x, x, x, backend="no_such_backend"),
+        # only one rank's shard needs a gradient: the other would skip the backward ring
+        lambda: cp.context_parallel_attention(x.clone().requires_grad_(rank == 0), x, x, backend=ref),
     ]  # fmt: skip
     for attempt in later:
         try:
@@ -534,6 +536,7 @@ def test_matches_the_single_process_call(world, tmp_path):
             "differ between ranks",
             "differ between ranks",
             "context_parallel_attention: unknown backend 'no_such_backend'",
+            "differ between ranks",
             "works after: (1, 2, 4, 8)",
         ]
         assert errors[0] == want, errors[0]
