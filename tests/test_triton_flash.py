@@ -157,6 +157,25 @@ def _inputs(case: Case, dtype: torch.dtype):  # type: ignore[no-untyped-def]
     return q, k, v, _mask(case, dtype)
 
 
+def _recording(launcher, calls: list):  # type: ignore[no-untyped-def]
+    """``launcher`` (ops._launcher) that also appends (kernel name, constexprs) per launch."""
+
+    def recording(kernel, like):  # type: ignore[no-untyped-def]
+        launch = launcher(kernel, like)
+
+        class Grid:
+            def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+                def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+                    calls.append((kernel.fn.__name__, kwargs))
+                    return launch[grid](*args, **kwargs)
+
+                return run
+
+        return Grid()
+
+    return recording
+
+
 def _run_flash(case: Case, q, k, v, mask, dout, dropout_p=0.0):  # type: ignore[no-untyped-def]
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out, lse = ops.flash_attention(
@@ -277,21 +296,7 @@ def test_merged_backward_bitwise_equals_split(
     results, launched = {}, {}
     for mode in configs.BWD_MODES:
         calls: list[tuple[str, dict]] = []
-
-        def recording(kernel, like, calls=calls):  # type: ignore[no-untyped-def]
-            launch = launcher(kernel, like)
-
-            class Grid:
-                def __getitem__(self, grid):  # type: ignore[no-untyped-def]
-                    def run(*args, **kwargs):  # type: ignore[no-untyped-def]
-                        calls.append((kernel.fn.__name__, kwargs))
-                        return launch[grid](*args, **kwargs)
-
-                    return run
-
-            return Grid()
-
-        monkeypatch.setattr(ops, "_launcher", recording)
+        monkeypatch.setattr(ops, "_launcher", _recording(launcher, calls))
         torch.manual_seed(5)  # the dropout seed
         with tuning.override(backward_launch=mode):
             results[mode] = _run_flash(case, q, k, v, mask, dout, dropout_p=dropout_p)
@@ -378,22 +383,7 @@ def test_a_backward_runs_under_the_tuning_of_its_forward(monkeypatch, where: str
     from attnhub.backends.triton_flash import tuning
 
     launched: list[tuple[str, dict]] = []
-    launcher = ops._launcher
-
-    def recording(kernel, like):  # type: ignore[no-untyped-def]
-        launch = launcher(kernel, like)
-
-        class Grid:
-            def __getitem__(self, grid):  # type: ignore[no-untyped-def]
-                def run(*args, **kwargs):  # type: ignore[no-untyped-def]
-                    launched.append((kernel.fn.__name__, kwargs))
-                    return launch[grid](*args, **kwargs)
-
-                return run
-
-        return Grid()
-
-    monkeypatch.setattr(ops, "_launcher", recording)
+    monkeypatch.setattr(ops, "_launcher", _recording(ops._launcher, launched))
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 40, 16, requires_grad=True) for _ in range(3))
     forced = (16, 16, 4, 1)  # not the interpreter's table (16, 32, 4, 1)
