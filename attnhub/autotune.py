@@ -86,11 +86,11 @@ def wanted(decision: Decision, params: AttentionParams, device: torch.device) ->
         return False
     if decision.selection.names is not None or params.dropout_p > 0:
         return False
-    if sum(c.eligible for c in decision.candidates) - len(_untimed(decision)) < 2:
-        return False
     if torch.compiler.is_compiling() or _capturing(device) or measured.distributed_job():
         return False
-    return measured.store_for(device).get(decision.request) is None
+    if measured.store_for(device).get(decision.request) is not None:
+        return False  # measured already (the common answer): decided before the count
+    return sum(c.eligible for c in decision.candidates) - len(_untimed(decision)) >= 2
 
 
 def _sync(device: torch.device) -> None:

@@ -151,11 +151,9 @@ def run_varlen(iters: int, quick: bool) -> list[dict[str, Any]]:
             torch.randn(n_docs, h, n, d, device="cuda", dtype=dtype, requires_grad=train)
             for h in (hq, hkv, hkv)
         )
-
         padded = functools.partial(
             F.scaled_dot_product_attention, qp, kp, vp, is_causal=True, enable_gqa=True
         )
-
         grad_padded = torch.randn(n_docs, hq, n, d, device="cuda", dtype=dtype)
         ms = _time(functools.partial(_step, padded, grad_padded if train else None), iters)
         rows.append({"kind": "varlen", "train": train, "docs": n_docs, "tokens": total,

@@ -483,6 +483,7 @@ def _step(
 # Step signatures whose backward needs a narrower backend selection than the caller's:
 # the backend dispatch chose returned an lse without a gradient (see _step_for_grad).
 _grad_selection: dict[tuple[Any, ...], tuple[str, ...]] = {}
+_GRAD_SELECTION_LIMIT = 1024  # entries, then cleared
 
 
 def _step_for_grad(
@@ -507,7 +508,7 @@ def _step_for_grad(
             out, lse = _step(cfg, call, q, k, v, selection)
         if lse.requires_grad or not out.requires_grad:
             if selection is not None:
-                if len(_grad_selection) >= _CHECKED_LIMIT:
+                if len(_grad_selection) >= _GRAD_SELECTION_LIMIT:
                     _grad_selection.clear()
                 _grad_selection[signature] = selection
             return out, lse
@@ -770,7 +771,6 @@ class _FirstDerivativeOnly(torch.autograd.Function):
 _DTYPE_CODES = {
     torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4,
 }  # fmt: skip
-_CHECKED_LIMIT = 1024  # entries of the per-process caches below
 
 
 def _as_int(value: Any) -> int:
