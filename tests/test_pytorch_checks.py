@@ -13,6 +13,7 @@ import torch
 import attnhub
 from attnhub.backends import torch_sdpa
 from attnhub.backends.torch_reference import reference_attention
+from attnhub.errors import NoBackendError
 from attnhub.registry import get_registry
 from attnhub.validation import build_request, make_params
 
@@ -196,8 +197,20 @@ def test_gpu_torch_sdpa_gives_zeros_and_finite_grads_on_rows_without_keys(dtype,
             options["causal"] = True
     else:
         options = {"causal": True, "alignment": "bottom_right"}
-    out = attnhub.attention(q, k, v, attn_mask=mask, backend="torch_sdpa", **options)
     ref, leaves = _float64(q, k, v, mask, **options)
+    if kind != "float":
+        # A bool mask reaches PyTorch's kernel (given, or built for bottom-right causal
+        # with Nq > Nk): served without a backward, declined with one (_bool_mask_on_cuda).
+        with torch.no_grad():
+            out = attnhub.attention(q, k, v, attn_mask=mask, backend="torch_sdpa", **options)
+        torch.testing.assert_close(out.double(), ref.detach(), atol=2e-2, rtol=2e-2)
+        with pytest.raises(NoBackendError, match="torch_sdpa"):
+            attnhub.attention(q, k, v, attn_mask=mask, backend="torch_sdpa", **options)
+        (sdpa,) = [c for c in attnhub.explain(q, k, v, attn_mask=mask, **options).candidates
+                   if c.name == "torch_sdpa"]  # fmt: skip
+        assert any("bool mask with a backward" in r for r in sdpa.reasons), sdpa.reasons
+        return
+    out = attnhub.attention(q, k, v, attn_mask=mask, backend="torch_sdpa", **options)
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
     assert torch.isfinite(out).all()
     grad = torch.randn_like(out)
