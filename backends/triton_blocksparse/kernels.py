@@ -276,7 +276,7 @@ def bs_fwd_kernel(
                         )  # fmt: skip
 
     _fwd_finish(
-        Out, Lse, acc, l_i, m_i, b, h, pid_bh, offs_m, offs_dv,
+        Out, Lse, acc, l_i, m_i, b, h, pid_bh * NQ, offs_m, offs_dv,
         stride_ob, stride_oh, stride_om, stride_od, NQ, HEAD_DV, dropout_p,
         EVEN_D=EVEN_D, HAS_DROPOUT=HAS_DROPOUT, STORE_LSE=True,
     )  # fmt: skip
@@ -319,7 +319,7 @@ def bs_bwd_dq_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
 
     q, do, lse2, delta = _dq_operands(
-        Q, DO, Lse, Delta, b, h, pid_bh, offs_m, offs_d, offs_dv,
+        Q, DO, Lse, Delta, b, h, pid_bh * NQ, offs_m, offs_d, offs_dv,
         stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
         NQ, HEAD_D, HEAD_DV, EVEN_D=EVEN_D,
     )  # fmt: skip
@@ -494,7 +494,7 @@ def bs_bwd_dkdv_kernel(
         h = hk * GROUP + g
         bh = b * H + h
         q_base, do_base, lse_base, delta_base, mask_base, drop_base = _query_head_bases(
-            Q, DO, Lse, Delta, Mask, b, h, bh, offs_m0, offs_d, offs_dv,
+            Q, DO, Lse, Delta, Mask, b, h, bh * NQ, offs_m0, offs_d, offs_dv,
             stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
             stride_dod, stride_mb, stride_mh, NQ, NK,
         )  # fmt: skip

@@ -525,12 +525,13 @@ def _softmax_init(BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
 
 @triton.jit
 def _fwd_finish(
-    Out, Lse, acc, l_i, m_i, b, h, pid_bh, offs_m, offs_dv,
+    Out, Lse, acc, l_i, m_i, b, h, lse_row, offs_m, offs_dv,
     stride_ob, stride_oh, stride_om, stride_od, NQ, HEAD_DV, dropout_p,
     EVEN_D: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_LSE: tl.constexpr,
 ):  # fmt: skip
-    """The forward's epilogue: Out = acc / l and the natural-log lse of rows ``offs_m``;
-    rows with no kept key (l_i == 0) get output 0 and lse -inf, never 0/0."""
+    """The forward's epilogue: Out = acc / l and the natural-log lse of rows ``offs_m``
+    (at ``Lse + lse_row + offs_m``: ``lse_row`` is where (b, h)'s row 0 sits in the lse,
+    glossary); rows with no kept key (l_i == 0) get output 0 and lse -inf, never 0/0."""
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
@@ -549,23 +550,24 @@ def _fwd_finish(
             mask=(offs_m[:, None] < NQ) & (offs_dv[None, :] < HEAD_DV),
         )  # fmt: skip
     if STORE_LSE:
-        tl.store(Lse + pid_bh * NQ + offs_m, lse, mask=offs_m < NQ)
+        tl.store(Lse + lse_row + offs_m, lse, mask=offs_m < NQ)
 
 
 @triton.jit
 def _dq_operands(
-    Q, DO, Lse, Delta, b, h, pid_bh, offs_m, offs_d, offs_dv,
+    Q, DO, Lse, Delta, b, h, lse_row, offs_m, offs_d, offs_dv,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
     NQ, HEAD_D, HEAD_DV, EVEN_D: tl.constexpr,
 ):  # fmt: skip
-    """(q, do, lse2, delta) of rows ``offs_m`` of (b, h), resident in a dQ program."""
+    """(q, do, lse2, delta) of rows ``offs_m`` of (b, h), resident in a dQ program
+    (lse and delta at ``lse_row + offs_m``)."""
     rows = offs_m.to(tl.int64)[:, None]
     q = _load_rows(Q + b * stride_qb + h * stride_qh + rows * stride_qm + offs_d[None, :] * stride_qd,
                    offs_m, NQ, offs_d, HEAD_D, CHECK_ROWS=True, CHECK_COLS=not EVEN_D)  # fmt: skip
     do = _load_rows(DO + b * stride_dob + h * stride_doh + rows * stride_dom + offs_dv[None, :] * stride_dod,
                     offs_m, NQ, offs_dv, HEAD_DV, CHECK_ROWS=True, CHECK_COLS=not EVEN_D)  # fmt: skip
-    lse2 = _load_lse2(Lse + pid_bh * NQ + offs_m, offs_m, NQ, CHECK=True)
-    delta = tl.load(Delta + pid_bh * NQ + offs_m, mask=offs_m < NQ, other=0.0)
+    lse2 = _load_lse2(Lse + lse_row + offs_m, offs_m, NQ, CHECK=True)
+    delta = tl.load(Delta + lse_row + offs_m, mask=offs_m < NQ, other=0.0)
     return q, do, lse2, delta
 
 
@@ -606,12 +608,13 @@ def _kv_operands(
 
 @triton.jit
 def _query_head_bases(
-    Q, DO, Lse, Delta, Mask, b, h, bh, offs_m0, offs_d, offs_dv,
+    Q, DO, Lse, Delta, Mask, b, h, lse_row, offs_m0, offs_d, offs_dv,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
     stride_mb, stride_mh, NQ, NK,
 ):  # fmt: skip
-    """What a dK/dV program streams for query head ``h`` (``bh`` = b * H + h), at row 0:
-    Q and dO row tiles, lse and delta rows, the attn_mask base and the dropout base."""
+    """What a dK/dV program streams for query head ``h`` of batch ``b``, at row 0: Q and
+    dO row tiles, lse and delta rows (from ``lse_row``), the attn_mask base and the
+    dropout base."""
     q_base = (
         Q
         + b * stride_qb
@@ -626,10 +629,10 @@ def _query_head_bases(
         + offs_m0[:, None] * stride_dom
         + offs_dv[None, :] * stride_dod
     )
-    lse_base = Lse + bh * NQ + offs_m0
-    delta_base = Delta + bh * NQ + offs_m0
+    lse_base = Lse + lse_row + offs_m0
+    delta_base = Delta + lse_row + offs_m0
     mask_base = Mask + b * stride_mb + h * stride_mh
-    drop_base = bh * NQ * NK
+    drop_base = lse_row * NK
     return q_base, do_base, lse_base, delta_base, mask_base, drop_base
 
 
