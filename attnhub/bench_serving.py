@@ -11,8 +11,9 @@ Nq=1 against contiguous and paged (page 16, 256) caches of 4K and 32K keys (and 
 50 + window 4096), TB/s of K/V read; the API with check_indices True (one host
 transfer) and False (nothing read, decisions cached), and triton_flash's raw
 ``decode_attention`` for the host-path difference. Varlen: 16 documents of 128..8K
-tokens (64K in all) causal, forward and forward+backward, per backend, against SDPA on
-the same documents padded to one batch. Each case is timed with CUDA events over a
+tokens (64K in all) causal, D=128, heads 32/8 and 32/32 (PyTorch's varlen_attn may take
+no GQA), forward and forward+backward, per backend, against SDPA on the same documents
+padded to one batch. Each case is timed with CUDA events over a
 fixed number of calls after warm-up; a backend that fails is recorded with its error.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import pathlib
@@ -122,10 +124,16 @@ def run_varlen(iters: int, quick: bool) -> list[dict[str, Any]]:
     lengths[-1] += total - int(lengths.sum())
     lengths = lengths.clamp(min=1)
     total = int(lengths.sum())
-    hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
+    d, dtype = 128, torch.bfloat16
     cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to("cuda", torch.int32)
     rows: list[dict[str, Any]] = []
-    for train in (False, True):
+    # GQA 32/8 (Llama's shape) and MHA 32/32, which PyTorch's varlen_attn serves where
+    # its version takes no GQA.
+    for (hq, hkv), train in itertools.product(
+        ((32, 8), (32, 32))[: 1 if quick else 2], (False, True)
+    ):
+        case = {"kind": "varlen", "train": train, "docs": n_docs, "tokens": total,
+                "heads": f"{hq}/{hkv}"}  # fmt: skip
         q = torch.randn(total, hq, d, device="cuda", dtype=dtype, requires_grad=train)
         k = torch.randn(total, hkv, d, device="cuda", dtype=dtype, requires_grad=train)
         v = torch.randn(total, hkv, d, device="cuda", dtype=dtype, requires_grad=train)
@@ -135,8 +143,7 @@ def run_varlen(iters: int, quick: bool) -> list[dict[str, Any]]:
         for name in _eligible(decision):
             if name == "torch_reference":
                 continue  # quadratic: 8K-token documents in float32 scores, slow
-            row: dict[str, Any] = {"kind": "varlen", "train": train, "docs": n_docs,
-                                   "tokens": total, "backend": name, "auto": decision.chosen}  # fmt: skip
+            row: dict[str, Any] = {**case, "backend": name, "auto": decision.chosen}
             call = functools.partial(
                 attnhub.attention_varlen, q, k, v, cu, cu, causal=True, backend=name
             )
@@ -152,12 +159,12 @@ def run_varlen(iters: int, quick: bool) -> list[dict[str, Any]]:
             for h in (hq, hkv, hkv)
         )
         padded = functools.partial(
-            F.scaled_dot_product_attention, qp, kp, vp, is_causal=True, enable_gqa=True
+            F.scaled_dot_product_attention, qp, kp, vp, is_causal=True, enable_gqa=hq != hkv
         )
         grad_padded = torch.randn(n_docs, hq, n, d, device="cuda", dtype=dtype)
         ms = _time(functools.partial(_step, padded, grad_padded if train else None), iters)
-        rows.append({"kind": "varlen", "train": train, "docs": n_docs, "tokens": total,
-                     "backend": "sdpa padded", "ms": ms})  # fmt: skip
+        rows.append({**case, "backend": "sdpa padded", "ms": ms})
+        del q, k, v, qp, kp, vp
     return rows
 
 

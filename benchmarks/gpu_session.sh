@@ -3,13 +3,15 @@
 # Each step runs when its time limit (seconds) is > 0 and is cut at that limit, so that
 # the call ends inside the device's 10 minutes; a step cut short leaves what it wrote.
 #   TESTS_S     gpu-tests.log: the GPU suite (pytest -m gpu -n 6; cut by SIGINT, so the
-#               failures so far are still summarized)
+#               failures so far are still summarized); TESTS: the paths (default tests)
+#   PROBE_S     sdpa-mask-probe.txt/json: benchmarks/sdpa_mask_probe.py
 #   DEMO_S      demo.log: `attnhub demo` (the large model, stock vs patched, judged)
 #   OVERHEAD_S  overhead.json/txt: dispatch overhead over PyTorch's own calls
 #   CHURN_S     churn.json/txt: per-call cost with a new key length each call
 #   DECODE_S    decode.json/md/-bandwidth.png: `attnhub bench --decode` (DECODE_ARGS, e.g. --no-sweep)
 #   HOST_S      host-time-tiny.json/md: benchmarks/host_time.py (the tiny call's host time)
 #   SERVING_S   serving.json/txt: `attnhub bench --serving` (SERVING_ARGS, e.g. --quick)
+#   VARLEN_S    varlen.json/txt: `attnhub bench --varlen` (VARLEN_ARGS, e.g. --iters 10)
 #   CP_S        context-parallel*: benchmarks/context_parallel.py at world size 1 (torchrun)
 #   MODELS_S    models.json/md: `attnhub bench --models` (MODELS: comma-separated names)
 #   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16)
@@ -38,8 +40,11 @@ step() {  # step LIMIT_S NAME COMMAND...: run COMMAND under LIMIT_S seconds, if 
 }
 
 step "${TESTS_S:-0}" tests python3 -m pytest -m gpu -n "${TESTS_N:-6}" -q -rfE --tb=line -p no:cacheprovider --timeout 120 \
-    --continue-on-collection-errors tests > "$OUT/gpu-tests.log" 2>&1
+    --continue-on-collection-errors ${TESTS:-tests} > "$OUT/gpu-tests.log" 2>&1
 tail -25 "$OUT/gpu-tests.log" 2>/dev/null | grep -v "^\.\.\.\." | tail -12
+step "${PROBE_S:-0}" probe python3 benchmarks/sdpa_mask_probe.py --json "$OUT/sdpa-mask-probe.json" \
+    > "$OUT/sdpa-mask-probe.txt" 2>&1
+cat "$OUT/sdpa-mask-probe.txt" 2>/dev/null
 step "${DEMO_S:-0}" demo python3 -m attnhub demo > "$OUT/demo.log" 2>&1
 tail -4 "$OUT/demo.log" 2>/dev/null
 step "${OVERHEAD_S:-0}" overhead python3 benchmarks/overhead.py --device cuda --rounds 40 \
@@ -56,6 +61,9 @@ cat "$OUT/host-time-tiny.md" 2>/dev/null
 step "${SERVING_S:-0}" serving python3 -m attnhub bench --serving -o "$OUT/serving.json" ${SERVING_ARGS:-} \
     > "$OUT/serving.txt" 2>&1
 cat "$OUT/serving.txt" 2>/dev/null
+step "${VARLEN_S:-0}" varlen python3 -m attnhub bench --varlen -o "$OUT/varlen.json" ${VARLEN_ARGS:-} \
+    > "$OUT/varlen.txt" 2>&1
+cat "$OUT/varlen.txt" 2>/dev/null
 step "${CP_S:-0}" context-parallel torchrun --standalone --nproc-per-node=1 \
     benchmarks/context_parallel.py --out "$OUT/cp" --impls attnhub_cp,torch_cp,attnhub_single,sdpa_single \
     --seqlens "${CP_SEQLENS:-8192,32768,131072}" > "$OUT/cp.log" 2>&1

@@ -152,7 +152,7 @@ def test_gradients_match_a_loop_of_dense_calls(backend, dtype, options):
 
 def _gradient_problems(
     backend: str, dtype: torch.dtype, lengths: Any, options: dict[str, Any],
-    *, hq: int = 4, hkv: int = 2, d: int = 8, device: str = "cpu",
+    *, hq: int = 4, hkv: int = 2, d: int = 16, device: str = "cpu",
 ) -> list[str | None]:  # fmt: skip
     if not attnhub.get_registry().get(backend).backward:
         pytest.skip(f"{backend} declares no backward")
@@ -396,6 +396,98 @@ def test_stats_count_the_serving_backend():
 # -- GPU (the lead runs these on the H200) ---------------------------------------------
 
 # A sequence without queries (0, 16) and one without keys (5, 0), where lengths differ.
+# Sequences longer than a kernel tile (the interpreter's tiles are 16 and 32 rows), so
+# that programs start inside a sequence, tiles straddle its end, and the grid (sized by
+# the longest sequence) holds programs past the shorter ones.
+LONG_LENGTHS = ([70, 0, 33, 129, 1], [70, 5, 17, 129, 0])
+
+
+@pytest.mark.parametrize("backend", _cpu_varlen_backends())
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"causal": True, "alignment": "bottom_right"}, {"window": (20, 3), "softcap": 4.0}],
+    ids=["plain", "causal-bottom_right", "window-softcap"],
+)
+def test_sequences_longer_than_a_tile_match_a_loop_of_dense_calls(backend, options):
+    _check(_forward_problems(backend, torch.float32, *LONG_LENGTHS, options))
+    _check(_gradient_problems(backend, torch.float32, LONG_LENGTHS, options))
+
+
+@pytest.mark.parametrize("backend", _cpu_varlen_backends())
+def test_a_nan_in_one_sequence_stays_in_it(backend):
+    """Sequence 1's keys and values hold a NaN: its rows are NaN (a NaN key is a NaN
+    score), and every other sequence's output and gradients are exact, as if it were
+    alone: no program reads another sequence's tokens."""
+    lq, lk = LONG_LENGTHS
+    q, k, v = _packed(lq, lk, hq=4, hkv=2, d=16, dtype=torch.float32, seed=1)
+    ck = _cu(lk).tolist()
+    k[ck[1]], v[ck[1] + 2] = float("nan"), float("nan")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attnhub.attention_varlen(*leaves, _cu(lq), _cu(lk), causal=True, backend=backend)
+    out.sum().backward()
+    cq = _cu(lq).tolist()
+    own = torch.zeros(q.shape[0], dtype=torch.bool)
+    own[cq[1] : cq[2]] = True
+    assert out[own].isnan().all()
+    r64, _ = _oracle(q, k, v, lq, lk, {"causal": True}, float64=True)
+    torch.testing.assert_close(out[~own].double(), r64[~own], atol=1e-5, rtol=1e-5)
+    keep_k = torch.ones(k.shape[0], dtype=torch.bool)
+    keep_k[ck[1] : ck[2]] = False
+    for grad, rows in ((leaves[0].grad, ~own), (leaves[1].grad, keep_k), (leaves[2].grad, keep_k)):
+        assert grad[rows].isfinite().all()
+
+
+@pytest.mark.parametrize("backend", _cpu_varlen_backends())
+def test_an_unchecked_call_under_torch_compile_gives_the_eager_answer(backend):
+    """torch.compile runs the call eagerly (a graph break: the kernels read the index
+    tensors' values) and computes what the eager call computes, gradients included."""
+    lq, lk = LONG_LENGTHS
+    q, k, v = _packed(lq, lk, hq=4, hkv=2, d=16, dtype=torch.float32, seed=4)
+    cu_q, cu_k = _cu(lq), _cu(lk)
+
+    def step(q, k, v):  # type: ignore[no-untyped-def]
+        out = attnhub.attention_varlen(
+            q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True, backend=backend,
+            check_indices=False,
+        )  # fmt: skip
+        return (out * 2).sum()
+
+    results = []
+    for run in (step, torch.compile(step, backend="aot_eager")):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        loss = run(*leaves)
+        loss.backward()
+        results.append([loss.detach(), *(t.grad for t in leaves)])
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
+
+
+def _triton_flash_interpreted() -> bool:
+    return "triton_flash" in _cpu_varlen_backends()
+
+
+@pytest.mark.skipif(not _triton_flash_interpreted(), reason="needs TRITON_INTERPRET=1")
+def test_triton_flash_backward_launches_give_bitwise_the_same_gradients():
+    """The packed backward as two launches and as one (both program orders): bitwise the
+    same gradients, as for dense calls (the same programs summing in the same order)."""
+    from attnhub.backends.triton_flash import configs, tuning
+
+    lq, lk = LONG_LENGTHS
+    q, k, v = _packed(lq, lk, hq=4, hkv=2, d=16, dtype=torch.float16, seed=2)
+    results = {}
+    for mode in configs.BWD_MODES:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with tuning.override(backward_launch=mode):
+            out = attnhub.attention_varlen(
+                *leaves, _cu(lq), _cu(lk), causal=True, window=(40, None), backend="triton_flash"
+            )
+            out.float().square().sum().backward()
+        results[mode] = [t.grad for t in leaves]
+    for mode in configs.BWD_MODES:
+        for name, a, b in zip("qkv", results["split"], results[mode]):
+            assert torch.equal(a, b), f"{mode}: d{name} differs from split"
+
+
 GPU_LENGTHS = ([128, 1, 300, 77, 0, 512, 5], [128, 40, 300, 600, 16, 512, 0])
 GPU_OPTIONS: list[dict[str, Any]] = [
     {},

@@ -62,8 +62,9 @@ class TritonFlash(Backend):
     # benchmarks/results/archive/gpu-compile-2026-11-30.log).
     compile_safe = True
     copies_strided = False
-    # attnhub.attention_kvcache through the split-KV decode kernel (serving.py).
-    layouts = frozenset({"dense", "kvcache", "paged"})
+    # attnhub.attention_kvcache through the split-KV decode kernel (serving.py);
+    # attnhub.attention_varlen through the dense kernels' packed mode (packed.py).
+    layouts = frozenset({"dense", "varlen", "kvcache", "paged"})
 
     @property  # type: ignore[override]
     def priority(self) -> int:  # type: ignore[override]
@@ -91,11 +92,23 @@ class TritonFlash(Backend):
             # Seen with triton 3.6: tl.dot on bf16 returns values near 1e10 in the
             # interpreter (shared/gpu.md). Lift when the interpreter handles bf16.
             return ["bfloat16 is not reliable in Triton's CPU interpreter"]
-        if getattr(request, "layout", "dense") != "dense":
+        if getattr(request, "layout", "dense") in ("kvcache", "paged"):
             from .serving import kvcache_reasons
 
             return kvcache_reasons(request)
         return []
+
+    def forward_varlen(  # type: ignore[no-untyped-def]
+        self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params
+    ):
+        from .packed import flash_attention_varlen
+
+        out, lse = flash_attention_varlen(
+            query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            return_lse=params.return_lse, causal=params.causal, bottom_right=params.bottom_right,
+            window=params.window, softcap=params.softcap, scale=params.scale,
+        )  # fmt: skip
+        return (out, lse) if params.return_lse else out
 
     def forward_kvcache(  # type: ignore[no-untyped-def]
         self, query, k_cache, v_cache, seqlens_k, block_table, params

@@ -47,6 +47,17 @@ merged backward           attn_bwd_kernel: the dK/dV and dQ programs above in on
 Layout: every tensor is (B, heads, N, D) read through its four strides (transposed
 (B, N, H, D) views work without a copy). Base offsets are int64.
 
+Packed sequences (VARLEN=True, attnhub.attention_varlen)
+    Q/Out/dO/dQ are (Tq, H, D) and K/V/dK/dV (Tk, HKV, D), passed as (B, heads, N, D)
+    with batch stride 0; sequence b is rows CuQ[b]:CuQ[b + 1] of the queries and
+    CuK[b]:CuK[b + 1] of the keys (:func:`_sequence`), and the kernels shift each base
+    to its sequence's first row. b on the grid is the sequence; the grids cover the
+    longest sequence (MAXQ, MAXK), and a program past its own sequence's rows (keys)
+    visits nothing and stores nothing. NQ and NK are then the totals Tq and Tk: the lse
+    and delta are (H, Tq), row (b, h, i) at h * Tq + CuQ[b] + i (``lse_row``). The
+    offset argument is 1 for bottom_right and 0 for top_left; each sequence's offset
+    is that times Nk_b - Nq_b. No attn_mask and no dropout (the call offers neither).
+
 Constexpr knobs (each absent feature compiles away)
 ---------------------------------------------------
 BLOCK_M, BLOCK_N      tile sizes (configs.py picks them per device/head dim/dtype)
@@ -78,6 +89,8 @@ STRIDE_QM, STRIDE_DOM in the forward and dQ kernels, Q/dO in dK/dV) as a constan
                       the loop (ops._row_strides has the measurements)
 STORE_LSE             forward only: write Lse (False where the caller wants neither the
                       lse nor gradients: ops.flash_attention(return_lse=False) without grad)
+VARLEN                packed sequences (above); CuQ, CuK are then the int32/int64 (B + 1,)
+                      cumulative lengths (else any pointer, never read)
 """
 
 from __future__ import annotations
@@ -110,9 +123,49 @@ from .common import (
 )
 
 
+@triton.jit
+def _sequence(CuQ, CuK, b, NQ, NK, offset, VARLEN: tl.constexpr):
+    """(q0, k0, nq, nk, offset) of batch entry ``b``: its first query and key rows (int64),
+    its lengths and its diagonal's offset. Dense: 0, 0, NQ, NK and ``offset`` as given.
+    Packed sequences (glossary): read from CuQ/CuK, the offset placed per sequence."""
+    if VARLEN:
+        q0 = tl.load(CuQ + b).to(tl.int64)
+        k0 = tl.load(CuK + b).to(tl.int64)
+        nq = (tl.load(CuQ + b + 1) - q0).to(tl.int32)
+        nk = (tl.load(CuK + b + 1) - k0).to(tl.int32)
+        offset = offset * (nk - nq)
+    else:
+        q0 = 0
+        k0 = 0
+        nq = NQ
+        nk = NK
+    return q0, k0, nq, nk, offset
+
+
+@triton.jit
+def _lse_row(bh, h, NQ, q0, VARLEN: tl.constexpr):
+    """Where row 0 of (b, h) sits in the lse and delta (``bh`` = b * H + h): bh * NQ in
+    (B, H, NQ), h * Tq + q0 in packed sequences' (H, Tq) (NQ is Tq there)."""
+    if VARLEN:
+        row = h * NQ + q0
+    else:
+        row = bh * NQ
+    return row
+
+
+@triton.jit
+def _walked(length, start, own, VARLEN: tl.constexpr):
+    """The length a program walks: ``length``, or for packed sequences 0 where the
+    program's tile (from ``start``) lies past its sequence's ``own`` rows or keys (its
+    segments are then empty and its masked stores write nothing)."""
+    if VARLEN:
+        length = tl.where(start < own, length, 0)
+    return length
+
+
 @triton.jit(do_not_specialize=_DYNAMIC)
 def attn_fwd_kernel(
-    Q, K, V, Mask, Seed, Out, Lse,
+    Q, K, V, Mask, Seed, Out, Lse, CuQ, CuK,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -125,7 +178,7 @@ def attn_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr, MASK_HEAD: tl.constexpr,
     MASK_TAIL: tl.constexpr, STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
-    STORE_LSE: tl.constexpr = True,
+    STORE_LSE: tl.constexpr = True, VARLEN: tl.constexpr = False,
 ):  # fmt: skip
     """Out (B, H, NQ, DV) and Lse (B, H, NQ) float32 natural log, for one row block.
     STORE_LSE=False: Lse is not written (a call whose caller neither returns the lse nor
@@ -138,6 +191,13 @@ def attn_fwd_kernel(
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
+    q0, k0, nq, nk, offset = _sequence(CuQ, CuK, b, NQ, NK, offset, VARLEN=VARLEN)
+    lse_row = _lse_row(pid_bh, h, NQ, q0, VARLEN=VARLEN)
+    if VARLEN:
+        Q += q0 * stride_qm
+        Out += q0 * stride_om
+        K += k0 * stride_kn
+        V += k0 * stride_vn
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -147,19 +207,19 @@ def attn_fwd_kernel(
         Q + b * stride_qb + h * stride_qh + start_m.to(tl.int64) * stride_qm
         + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :] * stride_qd
     )  # fmt: skip
-    q = _load_rows(q_ptrs, offs_m, NQ, offs_d, HEAD_D, CHECK_ROWS=True, CHECK_COLS=not EVEN_D)
+    q = _load_rows(q_ptrs, offs_m, nq, offs_d, HEAD_D, CHECK_ROWS=True, CHECK_COLS=not EVEN_D)
     k_base, v_base = _kv_bases(
         K, V, b, hk, offs_n0, offs_d, offs_dv,
         stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
     )  # fmt: skip
     mask_rows, seed, drop_rows = _row_streams(
-        Mask, Seed, b, h, pid_bh, offs_m, stride_mb, stride_mh, stride_mm, NQ, NK,
+        Mask, Seed, b, h, pid_bh, offs_m, stride_mb, stride_mh, stride_mm, nq, nk,
         HAS_DROPOUT=HAS_DROPOUT,
     )  # fmt: skip
     m_i, l_i, acc = _softmax_init(BLOCK_M=BLOCK_M, BLOCK_DV=BLOCK_DV)
 
     lo, f_lo, f_hi, hi = _key_ranges(
-        start_m, NK, offset, win_left, win_right,
+        start_m, _walked(nk, start_m, nq, VARLEN=VARLEN), offset, win_left, win_right,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BAND=HAS_BAND,
     )  # fmt: skip
     for seg in tl.static_range(3):
@@ -169,7 +229,7 @@ def attn_fwd_kernel(
             acc, l_i, m_i = _fwd_inner(
                 acc, l_i, m_i, q, k_base + s0_64 * stride_kn, v_base + s0_64 * stride_vn,
                 mask_rows, drop_rows, seed, s0, s1, offs_m, offs_n0, offs_d, offs_dv,
-                stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                stride_kn, stride_vn, stride_mn, nq, nk, HEAD_D, HEAD_DV, offset, win_left, win_right,
                 qk_scale, sm_scale, softcap, dropout_p,
                 BLOCK_N=BLOCK_N, MASKED=seg != 1, EVEN_D=EVEN_D, HAS_BAND=HAS_BAND,
                 HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
@@ -177,19 +237,20 @@ def attn_fwd_kernel(
             )  # fmt: skip
 
     _fwd_finish(
-        Out, Lse, acc, l_i, m_i, b, h, pid_bh * NQ, offs_m, offs_dv,
-        stride_ob, stride_oh, stride_om, stride_od, NQ, HEAD_DV, dropout_p,
+        Out, Lse, acc, l_i, m_i, b, h, lse_row, offs_m, offs_dv,
+        stride_ob, stride_oh, stride_om, stride_od, nq, HEAD_DV, dropout_p,
         EVEN_D=EVEN_D, HAS_DROPOUT=HAS_DROPOUT, STORE_LSE=STORE_LSE,
     )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NQ"])
 def attn_bwd_preprocess_kernel(
-    Out, DO, Delta,
+    Out, DO, Delta, CuQ,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     H, NQ, HEAD_DV,
     BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr = False,
 ):  # fmt: skip
     """Delta (B, H, NQ) float32 = rowsum(dO * O), summed as the backward sums dP.
 
@@ -206,10 +267,15 @@ def attn_bwd_preprocess_kernel(
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
+    q0, _, nq, _, _ = _sequence(CuQ, CuQ, b, NQ, NQ, 0, VARLEN=VARLEN)
+    lse_row = _lse_row(pid_bh, h, NQ, q0, VARLEN=VARLEN)
+    if VARLEN:
+        Out += q0 * stride_om
+        DO += q0 * stride_dom
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     rows = offs_m.to(tl.int64)[:, None]
-    inb = (offs_m[:, None] < NQ) & (offs_dv[None, :] < HEAD_DV)
+    inb = (offs_m[:, None] < nq) & (offs_dv[None, :] < HEAD_DV)
     o = tl.load(
         Out + b * stride_ob + h * stride_oh + rows * stride_om + offs_dv[None, :] * stride_od,
         mask=inb,
@@ -225,13 +291,13 @@ def attn_bwd_preprocess_kernel(
     # One term per row: the sum is that term exactly, and a NaN in another row's dO or
     # O stays out of this row's delta.
     delta = tl.sum(tl.where(diagonal, dots, 0.0), 1)
-    tl.store(Delta + pid_bh * NQ + offs_m, delta, mask=offs_m < NQ)
+    tl.store(Delta + lse_row + offs_m, delta, mask=offs_m < nq)
 
 
 @triton.jit
 def _bwd_dkdv_program(
     pid_n, pid_bh,
-    Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV,
+    Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV, CuQ, CuK,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -245,6 +311,7 @@ def _bwd_dkdv_program(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):  # fmt: skip
     """One dK/dV program: dK (B, HKV, NK, D) and dV (B, HKV, NK, DV) for key block
     ``pid_n`` (keys pid_n * BLOCK_N .. + BLOCK_N - 1) of ``pid_bh`` = b * HKV + hkv, summed
@@ -256,6 +323,14 @@ def _bwd_dkdv_program(
     pid_bh = pid_bh.to(tl.int64)
     b = pid_bh // HKV
     hk = pid_bh % HKV
+    q0, k0, nq, nk, offset = _sequence(CuQ, CuK, b, NQ, NK, offset, VARLEN=VARLEN)
+    if VARLEN:
+        Q += q0 * stride_qm
+        DO += q0 * stride_dom
+        K += k0 * stride_kn
+        V += k0 * stride_vn
+        DK += k0 * stride_dkn
+        DV += k0 * stride_dvn
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -264,20 +339,20 @@ def _bwd_dkdv_program(
     k, v, dk, dv, seed = _kv_operands(
         K, V, Seed, b, hk, offs_n, offs_d, offs_dv,
         stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-        NK, HEAD_D, HEAD_DV, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        nk, HEAD_D, HEAD_DV, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         EVEN_D=EVEN_D, HAS_DROPOUT=HAS_DROPOUT,
     )  # fmt: skip
     lo, f_lo, f_hi, hi = _query_ranges(
-        start_n, NQ, NK, offset, win_left, win_right,
+        start_n, _walked(nq, start_n, nk, VARLEN=VARLEN), nk, offset, win_left, win_right,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BAND=HAS_BAND,
     )  # fmt: skip
     for g in range(0, GROUP):
         h = hk * GROUP + g
         bh = b * H + h
         q_base, do_base, lse_base, delta_base, mask_base, drop_base = _query_head_bases(
-            Q, DO, Lse, Delta, Mask, b, h, bh * NQ, offs_m0, offs_d, offs_dv,
-            stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
-            stride_dod, stride_mb, stride_mh, NQ, NK,
+            Q, DO, Lse, Delta, Mask, b, h, _lse_row(bh, h, NQ, q0, VARLEN=VARLEN), offs_m0,
+            offs_d, offs_dv, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh,
+            stride_dom, stride_dod, stride_mb, stride_mh, nq, nk,
         )  # fmt: skip
         for seg in tl.static_range(3):
             s0, s1 = _segment(seg, lo, f_lo, f_hi, hi)
@@ -288,7 +363,7 @@ def _bwd_dkdv_program(
                     lse_base + s0_64, delta_base + s0_64, mask_base, drop_base, seed,
                     s0, s1, offs_n, offs_m0, offs_d, offs_dv,
                     stride_qm, stride_dom, stride_mm, stride_mn,
-                    NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                    nq, nk, HEAD_D, HEAD_DV, offset, win_left, win_right,
                     qk_scale, sm_scale, softcap, dropout_p,
                     BLOCK_M=BLOCK_M, MASKED=seg != 1, EVEN_D=EVEN_D, HAS_BAND=HAS_BAND,
                     HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
@@ -298,13 +373,13 @@ def _bwd_dkdv_program(
     _dkdv_finish(
         DK, DV, dk, dv, b, hk, offs_n, offs_d, offs_dv,
         stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
-        stride_dvd, NK, HEAD_D, HEAD_DV, sm_scale,
+        stride_dvd, nk, HEAD_D, HEAD_DV, sm_scale,
     )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_DYNAMIC)
 def attn_bwd_dkdv_kernel(
-    Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV,
+    Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV, CuQ, CuK,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -318,7 +393,7 @@ def attn_bwd_dkdv_kernel(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
-    STRIDE_QM: tl.constexpr = 0, STRIDE_DOM: tl.constexpr = 0,
+    STRIDE_QM: tl.constexpr = 0, STRIDE_DOM: tl.constexpr = 0, VARLEN: tl.constexpr = False,
 ):  # fmt: skip
     """dK and dV, one program per (key block, b * HKV + hkv) on grid axes (0, 1): the split
     backward's first launch (see :func:`_bwd_dkdv_program`)."""
@@ -326,7 +401,7 @@ def attn_bwd_dkdv_kernel(
     stride_dom = _row_stride(stride_dom, PACKED=STRIDE_DOM)
     _bwd_dkdv_program(
         tl.program_id(0), tl.program_id(1),
-        Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV,
+        Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV, CuQ, CuK,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
@@ -338,14 +413,14 @@ def attn_bwd_dkdv_kernel(
         qk_scale, sm_scale, softcap, dropout_p,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, EVEN_D=EVEN_D,
         HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
-        INPUT_PRECISION=INPUT_PRECISION, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL,
+        INPUT_PRECISION=INPUT_PRECISION, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL, VARLEN=VARLEN,
     )  # fmt: skip
 
 
 @triton.jit
 def _bwd_dq_program(
     pid_m, pid_bh,
-    Q, K, V, Mask, Seed, DO, Lse, Delta, DQ,
+    Q, K, V, Mask, Seed, DO, Lse, Delta, DQ, CuQ, CuK,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -358,6 +433,7 @@ def _bwd_dq_program(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):  # fmt: skip
     """One dQ program: dQ (B, H, NQ, D) for row block ``pid_m`` (rows pid_m * BLOCK_M ..
     + BLOCK_M - 1) of ``pid_bh`` = b * H + h (its own pass over the keys: no atomics).
@@ -369,28 +445,35 @@ def _bwd_dq_program(
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP
+    q0, k0, nq, nk, offset = _sequence(CuQ, CuK, b, NQ, NK, offset, VARLEN=VARLEN)
+    if VARLEN:
+        Q += q0 * stride_qm
+        DO += q0 * stride_dom
+        DQ += q0 * stride_dqm
+        K += k0 * stride_kn
+        V += k0 * stride_vn
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
     q, do, lse2, delta = _dq_operands(
-        Q, DO, Lse, Delta, b, h, pid_bh * NQ, offs_m, offs_d, offs_dv,
-        stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-        NQ, HEAD_D, HEAD_DV, EVEN_D=EVEN_D,
+        Q, DO, Lse, Delta, b, h, _lse_row(pid_bh, h, NQ, q0, VARLEN=VARLEN), offs_m, offs_d,
+        offs_dv, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
+        stride_dod, nq, HEAD_D, HEAD_DV, EVEN_D=EVEN_D,
     )  # fmt: skip
     k_base, v_base = _kv_bases(
         K, V, b, hk, offs_n0, offs_d, offs_dv,
         stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
     )  # fmt: skip
     mask_rows, seed, drop_rows = _row_streams(
-        Mask, Seed, b, h, pid_bh, offs_m, stride_mb, stride_mh, stride_mm, NQ, NK,
+        Mask, Seed, b, h, pid_bh, offs_m, stride_mb, stride_mh, stride_mm, nq, nk,
         HAS_DROPOUT=HAS_DROPOUT,
     )  # fmt: skip
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, f_lo, f_hi, hi = _key_ranges(
-        start_m, NK, offset, win_left, win_right,
+        start_m, _walked(nk, start_m, nq, VARLEN=VARLEN), offset, win_left, win_right,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BAND=HAS_BAND,
     )  # fmt: skip
     for seg in tl.static_range(3):
@@ -400,7 +483,7 @@ def _bwd_dq_program(
             dq = _bwd_q_inner(
                 dq, q, do, lse2, delta, k_base + s0_64 * stride_kn, v_base + s0_64 * stride_vn,
                 mask_rows, drop_rows, seed, s0, s1, offs_m, offs_n0, offs_d, offs_dv,
-                stride_kn, stride_vn, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+                stride_kn, stride_vn, stride_mn, nq, nk, HEAD_D, HEAD_DV, offset, win_left, win_right,
                 qk_scale, sm_scale, softcap, dropout_p,
                 BLOCK_N=BLOCK_N, MASKED=seg != 1, EVEN_D=EVEN_D, HAS_BAND=HAS_BAND,
                 HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
@@ -409,13 +492,13 @@ def _bwd_dq_program(
 
     _dq_finish(
         DQ, dq, b, h, offs_m, offs_d, stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-        NQ, HEAD_D, sm_scale,
+        nq, HEAD_D, sm_scale,
     )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_DYNAMIC)
 def attn_bwd_dq_kernel(
-    Q, K, V, Mask, Seed, DO, Lse, Delta, DQ,
+    Q, K, V, Mask, Seed, DO, Lse, Delta, DQ, CuQ, CuK,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -428,7 +511,7 @@ def attn_bwd_dq_kernel(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
-    STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
+    STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0, VARLEN: tl.constexpr = False,
 ):  # fmt: skip
     """dQ, one program per (row block, b * H + h) on grid axes (0, 1): the split
     backward's second launch (see :func:`_bwd_dq_program`)."""
@@ -436,7 +519,7 @@ def attn_bwd_dq_kernel(
     stride_vn = _row_stride(stride_vn, PACKED=STRIDE_VN)
     _bwd_dq_program(
         tl.program_id(0), tl.program_id(1),
-        Q, K, V, Mask, Seed, DO, Lse, Delta, DQ,
+        Q, K, V, Mask, Seed, DO, Lse, Delta, DQ, CuQ, CuK,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
@@ -447,13 +530,13 @@ def attn_bwd_dq_kernel(
         qk_scale, sm_scale, softcap, dropout_p,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, EVEN_D=EVEN_D,
         HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
-        INPUT_PRECISION=INPUT_PRECISION, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL,
+        INPUT_PRECISION=INPUT_PRECISION, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL, VARLEN=VARLEN,
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=_DYNAMIC)
+@triton.jit(do_not_specialize=[*_DYNAMIC, "MAXQ", "MAXK"])
 def attn_bwd_kernel(
-    Q, K, V, Mask, Seed, DO, Lse, Delta, DQ, DK, DV,
+    Q, K, V, Mask, Seed, DO, Lse, Delta, DQ, DK, DV, CuQ, CuK,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -462,7 +545,7 @@ def attn_bwd_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    B, H, HKV, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+    B, H, HKV, GROUP, NQ, NK, MAXQ, MAXK, HEAD_D, HEAD_DV, offset, win_left, win_right,
     qk_scale, sm_scale, softcap, dropout_p,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -472,10 +555,11 @@ def attn_bwd_kernel(
     KV_MASK_HEAD: tl.constexpr, KV_MASK_TAIL: tl.constexpr,
     Q_MASK_HEAD: tl.constexpr, Q_MASK_TAIL: tl.constexpr,
     STRIDE_QM: tl.constexpr = 0, STRIDE_DOM: tl.constexpr = 0,
-    STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
+    STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0, VARLEN: tl.constexpr = False,
 ):  # fmt: skip
-    """dQ, dK and dV in one launch (FlexAttention's backward structure): cdiv(NK, BLOCK_N1)
-    dK/dV programs per b * HKV + hkv and cdiv(NQ, BLOCK_M2) dQ programs per b * H + h.
+    """dQ, dK and dV in one launch (FlexAttention's backward structure): cdiv(MAXK, BLOCK_N1)
+    dK/dV programs per b * HKV + hkv and cdiv(MAXQ, BLOCK_M2) dQ programs per b * H + h
+    (MAXQ, MAXK: NQ and NK, or the longest packed sequence's lengths).
     Each program runs exactly one role, :func:`_bwd_dkdv_program` with tiles of BLOCK_N1
     keys (BLOCK_M1 query rows per step) or :func:`_bwd_dq_program` with tiles of BLOCK_M2
     rows (BLOCK_N2 keys per step), so the gradients are bitwise those of the split
@@ -490,7 +574,7 @@ def attn_bwd_kernel(
                       then all dQ programs (row block fastest, then b * H + h): the
                       split launches' orders back to back, so the dQ programs fill the
                       tail of the dK/dV programs instead of waiting for it.
-    HEAD_MAJOR=True   (cdiv(NK, BLOCK_N1) + GROUP * cdiv(NQ, BLOCK_M2), B * HKV):
+    HEAD_MAJOR=True   (cdiv(MAXK, BLOCK_N1) + GROUP * cdiv(MAXQ, BLOCK_M2), B * HKV):
                       FlexAttention's grid. Per kv head, its key blocks' dK/dV programs,
                       then the dQ programs of its GROUP query heads, so both roles run
                       side by side throughout and read one head's Q/K/V/dO at about the
@@ -505,8 +589,8 @@ def attn_bwd_kernel(
     # the branch, and ptxas spilled 6x more in the dK/dV loop (bf16 D=128, (64,128,8,2):
     # 1656 spill bytes against 392; 264 for attn_bwd_dkdv_kernel alone).
     pid = tl.program_id(0)
-    kv_tiles = tl.cdiv(NK, BLOCK_N1)
-    q_tiles = tl.cdiv(NQ, BLOCK_M2)
+    kv_tiles = tl.cdiv(MAXK, BLOCK_N1)
+    q_tiles = tl.cdiv(MAXQ, BLOCK_M2)
     if HEAD_MAJOR:
         is_kv = pid < kv_tiles
         kv_tile = pid
@@ -524,7 +608,7 @@ def attn_bwd_kernel(
     if is_kv:
         _bwd_dkdv_program(
             kv_tile, kv_bh,
-            Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV,
+            Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV, CuQ, CuK,
             stride_qb, stride_qh, stride_qm, stride_qd,
             stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd,
@@ -537,11 +621,12 @@ def attn_bwd_kernel(
             BLOCK_M=BLOCK_M1, BLOCK_N=BLOCK_N1, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, EVEN_D=EVEN_D,
             HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
             INPUT_PRECISION=INPUT_PRECISION, MASK_HEAD=KV_MASK_HEAD, MASK_TAIL=KV_MASK_TAIL,
+            VARLEN=VARLEN,
         )  # fmt: skip
     else:
         _bwd_dq_program(
             q_tile, q_bh,
-            Q, K, V, Mask, Seed, DO, Lse, Delta, DQ,
+            Q, K, V, Mask, Seed, DO, Lse, Delta, DQ, CuQ, CuK,
             stride_qb, stride_qh, stride_qm, stride_qd,
             stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd,
@@ -553,4 +638,5 @@ def attn_bwd_kernel(
             BLOCK_M=BLOCK_M2, BLOCK_N=BLOCK_N2, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, EVEN_D=EVEN_D,
             HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
             INPUT_PRECISION=INPUT_PRECISION, MASK_HEAD=Q_MASK_HEAD, MASK_TAIL=Q_MASK_TAIL,
+            VARLEN=VARLEN,
         )  # fmt: skip

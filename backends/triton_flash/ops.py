@@ -209,11 +209,68 @@ class _Setup:
 _FP32_TINY = 1.1754943508222875e-38  # smallest normal float32
 
 
+@dataclass(frozen=True)
+class Packed:
+    """Packed sequences (attnhub.attention_varlen; kernels' glossary, "Packed sequences"):
+    the (B + 1,) cumulative lengths on the tensors' device and the longest sequence's
+    lengths, which size the grids. The launches take each packed (T, heads, D) tensor
+    as :meth:`view` gives it, the lse and delta as (heads, Tq)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_q.shape[0] - 1
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        """(T, heads, D) as the kernels' (B, heads, T, D) with batch stride 0 (no copy):
+        the kernels move each program to its sequence's rows themselves."""
+        return t.transpose(0, 1).unsqueeze(0).expand(self.batch, -1, -1, -1)
+
+    def outputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store_lse: bool):  # type: ignore[no-untyped-def]
+        """(out (Tq, Hq, Dv), lse (Hq, Tq) float32 or None, empty) for the views q, k, v:
+        the forward's outputs, already final (``empty``) where there is nothing to
+        launch: no query rows, or no keys in any sequence (zeros, lse -inf)."""
+        hq, tq = q.shape[1], q.shape[2]
+        out = torch.empty((tq, hq, v.shape[-1]), device=q.device, dtype=q.dtype)
+        lse = torch.empty((hq, tq), device=q.device, dtype=torch.float32) if store_lse else None
+        if self.batch * hq * self.max_q == 0 or k.shape[2] == 0:
+            out.zero_()
+            if lse is not None:
+                lse.fill_(float("-inf"))
+            return out, lse, True
+        return out, lse, False
+
+
+def _cu(packed: Packed | None, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' CuQ, CuK arguments (``like`` where the call is dense: never read)."""
+    return (like, like) if packed is None else (packed.cu_q, packed.cu_k)
+
+
 def _setup(
-    q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap, scale, dropout_p
+    q,
+    v,
+    mask,
+    nk,
+    causal,
+    bottom_right,
+    window_left,
+    window_right,
+    softcap,
+    scale,
+    dropout_p,
+    packed=None,
 ) -> _Setup:  # type: ignore[no-untyped-def]
     mask_t, strides, mask_kind = _mask_view(mask, q)
-    _, offset, left, right = _band(q.shape[2], nk, causal, bottom_right, window_left, window_right)
+    nq = q.shape[2]
+    if packed is not None:  # the longest sequence's lengths bound the band (Packed)
+        nq, nk = packed.max_q, packed.max_k
+    _, offset, left, right = _band(nq, nk, causal, bottom_right, window_left, window_right)
+    if packed is not None:
+        offset = int(bottom_right)  # placed per sequence in the kernels (glossary)
     meta = _common_meta(
         q, v, causal, bottom_right, window_left, window_right, softcap, mask_kind, dropout_p
     )
@@ -221,7 +278,7 @@ def _setup(
     scalars = (offset, left, right, qk_scale, scale,
                softcap if softcap > 0.0 else 1.0, dropout_p)  # fmt: skip
     fold = _FP32_TINY <= qk_scale < math.inf and softcap <= 0.0 and mask_kind != 2
-    walk = max(1, min(max(q.shape[2], nk), left + right + 1))  # absent sides: > nq + nk
+    walk = max(1, min(max(nq, nk), left + right + 1))  # absent sides: > nq + nk
     return _Setup(mask_t, strides, meta, scalars, fold, walk)
 
 
@@ -234,13 +291,15 @@ def _edge_segments(
     left: int,
     right: int,
     prefix: str = "",
+    ragged: bool = False,
 ) -> dict[str, bool]:
     """MASK_HEAD / MASK_TAIL of a dense kernel: whether its first / last masked segment
     can be non-empty (kernels' glossary, "segments"). A kernel walks keys (forward, dQ:
     the head is the band's left edge, the tail its right edge and a ragged last key tile)
     or queries (dK/dV: the head is the band's right edge, the tail its left edge and
     ragged last tiles of either length). ``prefix`` names a role of the merged backward
-    kernel ("KV_", "Q_"), whose ``cfg`` is that role's tiles."""
+    kernel ("KV_", "Q_"), whose ``cfg`` is that role's tiles. ``ragged``: packed
+    sequences, whose lengths the host does not know: every tail is compiled."""
     left_edge = left != NO_WINDOW
     right_edge = causal or right != NO_WINDOW
     if walks_keys:
@@ -248,7 +307,7 @@ def _edge_segments(
     else:
         head = right_edge
         tail = left_edge or nq % cfg.block_m != 0 or nk % cfg.block_n != 0
-    return {prefix + "MASK_HEAD": head, prefix + "MASK_TAIL": tail}
+    return {prefix + "MASK_HEAD": head, prefix + "MASK_TAIL": tail or ragged}
 
 
 # Whether kernels get the row stride of a tensor they stream (K/V in the forward and dQ
@@ -336,20 +395,25 @@ def _delta(
     dlse: torch.Tensor | None,
     meta: dict[str, Any],
     record: list | None = None,
+    packed: Packed | None = None,
 ) -> torch.Tensor:
     """rowsum(dO * O) (B, Hq, Nq) float32 from the preprocess kernel, minus ``dlse``:
     d lse / d s = P, so a gradient on lse enters as dS = P * (dP - (delta - dlse)).
     ``meta``: the call's shared constexprs; the kernel takes BLOCK_DV and the
     INPUT_PRECISION of the backward's dP, whose sums it repeats. ``record``: see
-    :func:`_launch` (3 tensors: out, dout, delta)."""
+    :func:`_launch` (4 tensors: out, dout, delta, CuQ). ``packed``: out and dout are
+    :meth:`Packed.view` views, delta and dlse (Hq, Tq)."""
     b, hq, nq, dv = out.shape
-    delta = torch.empty((b, hq, nq), device=out.device, dtype=torch.float32)
+    shape = (b, hq, nq) if packed is None else (hq, nq)
+    delta = torch.empty(shape, device=out.device, dtype=torch.float32)
     pre_m = 32 if interpreting() else 64
+    rows = nq if packed is None else packed.max_q
     _launch(
-        kernels.attn_bwd_preprocess_kernel, out, (cdiv(nq, pre_m), b * hq),
-        (out, dout, delta, *out.stride(), *dout.stride(), hq, nq, dv),
-        {"BLOCK_M": pre_m, "BLOCK_DV": meta["BLOCK_DV"], "INPUT_PRECISION": meta["INPUT_PRECISION"]},
-        3, record,
+        kernels.attn_bwd_preprocess_kernel, out, (cdiv(rows, pre_m), b * hq),
+        (out, dout, delta, _cu(packed, out)[0], *out.stride(), *dout.stride(), hq, nq, dv),
+        {"BLOCK_M": pre_m, "BLOCK_DV": meta["BLOCK_DV"], "INPUT_PRECISION": meta["INPUT_PRECISION"],
+         "VARLEN": packed is not None},
+        4, record,
     )  # fmt: skip
     if dlse is not None:
         delta = delta - dlse.float()
@@ -442,12 +506,13 @@ class _ForwardPlan:
 
     def __call__(self, q, k, v, mask, seed):  # type: ignore[no-untyped-def]
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        m, s = q if mask is None else mask, q if seed is None else seed
         if self.lse_shape is None:
             lse = None
-            self.launch(q, k, v, q if mask is None else mask, q if seed is None else seed, out, q)
+            self.launch(q, k, v, m, s, out, q, q, q)
         else:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-            self.launch(q, k, v, q if mask is None else mask, q if seed is None else seed, out, lse)
+            self.launch(q, k, v, m, s, out, lse, q, q)
         return out, lse
 
 
@@ -460,35 +525,43 @@ def _forward(
     scalars: tuple,
     store_lse: bool,
     key: tuple | None,
+    packed: Packed | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward's full path (see :func:`_fwd_impl`); records a plan under ``key``
-    where it is given and the launch returned a compiled kernel."""
+    where it is given and the launch returned a compiled kernel. ``packed``: q, k, v
+    are :meth:`Packed.view` views; out is then (Tq, Hq, Dv) and lse (Hq, Tq)."""
     causal, bottom_right, window_left, window_right, softcap, scale, dropout_p = scalars
-    out, lse, empty = _forward_outputs(q, k, v, store_lse)
-    if empty:
-        return out, lse
     b, hq, nq, d = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    if packed is None:
+        out, lse, empty = _forward_outputs(q, k, v, store_lse)
+        out_view, rows = out, nq
+    else:
+        out, lse, empty = packed.outputs(q, k, v, store_lse)
+        out_view, rows = packed.view(out), packed.max_q
+    if empty:
+        return out, lse
     c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
-               scale, dropout_p)  # fmt: skip
+               scale, dropout_p, packed)  # fmt: skip
     cfg = launch_config(
         "fwd", max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"]), q.element_size(), causal,
         _capability(q.device), interpreting(), c.walk, lean=mask is None,
     )  # fmt: skip
-    grid = (cdiv(nq, cfg.block_m), b * hq)
+    grid = (cdiv(rows, cfg.block_m), b * hq)
     args = (
-        q, k, v, c.mask, q if seed is None else seed, out, q if lse is None else lse,
-        *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *out.stride(),
-        hq, hq // hkv, nq, nk, d, dv, *c.scalars,
+        q, k, v, c.mask, q if seed is None else seed, out_view, q if lse is None else lse,
+        *_cu(packed, q), *q.stride(), *k.stride(), *v.stride(), *c.mask_strides,
+        *out_view.stride(), hq, hq // hkv, nq, nk, d, dv, *c.scalars,
     )  # fmt: skip
+    ragged = packed is not None
     meta = {
         **c.meta, **cfg.meta(), "FOLD_SCALE": c.fold_scale,
-        **_edge_segments(True, nq, nk, cfg, causal, window_left, window_right),
-        **_row_strides(K=k, V=v), "STORE_LSE": store_lse,
+        **_edge_segments(True, nq, nk, cfg, causal, window_left, window_right, ragged=ragged),
+        **_row_strides(K=k, V=v), "STORE_LSE": store_lse, "VARLEN": ragged,
     }  # fmt: skip
     compiled = _launcher(kernels.attn_fwd_kernel, q)[grid](*args, **meta)
     if key is not None and _is_compiled(compiled):
-        launch = CachedLaunch(kernels.attn_fwd_kernel, compiled, grid, args, meta, tensors=7)
+        launch = CachedLaunch(kernels.attn_fwd_kernel, compiled, grid, args, meta, tensors=9)
         _remember(key, _ForwardPlan(launch, out, lse))
     return out, lse
 
@@ -584,61 +657,101 @@ def _bwd_impl(
             plan, key = _lookup(key)
             if plan is not None:
                 return plan(dout, q, k, v, mask, seed, out, lse, dlse)  # type: ignore[no-any-return]
-    dq, dk, dv, empty = _grad_outputs(q, k, v)
-    if empty:
-        return dq, dk, dv
+    return _bwd_full(dout, q, k, v, mask, seed, out, lse, dlse, scalars, key)
+
+
+def _bwd_full(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    scalars: tuple,
+    key: tuple | None,
+    packed: Packed | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward's full path (see :func:`_bwd_impl`); records a plan under ``key``
+    where it is given and every launch returned a compiled kernel. ``packed``: dout, q,
+    k, v, out are :meth:`Packed.view` views, lse and dlse (Hq, Tq), and the gradients
+    come back packed, shaped like the tensors the views show."""
+    causal, bottom_right, window_left, window_right, softcap, scale, dropout_p = scalars
     b, hq, nq, d = q.shape
     hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
+    if packed is None:
+        dq, dk, dv, empty = _grad_outputs(q, k, v)
+        if empty:
+            return dq, dk, dv
+        views, rows_q, rows_k = (dq, dk, dv), nq, nk
+    else:
+        # Every packed row belongs to one sequence, whose programs store it (zeros where
+        # the sequence has no keys or no queries).
+        dq, dk, dv = (torch.empty((t.shape[2], t.shape[1], t.shape[3]), device=t.device, dtype=t.dtype)
+                      for t in (q, k, v))  # fmt: skip
+        if b * hq * packed.max_q == 0 or nk == 0:
+            return dq.zero_(), dk.zero_(), dv.zero_()
+        views, rows_q, rows_k = (
+            tuple(packed.view(t) for t in (dq, dk, dv)),
+            packed.max_q,
+            packed.max_k,
+        )
     c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
-               scale, dropout_p)  # fmt: skip
+               scale, dropout_p, packed)  # fmt: skip
     record: list | None = [] if key is not None else None
-    delta = _delta(out, dout, dlse, c.meta, record)
+    delta = _delta(out, dout, dlse, c.meta, record, packed)
     block_d = max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"])
     seed_t = q if seed is None else seed
+    cu_q, cu_k = _cu(packed, q)
     esize, lean = q.element_size(), mask is None
     kv_cfg, q_cfg = backward_configs(block_d, esize, causal, _capability(q.device),
                                      interpreting(), c.walk, lean)  # fmt: skip
     band = (causal, window_left, window_right)
+    ragged = packed is not None
     mode = backward_launch(kv_cfg, q_cfg, block_d, esize, lean)
     if mode != "split":
         # One launch; the kernel derives each program's role and tile from its ids alone
         # (grids in kernels.attn_bwd_kernel's docstring).
-        kv_tiles, q_tiles = cdiv(nk, kv_cfg.block_n), cdiv(nq, q_cfg.block_m)
+        kv_tiles, q_tiles = cdiv(rows_k, kv_cfg.block_n), cdiv(rows_q, q_cfg.block_m)
         if mode == "merged_heads":
             grid: tuple[int, ...] = (kv_tiles + (hq // hkv) * q_tiles, b * hkv)
         else:
             grid = (kv_tiles * b * hkv + q_tiles * b * hq,)
         args = (
-            q, k, v, c.mask, seed_t, dout, lse, delta, dq, dk, dv,
-            *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
-            *dk.stride(), *dv.stride(), b, hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
+            q, k, v, c.mask, seed_t, dout, lse, delta, *views, cu_q, cu_k,
+            *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(),
+            *views[0].stride(), *views[1].stride(), *views[2].stride(),
+            b, hq, hkv, hq // hkv, nq, nk, rows_q, rows_k, d, dv_dim, *c.scalars,
         )  # fmt: skip
         meta = {
             **c.meta, **merged_meta(kv_cfg, q_cfg, mode),
-            **_edge_segments(False, nq, nk, kv_cfg, *band, prefix="KV_"),
-            **_edge_segments(True, nq, nk, q_cfg, *band, prefix="Q_"),
-            **_row_strides(Q=q, DO=dout, K=k, V=v),
+            **_edge_segments(False, nq, nk, kv_cfg, *band, prefix="KV_", ragged=ragged),
+            **_edge_segments(True, nq, nk, q_cfg, *band, prefix="Q_", ragged=ragged),
+            **_row_strides(Q=q, DO=dout, K=k, V=v), "VARLEN": ragged,
         }  # fmt: skip
-        _launch(kernels.attn_bwd_kernel, q, grid, args, meta, 11, record)
+        _launch(kernels.attn_bwd_kernel, q, grid, args, meta, 13, record)
     else:
         args = (
-            q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
-            *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dk.stride(),
-            *dv.stride(), hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
+            q, k, v, c.mask, seed_t, dout, lse, delta, views[1], views[2], cu_q, cu_k,
+            *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(),
+            *views[1].stride(), *views[2].stride(), hq, hkv, hq // hkv, nq, nk, d, dv_dim,
+            *c.scalars,
         )  # fmt: skip
-        meta = {**c.meta, **kv_cfg.meta(), **_edge_segments(False, nq, nk, kv_cfg, *band),
-                **_row_strides(Q=q, DO=dout)}  # fmt: skip
-        _launch(kernels.attn_bwd_dkdv_kernel, q, (cdiv(nk, kv_cfg.block_n), b * hkv), args, meta,
-                10, record)  # fmt: skip
+        meta = {**c.meta, **kv_cfg.meta(), **_edge_segments(False, nq, nk, kv_cfg, *band, ragged=ragged),
+                **_row_strides(Q=q, DO=dout), "VARLEN": ragged}  # fmt: skip
+        _launch(kernels.attn_bwd_dkdv_kernel, q, (cdiv(rows_k, kv_cfg.block_n), b * hkv), args,
+                meta, 12, record)  # fmt: skip
         args = (
-            q, k, v, c.mask, seed_t, dout, lse, delta, dq,
-            *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
-            hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
+            q, k, v, c.mask, seed_t, dout, lse, delta, views[0], cu_q, cu_k,
+            *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(),
+            *views[0].stride(), hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
         )  # fmt: skip
-        meta = {**c.meta, **q_cfg.meta(), **_edge_segments(True, nq, nk, q_cfg, *band),
-                **_row_strides(K=k, V=v)}  # fmt: skip
-        _launch(kernels.attn_bwd_dq_kernel, q, (cdiv(nq, q_cfg.block_m), b * hq), args, meta,
-                9, record)  # fmt: skip
+        meta = {**c.meta, **q_cfg.meta(), **_edge_segments(True, nq, nk, q_cfg, *band, ragged=ragged),
+                **_row_strides(K=k, V=v), "VARLEN": ragged}  # fmt: skip
+        _launch(kernels.attn_bwd_dq_kernel, q, (cdiv(rows_q, q_cfg.block_m), b * hq), args, meta,
+                11, record)  # fmt: skip
     if key is not None and record and all(x is not None for x in record):
         _remember(key, _BackwardPlan(record, dq, dk, dv, delta.shape))
     return dq, dk, dv
@@ -662,16 +775,16 @@ class _BackwardPlan:
             torch.empty(s, dtype=t, device=device) for s, t in zip(self.shapes, self.dtypes)
         )
         delta = torch.empty(self.delta_shape, dtype=torch.float32, device=device)
-        self.launches[0](out, dout, delta)
+        self.launches[0](out, dout, delta, out)
         if dlse is not None:
             delta = delta - dlse.float()
         m = q if mask is None else mask
         s = q if seed is None else seed
         if len(self.launches) == 2:  # merged
-            self.launches[1](q, k, v, m, s, dout, lse, delta, dq, dk, dv)
+            self.launches[1](q, k, v, m, s, dout, lse, delta, dq, dk, dv, q, q)
         else:
-            self.launches[1](q, k, v, m, s, dout, lse, delta, dk, dv)
-            self.launches[2](q, k, v, m, s, dout, lse, delta, dq)
+            self.launches[1](q, k, v, m, s, dout, lse, delta, dk, dv, q, q)
+            self.launches[2](q, k, v, m, s, dout, lse, delta, dq, q, q)
         return dq, dk, dv
 
 

@@ -5,8 +5,8 @@ The decode kernel places every query row bottom-right (row i of a sequence with 
 key position L - Nq + i), computes softcap and windows, GQA by packing a kv head's query
 heads in one tile, return_lse, contiguous caches and paged caches with power-of-two page
 sizes. It has no backward. What it cannot serve, :func:`kvcache_reasons` says, for
-``TritonFlash.extra_reasons``. Varlen ("varlen") is not served by triton_flash yet: its
-prefill kernels take dense (B, H, N, D) tensors.
+``TritonFlash.extra_reasons``. Packed sequences ("varlen") are served by the prefill
+kernels (packed.py), with every option that call offers.
 """
 
 from __future__ import annotations
