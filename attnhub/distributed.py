@@ -20,9 +20,10 @@ step takes about max(compute, transfer).
 
 Sharding (:func:`shard`, :func:`unshard`, :func:`positions`): the sequence is cut into
 chunks of equal length (or lengths ``N // C`` and ``N // C + 1`` when N is not a
-multiple of the chunk count C: then pass ``seq_len=N``). ``layout="zigzag"`` (the
-default) cuts it into 2R chunks and gives rank r chunks r and 2R-1-r, so that under a
-causal mask every rank has the same work (an early chunk and a late one);
+multiple of the chunk count C: then pass ``seq_len=N`` to the call; :func:`gather`
+finds N itself). ``layout="zigzag"`` (the default) cuts it into 2R chunks and gives
+rank r chunks r and 2R-1-r, so that under a causal mask every rank has the same work
+(an early chunk and a late one);
 ``layout="contiguous"`` gives rank r chunk r of R. Chunk pairs a mask hides entirely
 are skipped, not computed.
 
@@ -233,18 +234,71 @@ def gather(
     seq_len: int | None = None,
 ) -> torch.Tensor:
     """The full sequence on every rank: an all-gather of ``x`` (this rank's shard along
-    ``dim``) and :func:`unshard`; ``seq_len`` where the shards differ in length. Not
-    differentiable; for evaluation and tests."""
+    ``dim``) and :func:`unshard`. Not differentiable; for evaluation and tests.
+
+    The shards may differ in length (a sequence that is not a multiple of the chunk
+    count): the ranks' lengths are all-gathered first (one small all-gather), the
+    sequence's length is their sum (a layout's shards always add up to it), and the
+    shards are padded to the longest for the all-gather, then trimmed. ``seq_len`` is
+    not needed; when given, it is checked against that sum. Bad arguments on any rank,
+    and shards that differ between ranks (dtype, the other dims, ``dim``, ``layout``) or
+    whose lengths are not a ``layout`` sharding, raise a ValueError on every rank, after
+    the lengths' all-gather and before the shards' (which would otherwise abort or
+    hang on mismatched sizes)."""
     world_size = dist.get_world_size(group)
-    n = x.shape[dim] * world_size if seq_len is None else seq_len
-    lengths = [local_length(n, world_size, r, layout) for r in range(world_size)]
+    problem = None
+    if layout not in LAYOUTS:
+        problem = f"layout must be one of {LAYOUTS}, got {layout!r}"
+    elif isinstance(dim, bool) or not isinstance(dim, int) or not -x.ndim <= dim < x.ndim:
+        problem = f"dim must be an int in [{-x.ndim}, {x.ndim}) for a {x.ndim}-d shard, got {dim!r}"
+    elif seq_len is not None and (
+        isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0
+    ):
+        problem = f"seq_len must be None or an int >= 0, got {seq_len!r}"
+    if problem is None:
+        dim %= x.ndim
+        others = (*x.shape[:dim], *x.shape[dim + 1 :])
+        facts = zlib.crc32(repr((others, str(x.dtype), dim, layout)).encode())
+        mine = [x.shape[dim], -1 if seq_len is None else seq_len, facts, 0]
+    else:
+        mine = [-1, -1, 0, 1]
+    device = x.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+    local = torch.tensor(mine, dtype=torch.int64, device=device)
+    rows_t = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(rows_t, local, group=group)
+    rows = [row.tolist() for row in rows_t]
+    if problem is not None:
+        raise ValueError(f"gather: {problem}")
+    bad = [r for r, row in enumerate(rows) if row[3]]
+    if bad:
+        raise ValueError(f"gather: bad arguments on rank(s) {bad} (they raise why)")
+    if any(row[2] != rows[0][2] for row in rows):
+        raise ValueError(
+            "gather: the shards' dtype, shape (but along dim), dim or layout differ "
+            f"between ranks (this rank's: {x.dtype}, {tuple(x.shape)}, dim={dim}, {layout})"
+        )
+    lengths = [row[0] for row in rows]
+    n = sum(lengths)
+    expected = [local_length(n, world_size, r, layout) for r in range(world_size)]
+    if lengths != expected:
+        raise ValueError(
+            f"gather: the shards' lengths along dim {dim} per rank are {lengths}; {layout} "
+            f"shards of a sequence of {n} have lengths {expected}"
+        )
+    given = [row[1] for row in rows]
+    if any(s not in (-1, n) for s in given):
+        raise ValueError(
+            f"gather: seq_len per rank is {[None if s == -1 else s for s in given]}, but the "
+            f"shards' lengths along dim {dim} ({lengths}) add up to {n}"
+        )
     longest = max(lengths)
     padded = x.movedim(dim, 0)
     if padded.shape[0] < longest:  # all_gather needs one shape: pad, then trim
         pad = padded.new_zeros((longest - padded.shape[0], *padded.shape[1:]))
         padded = torch.cat([padded, pad])
     parts = [torch.empty_like(padded) for _ in range(world_size)]
-    dist.all_gather(parts, padded.contiguous(), group=group)
+    if padded.numel():  # the same on every rank (checked): nothing to send otherwise
+        dist.all_gather(parts, padded.contiguous(), group=group)
     trimmed = [p[:length].movedim(0, dim) for p, length in zip(parts, lengths)]
     return unshard(trimmed, dim, layout)
 

@@ -600,6 +600,76 @@ def test_benchmark_script_runs_world_size_1_on_cpu(tmp_path):
     assert (tmp_path / "context-parallel.png").stat().st_size > 0
 
 
+def _gather_worker(rank: int, world: int, tmp: str) -> None:
+    """cp.gather on shards of every length without seq_len (each rank checks the full
+    tensor it gets back against the one it sharded), then bad calls, each of which must
+    raise on every rank without aborting the group (a last gather still works)."""
+    result: dict[str, Any] = {"gathered": [], "errors": []}
+    try:
+        _init(rank, world, tmp, 30.0)
+        for layout in cp.LAYOUTS:
+            chunks = 2 * world if layout == "zigzag" else world
+            for n in (chunks * 2, chunks * 2 + 1, chunks * 2 + chunks - 1, 1, 0):
+                full = torch.arange(2 * n * 3, dtype=torch.float64).reshape(2, n, 3)
+                for dim, seq_len in ((1, None), (-2, None), (1, n)):
+                    got = cp.gather(cp.shard(full, dim, layout=layout), dim, None, layout, seq_len)
+                    ok = got.shape == full.shape and torch.equal(got, full)
+                    result["gathered"].append([layout, n, dim, seq_len, ok])
+        x = torch.arange(9 * 4, dtype=torch.float32).reshape(9, 4)
+        mine = cp.shard(x, 0)  # zigzag on 2 ranks: 5 and 4 rows
+        bad_calls = [
+            lambda: cp.gather(mine, 0, seq_len=10),  # the shards add up to 9
+            lambda: cp.gather(mine[:-1] if rank == 1 else mine, 0),  # not a zigzag sharding
+            lambda: cp.gather(mine.double() if rank == 1 else mine, 0),  # dtypes differ
+            lambda: cp.gather(mine, 2 if rank == 1 else 0),  # bad dim on rank 1 only
+        ]
+        for call in bad_calls:
+            try:
+                call()
+                result["errors"].append("no error")
+            except ValueError as exc:
+                result["errors"].append(str(exc))
+        result["after"] = torch.equal(cp.gather(mine, 0), x)
+        torch.distributed.destroy_process_group()
+    except BaseException as exc:  # reported to the parent, which fails the test
+        result["errors"].append(f"rank {rank} raised {type(exc).__name__}: {exc}")
+    _write(tmp, rank, result)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_uneven_shards_without_seq_len(world, tmp_path):
+    """Uneven shards (N not a multiple of the chunk count) gather without seq_len: the
+    lengths are all-gathered first (gather used to take N = N_local * R, so the ranks
+    padded to different lengths and gloo aborted the process on the mismatched sizes)."""
+    results = _spawn("gather", world, tmp_path)
+    for rank, result in enumerate(results):
+        assert not result.get("missing"), f"rank {rank} wrote no result: {result}"
+        assert [g for g in result["gathered"] if not g[-1]] == [], (rank, result)
+        assert len(result["gathered"]) == 2 * 5 * 3
+        assert result["after"] is True, (rank, result)
+        assert [e for e in result["errors"] if "raised" in e or e == "no error"] == []
+        assert result["errors"][0].startswith("gather: seq_len per rank is [10, 10")
+    if world == 2:
+        lengths = "gather: the shards' lengths along dim 0 per rank are"
+        want = [
+            "gather: seq_len per rank is [10, 10], but the shards' lengths along dim 0 "
+            "([5, 4]) add up to 9",
+            f"{lengths} [5, 3]; zigzag shards of a sequence of 8 have lengths [4, 4]",
+        ]
+        for result in results:
+            assert result["errors"][:2] == want, result["errors"]
+        assert [r["errors"][2] for r in results] == [
+            "gather: the shards' dtype, shape (but along dim), dim or layout differ between "
+            "ranks (this rank's: torch.float32, (5, 4), dim=0, zigzag)",
+            "gather: the shards' dtype, shape (but along dim), dim or layout differ between "
+            "ranks (this rank's: torch.float64, (4, 4), dim=0, zigzag)",
+        ]
+        assert [r["errors"][3] for r in results] == [
+            "gather: bad arguments on rank(s) [1] (they raise why)",
+            "gather: dim must be an int in [-2, 2) for a 2-d shard, got 2",
+        ]
+
+
 def _hang_worker(rank: int, world: int, tmp: str, timeout_s: str) -> None:
     result: dict[str, Any] = {}
     try:
@@ -730,5 +800,10 @@ def test_cuda_nccl_matches_the_single_process_call(world, tmp_path):
 
 if __name__ == "__main__":  # a worker process (see _start)
     _target, _rank, _world, _tmp, *_args = sys.argv[1:]
-    workers = {"correctness": _correctness_worker, "hang": _hang_worker, "cuda": _cuda_worker}
+    workers = {
+        "correctness": _correctness_worker,
+        "gather": _gather_worker,
+        "hang": _hang_worker,
+        "cuda": _cuda_worker,
+    }
     workers[_target](int(_rank), int(_world), _tmp, *_args)
