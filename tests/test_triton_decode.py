@@ -240,6 +240,28 @@ def test_strided_inputs_and_large_group():  # type: ignore[no-untyped-def]
           q, k, v, lengths, scale=0.5, window=(3, 2), causal=False)  # fmt: skip
 
 
+def test_softcap_ratio_beyond_float32():  # type: ignore[no-untyped-def]
+    """scale / softcap beyond float32 (1e40): the kernel's ratio was inf, and a q.k of
+    exactly 0 (a zero query row, a zero key) made 0 * inf = NaN where the contract's
+    softcap * tanh(0) is 0; against float64 by the contract's rule. And a softcap above
+    float32's largest / log2(e) (softcap * log2(e) was inf: NaN scores): the output
+    (one-hot weights) is float64's, the lse finite (common._scores says how close)."""
+    lengths = [20, 32]
+    q, k, v, sl = make_inputs(2, 2, 1, 2, 32, 32, torch.float32, lengths, seed=4)
+    q[0, 0, 0] = 0.0
+    k[1, 0, 3] = 0.0
+    for scale in (1e30, -1e30):
+        out, lse = decode.decode_attention(q, k, v, sl, scale=scale, softcap=1e-10, return_lse=True)
+        check(out, lse, q, k, v, lengths, scale=scale, softcap=1e-10)
+    q, k, v, sl = make_inputs(2, 2, 1, 2, 32, 32, torch.float32, lengths, seed=5, magnitude=0.2)
+    out, lse = decode.decode_attention(q, k, v, sl, scale=3e38, softcap=3e38, return_lse=True)
+    r64, lse64 = reference(q, k, v, lengths, scale=3e38, softcap=3e38)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert (out.double() - r64).abs().max().item() <= 1e-6
+    shrink = 3.4028234663852886e38 * 0.6931471805599453 / 3e38
+    assert torch.allclose(lse.double(), lse64.double() * shrink, rtol=1e-5, atol=0.0)
+
+
 def test_empty_calls():  # type: ignore[no-untyped-def]
     """No rows, or a cache of capacity 0: empty or zero outputs, lse -inf; nothing runs."""
     q, k, v, sl = make_inputs(2, 2, 1, 1, 0, 16, torch.float32, [0, 0])

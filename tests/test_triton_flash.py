@@ -732,6 +732,67 @@ def test_packed_and_strided_inputs_in_one_call(dtype: torch.dtype) -> None:
     _check_all(case, dtype, got, q, k, v, None, dout)
 
 
+@pytest.mark.parametrize(
+    ("scale", "softcap", "causal"),
+    [(1e30, 1e-10, False), (-1e30, 1e-10, True), (1e20, 1e-25, False)],
+    ids=["ratio1e40", "negative_ratio_causal", "ratio1e45"],
+)
+def test_softcap_ratio_beyond_float32(scale: float, softcap: float, causal: bool) -> None:
+    """scale / softcap beyond float32 (1e40 and more; both are in range): the kernels'
+    ratio was inf, and a q.k of exactly 0 (a zero query row, a zero key) made
+    0 * inf = NaN where the contract's softcap * tanh(0) is 0. Output, lse and gradients
+    (GQA, through attnhub.attention with an lse gradient too) against float64."""
+    import attnhub
+
+    case = Case("softcap_ratio", 1, 2, 1, 9, 9, 16, causal=causal, softcap=softcap, scale=scale)
+    torch.manual_seed(5)
+    q, k, v, _ = _inputs(case, torch.float32)
+    q[0, 0, 3] = 0.0  # every q.k of this row is 0
+    k[0, 0, 5] = 0.0  # and every q.k with this key
+    dout = torch.randn(1, 2, 9, 16, device=DEVICE)
+    dlse = torch.randn(1, 2, 9, device=DEVICE)
+
+    def run(dtype: torch.dtype, backend: str) -> list[torch.Tensor]:
+        qd, kd, vd = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+        out, lse = attnhub.attention(
+            qd, kd, vd, causal=causal, softcap=softcap, scale=scale, return_lse=True,
+            backend=backend,
+        )  # fmt: skip
+        grads = torch.autograd.grad((out, lse), (qd, kd, vd), (dout.to(dtype), dlse))
+        return [out.detach(), lse.detach(), *grads]
+
+    got = run(torch.float32, "triton_flash")
+    ref64, ref32 = run(torch.float64, "torch_reference"), run(torch.float32, "torch_reference")
+    for name, x, r_lp, r64 in zip(("out", "lse", "dq", "dk", "dv"), got, ref32, ref64):
+        _check(name, x, r_lp, r64)
+
+
+def test_softcap_beyond_float32_max_over_log2e() -> None:
+    """softcap > 2.36e38 (float32's largest / log2(e), within the contract's range):
+    softcap * log2(e), the kernels' multiplier to log2 units, was inf, and every score
+    NaN or inf (then inf - inf in the running max). Clamped: the weights, here one-hot
+    (scores softcap * tanh(q.k) differ by about 1e37), and so the output are the
+    contract's; the lse is finite, in the documented approximation (common._scores)
+    of float32's largest * ln(2) / softcap times the contract's (scores near +-softcap
+    have no float32 log2-domain representation). The backward is not checked: its
+    weights exp2(s - lse) need |lse| well below 2**24 to be exact in float32."""
+    import attnhub
+
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 7, 16, device=DEVICE) * 0.3 for _ in range(3))
+    cap = 3e38
+    out, lse = attnhub.attention(
+        q, k, v, softcap=cap, scale=cap, return_lse=True, backend="triton_flash"
+    )
+    r64, lse64 = reference_attention(
+        q.double(), k.double(), v.double(), None, AttentionParams(softcap=cap, scale=cap)
+    )
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert (out.double() - r64).abs().max().item() <= 1e-6
+    shrink = 3.4028234663852886e38 * 0.6931471805599453 / cap
+    assert torch.allclose(lse.double(), lse64.double() * shrink, rtol=1e-5, atol=0.0)
+
+
 def test_declarations_and_dispatch() -> None:
     import attnhub
 

@@ -34,6 +34,9 @@ LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) == exp2(x * LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): natural lse = log2-domain lse * LN2
 
 
+FP32_MAX = tl.constexpr(3.4028234663852886e38)  # float32's largest finite value
+
+
 # Triton's interpreter runs these kernels (TRITON_INTERPRET=1 when this module is
 # imported, which is when Triton reads it to decorate them): see _row_dots.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -209,8 +212,23 @@ def _scores(
         rows = offs_m[None, :]
         cols = offs_n[:, None]
     if HAS_SOFTCAP:
-        t = _tanh(qk * (sm_scale / softcap))
-        s = t * (softcap * LOG2E)
+        # Both scalar factors are clamped to float32's range: scalar work that the
+        # compiler hoists out of the key loop (sm_90 SASS: 3 FMNMX per pass, in the
+        # prologue; the loop is unchanged), where a per-score guard would cost every
+        # score. sm_scale / softcap overflows to inf for a huge scale over a small cap
+        # (1e30 / 1e-10), and a q.k of exactly 0 then gave 0 * inf = NaN where the
+        # contract's tanh(0) is 0; clamped, tanh still saturates (+-1) wherever the
+        # true ratio does, but for |q.k| < 3e-38. softcap * LOG2E overflows for a
+        # softcap above FP32_MAX / LOG2E (2.36e38), and t * inf gave NaN (t = 0) or an
+        # inf row max (then inf - inf); clamped, the log2-unit scores are scaled by
+        # FP32_MAX / (softcap * LOG2E), between 1 / LOG2E and 1, which leaves every
+        # weight as it was (_tanh's t = 1 - y is a multiple of 2**-24, so scores with
+        # distinct t differ by 2e31 or more in the exponent: one-hot either way), but
+        # such a call's lse is finite and about that factor short of the contract's:
+        # its scores near +-softcap have no float32 value in log2 units.
+        ratio = tl.minimum(tl.maximum(sm_scale / softcap, -FP32_MAX), FP32_MAX)
+        t = _tanh(qk * ratio)
+        s = t * tl.minimum(softcap * LOG2E, FP32_MAX)
     else:
         t = qk  # unused
         if UNSCALED:

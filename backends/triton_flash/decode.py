@@ -68,6 +68,7 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)  # natural lse = log2-domain lse * LN2
+FP32_MAX = tl.constexpr(3.4028234663852886e38)  # float32's largest finite value
 
 # A window side this large keeps every key (contract.md: sides >= 2**30 are unbounded);
 # positions and keys stay below 2**31 - 2**30, so pos +- UNBOUNDED fits int32.
@@ -153,7 +154,11 @@ def _decode_step(
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DV, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
     if HAS_SOFTCAP:
-        s = _tanh(qk * (sm_scale / softcap)) * (softcap * LOG2E)
+        # Both scalar factors clamped to float32's range (per program, not per score),
+        # as common._scores does and for the same reasons: an overflowed ratio made
+        # 0 * inf = NaN, an overflowed softcap * LOG2E inf - inf in the running max.
+        ratio = tl.minimum(tl.maximum(sm_scale / softcap, -FP32_MAX), FP32_MAX)
+        s = _tanh(qk * ratio) * tl.minimum(softcap * LOG2E, FP32_MAX)
     else:
         s = qk * qk_scale
     if MASKED:
