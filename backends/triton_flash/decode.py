@@ -94,7 +94,7 @@ def _next_power_of_2(n: int) -> int:
 @triton.jit
 def _tanh(x):
     # tanh(x) = 1 - 2 / (exp(2x) + 1): exact saturation at +-inf, one exp2, and it runs
-    # in the interpreter (no libdevice there). The same formula as kernels._tanh.
+    # in the interpreter (no libdevice there). The same formula as common._tanh.
     return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
