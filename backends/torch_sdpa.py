@@ -184,6 +184,20 @@ def _mask_within_inputs(request: AttentionRequest) -> bool:
     return mask_bytes <= request.batch * per_row * element
 
 
+def _scale_keyword(request: AttentionRequest, params: AttentionParams) -> dict[str, float]:
+    """``{"scale": params.scale}`` where the call's scale is not 1 / sqrt(D), else ``{}``.
+
+    SDPA and the kernels' ATen ops compute that default themselves, in double as Python
+    does (``sdp::calculate_scale``: 1.0 / sqrt(double(D)), D the query's last dim), so
+    leaving it out gives the same bits. Each keyword costs PyTorch's argument parser
+    about 0.3-0.8 us, a large part of attnhub's budget (``scale=`` alone, about 2,000
+    instructions through a generated binding, 5,300 through ``torch.ops``).
+    """
+    if params.scale != 1.0 / math.sqrt(request.head_dim):
+        return {"scale": params.scale}
+    return {}
+
+
 def _sdpa_arguments(
     query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, params: AttentionParams
 ) -> tuple[torch.Tensor | None, bool, torch.Tensor | None]:
@@ -308,9 +322,7 @@ class TorchSDPA(Backend):
             return super().prepare(request, params)  # a mask built for the exact lengths
         # Only the arguments that differ from SDPA's defaults: each keyword costs
         # PyTorch's argument parser about 0.3-0.8 us, a large part of attnhub's budget.
-        static: dict[str, Any] = {}
-        if params.scale != 1.0 / math.sqrt(request.head_dim):
-            static["scale"] = params.scale
+        static: dict[str, Any] = _scale_keyword(request, params)
         if params.dropout_p:
             static["dropout_p"] = params.dropout_p
         if params.causal:
@@ -466,18 +478,28 @@ class _PinnedSDPA(Backend):
 
     def _op_call(
         self, request: AttentionRequest, params: AttentionParams
-    ) -> tuple[Any, tuple[Any, ...], float]:
-        """(the ATen op overload, its arguments after q, k, v, scale) for this call."""
+    ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """(the ATen op's Python binding, its positional arguments after q, k, v) for
+        this call; ``scale`` is passed by :meth:`prepare`."""
         raise NotImplementedError
 
     def prepare(self, request: AttentionRequest, params: AttentionParams) -> Runner:
-        # The commonest call (contiguous last dims, output only) calls the op overload
-        # with its arguments decided here, once per signature: a kernel's dispatch then
-        # costs about what calling the op does (benchmarks/overhead.py).
+        # The commonest call (contiguous last dims, output only) calls the op with its
+        # arguments decided here, once per signature, through the binding PyTorch
+        # generates for it (torch._scaled_dot_product_flash_attention, ...): the same
+        # op, dispatcher and autograd formula as torch.ops.aten's, whose Python
+        # __call__ and generic schema matching cost about 11,000 instructions more a
+        # call (callgrind, on the CPU op of the same schema; some 1.4 us at the H200
+        # host's 8,000 instructions per us). ``scale=`` only where it is not the op's
+        # default (_scale_keyword). forward, which torch.compile traces and the rarer
+        # calls run, keeps calling torch.ops.aten.
         if not request.last_dim_contiguous or params.return_lse:
             return super().prepare(request, params)
-        op, args, scale = self._op_call(request, params)
-        return lambda query, key, value, attn_mask: op(query, key, value, *args, scale=scale)[0]
+        op, args = self._op_call(request, params)
+        scale = _scale_keyword(request, params)
+        if scale:
+            return lambda query, key, value, attn_mask: op(query, key, value, *args, **scale)[0]
+        return lambda query, key, value, attn_mask: op(query, key, value, *args)[0]
 
 
 def _positive_scale_only(request: AttentionRequest) -> list[str]:
@@ -514,8 +536,7 @@ class TorchSDPAFlash(_PinnedSDPA):
         )
 
     def _op_call(self, request, params):  # type: ignore[no-untyped-def]
-        op = torch.ops.aten._scaled_dot_product_flash_attention.default
-        return op, (params.dropout_p, params.causal, False), params.scale
+        return torch._scaled_dot_product_flash_attention, (params.dropout_p, params.causal, False)
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         query, key, value = self._contiguous(query, key, value)
@@ -541,8 +562,8 @@ class TorchSDPAEfficient(_PinnedSDPA):
 
     def _op_call(self, request, params):  # type: ignore[no-untyped-def]
         # The backward reads the lse: asked for exactly when the call needs gradients.
-        op = torch.ops.aten._scaled_dot_product_efficient_attention.default
-        return op, (None, request.needs_grad, params.dropout_p, params.causal), params.scale
+        op = torch._scaled_dot_product_efficient_attention
+        return op, (None, request.needs_grad, params.dropout_p, params.causal)
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         query, key, value = self._contiguous(query, key, value)
@@ -582,8 +603,8 @@ class TorchSDPACudnn(_PinnedSDPA):
         return why
 
     def _op_call(self, request, params):  # type: ignore[no-untyped-def]
-        op = torch.ops.aten._scaled_dot_product_cudnn_attention.default
-        return op, (None, request.needs_grad, 0.0, params.causal, False), params.scale
+        op = torch._scaled_dot_product_cudnn_attention
+        return op, (None, request.needs_grad, 0.0, params.causal, False)
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         query, key, value = self._contiguous(query, key, value)

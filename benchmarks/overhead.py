@@ -3,7 +3,13 @@
 Times, on a tiny input (B=1, H=1, N=16, D=64 by default) where the kernel itself is
 cheap, ``F.scaled_dot_product_attention`` against ``attnhub.attention(...,
 backend="torch_sdpa")`` and ``attnhub.attention(...)`` with no backend named, and
-prints each and the difference. The budget (issue 2) is 5 us, the goal 2 us.
+prints each and the difference. The budget (issue 2) is 5 us, the goal 2 us. On CUDA
+it also times ``attnhub.attention(..., backend="torch_sdpa_flash")`` against the flash
+op called as that backend calls it, through PyTorch's generated binding
+(``torch._scaled_dot_product_flash_attention``; issue 16: at most 2 us over it), and
+shows the same op called through ``torch.ops.aten`` (the baseline issue 16's +2.72 us
+was measured over), whose Python ``__call__`` and schema matching cost about 11,000
+instructions more (counted on the CPU op of the same schema).
 
     python benchmarks/overhead.py [--device cuda] [--repeat 2000] [--rounds 200]
     python benchmarks/overhead.py --instructions    # needs valgrind and a C compiler
@@ -21,15 +27,20 @@ Measured (input (1, 1, 16, 64) float32; overhead = attnhub minus the direct call
 
     instructions, 2-core dev machine, torch 2.13, Python 3.11 (2 runs each):
       5d3766f:  named +26,532 / +26,617   auto +26,550 / +26,641
-      now:      named +12,749 / +12,843   auto +12,735 / +12,910
+      f226c4c:  named +12,749 / +12,843   auto +12,735 / +12,910
     wall, the H200 host's quiet CPU, torch 2.11, Python 3.12 (3 runs each, us):
       5d3766f:  named +3.30 / +3.23 / +3.74   auto +3.33 / +3.18 / +3.65
-      now:      named +1.89 / +1.85 / +1.79   auto +1.79 / +1.91 / +2.01
+      f226c4c:  named +1.89 / +1.85 / +1.79   auto +1.79 / +1.91 / +2.01
+
+Since 1384c46 a CPU call with Nk <= 16 and no mask reaches PyTorch with an explicit
+mask (backends/torch_sdpa.py, ``_CPU_VECTOR_KEYS``), so on the CPU the default shape
+no longer takes the path CUDA calls take (at 23edab6: named +37,553, auto +37,562);
+``--shape 1,1,32,64`` does (named +12,747, auto +12,752).
 
 On the quiet machine both the kernel and the overhead run about 8,000 instructions
 per microsecond. On the shared 2-core development machine the overhead's wall time
 moves by a microsecond or more from run to run (seen there, 5d3766f: +3.3 to +5.7 us;
-now: +1.3 to +2.6 us).
+f226c4c: +1.3 to +2.6 us).
 """
 
 from __future__ import annotations
@@ -71,9 +82,12 @@ def _calls(args: argparse.Namespace) -> tuple[dict[str, Callable[[], object]], s
         "auto": lambda: attnhub.attention(q, k, v),
     }
     if device.type == "cuda" and torch.backends.cuda.is_flash_attention_available():
-        # A pinned kernel against its own ATen op, the way torch_sdpa_flash calls it.
-        flash = torch.ops.aten._scaled_dot_product_flash_attention
+        # A pinned kernel against its own ATen op, called the way torch_sdpa_flash calls
+        # it (the op's generated binding), and through torch.ops.aten (shown alone).
+        flash = torch._scaled_dot_product_flash_attention
+        flash_ops = torch.ops.aten._scaled_dot_product_flash_attention
         calls["flash_direct"] = lambda: flash(q, k, v, 0.0, False, False)
+        calls["flash_ops"] = lambda: flash_ops(q, k, v, 0.0, False, False)
         calls["flash_named"] = lambda: attnhub.attention(q, k, v, backend="torch_sdpa_flash")
     return calls, f"input {shape} {dtype} on {device}; attnhub's own choice: {chosen}"
 
@@ -83,7 +97,8 @@ _LABELS = (
     ("direct", "F.scaled_dot_product_attention", None),
     ("named", "attnhub.attention(backend='torch_sdpa')", "direct"),
     ("auto", "attnhub.attention()", "direct"),
-    ("flash_direct", "aten._scaled_dot_product_flash_attention", None),
+    ("flash_direct", "torch._scaled_dot_product_flash_attention", None),
+    ("flash_ops", "torch.ops.aten._scaled_dot_product_flash_attention", None),
     ("flash_named", "attnhub.attention(backend='torch_sdpa_flash')", "flash_direct"),
 )
 
@@ -95,7 +110,7 @@ def _report(title: str, values: dict[str, float], unit: str, digits: int) -> dic
     for name, label, base in _LABELS:
         if name not in values:
             continue
-        line = f"  {label:<46}  {values[name]:10,.{digits}f} {unit}"
+        line = f"  {label:<50}  {values[name]:10,.{digits}f} {unit}"
         if base is not None:
             overheads[name] = values[name] - values[base]
             line += f"  (+{overheads[name]:,.{digits}f} {unit})"

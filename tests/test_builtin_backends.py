@@ -239,3 +239,106 @@ def test_gpu_scale_of_at_most_zero_matches_float64(dtype, scale):
         torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
         grads = torch.autograd.grad(out.float().sum(), (q, k, v))
         assert all(torch.isfinite(g).all() for g in grads)
+
+
+_PINNED_OPS = {
+    "torch_sdpa_flash": "_scaled_dot_product_flash_attention",
+    "torch_sdpa_efficient": "_scaled_dot_product_efficient_attention",
+    "torch_sdpa_cudnn": "_scaled_dot_product_cudnn_attention",
+}
+
+
+def _make_params(q, **options):  # type: ignore[no-untyped-def]
+    from attnhub.validation import make_params
+
+    opts = {"causal": False, "alignment": "top_left", "window": None, "softcap": None,
+            "scale": None, "dropout_p": 0.0, "block_sparse": None, "return_lse": False,
+            **options}  # fmt: skip
+    return make_params(q, **opts)
+
+
+@pytest.mark.parametrize("name", sorted(_PINNED_OPS))
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"scale": 0.1}, {"causal": True}, {"dropout_p": 0.25}, {"grad": True}],
+    ids=["plain", "scale", "causal", "dropout", "grad"],
+)
+def test_pinned_runner_calls_the_op_binding_with_the_arguments_of_forward(
+    monkeypatch, name, options
+):
+    """The runner a pinned kernel prepares (every call of a signature but the first)
+    calls the op through PyTorch's generated binding (``torch._scaled_dot_product_*``,
+    cheaper per call than ``torch.ops.aten``, which ``forward`` uses) with forward's
+    arguments, leaving ``scale=`` out where it is the op's default, 1 / sqrt(D) (the
+    same bits: test_leaving_out_the_default_scale_gives_the_same_bits)."""
+    from attnhub.validation import build_request
+
+    op_name = _PINNED_OPS[name]
+    assert callable(getattr(torch, op_name))  # the binding exists in this PyTorch
+    options = dict(options)
+    grad = options.pop("grad", False)
+    q = torch.randn(1, 2, 8, 64, dtype=torch.float16, requires_grad=grad)
+    params = _make_params(q, **options)
+    request = _cuda_request(build_request(q, q, q, None, params))
+    assert request.needs_grad is grad
+    out, calls = object(), {}
+
+    def recorder(route):  # type: ignore[no-untyped-def]
+        def op(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[route] = (
+                tuple(id(a) if isinstance(a, torch.Tensor) else a for a in args),
+                kwargs,
+            )
+            return (out,) + (None,) * 8
+
+        return op
+
+    monkeypatch.setattr(torch, op_name, recorder("binding"))
+    monkeypatch.setattr(torch.ops.aten, op_name, recorder("torch.ops"))
+    backend = get_registry().get(name)
+    assert backend.prepare(request, params)(q, q, q, None) is out
+    assert backend.forward(q, q, q, None, params) is out
+    args, kwargs = calls["binding"]
+    assert args == calls["torch.ops"][0]
+    assert calls["torch.ops"][1] == {"scale": params.scale}
+    assert kwargs == ({"scale": 0.1} if "scale" in options else {})
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 64, 80, 96, 128, 256])
+def test_leaving_out_the_default_scale_gives_the_same_bits(head_dim):
+    """Why torch_sdpa and the pinned kernels' runners pass ``scale=`` only where it is
+    not 1 / sqrt(D): PyTorch computes that default in double as Python does
+    (sdp::calculate_scale, which SDPA and the kernels' ops share). Here SDPA and the
+    CPU flash op, which read it there too."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, head_dim, generator=gen) for _ in range(3))
+    scale = 1.0 / math.sqrt(head_dim)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    assert torch.equal(sdpa(q, k, v), sdpa(q, k, v, scale=scale))
+    op = torch._scaled_dot_product_flash_attention_for_cpu
+    assert torch.equal(op(q, k, v)[0], op(q, k, v, scale=scale)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(_PINNED_OPS))
+@pytest.mark.parametrize("scale", [None, 0.1])
+def test_gpu_pinned_runner_matches_forward(name, scale):
+    """The prepared runner (the op's binding, ``scale=`` left out at its default) gives
+    forward's output (torch.ops.aten, ``scale=`` always) bit for bit, and its gradients."""
+    if get_registry().unavailable_reason(name):
+        pytest.skip(get_registry().unavailable_reason(name))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))  # fmt: skip
+    if attnhub.explain(q, k, v, scale=scale, backend=name).chosen != name:
+        pytest.skip(f"{name} does not serve the call here")
+    out = attnhub.attention(q, k, v, scale=scale, backend=name)
+    out = attnhub.attention(q, k, v, scale=scale, backend=name)  # the cached runner
+    ref = get_registry().get(name).forward(q, k, v, None, _make_params(q, scale=scale))
+    assert torch.equal(out, ref)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
