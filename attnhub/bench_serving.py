@@ -12,8 +12,9 @@ Nq=1 against contiguous and paged (page 16, 256) caches of 4K and 32K keys (and 
 transfer) and False (nothing read, decisions cached), and triton_flash's raw
 ``decode_attention`` for the host-path difference. Varlen: 16 documents of 128..8K
 tokens (64K in all) causal, D=128, heads 32/8 and 32/32 (PyTorch's varlen_attn may take
-no GQA), forward and forward+backward, per backend, against SDPA on the same documents
-padded to one batch. Each case is timed with CUDA events over a
+no GQA), forward and forward+backward, per backend, against PyTorch's varlen_attn called
+directly (K/V heads repeated where it takes no GQA) and SDPA on the same documents padded
+to one batch. Each case is timed with CUDA events over a
 fixed number of calls after warm-up; a backend that fails is recorded with its error.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import itertools
 import json
 import math
@@ -152,6 +154,9 @@ def run_varlen(iters: int, quick: bool) -> list[dict[str, Any]]:
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
+        rows.append(
+            {**case, **_raw_varlen_attn(q, k, v, cu, int(lengths.max()), grad, train, iters)}
+        )
         # SDPA on the documents padded to one batch (the padding baseline).
         n = int(lengths.max())
         qp, kp, vp = (
@@ -168,7 +173,44 @@ def run_varlen(iters: int, quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def _step(call: Callable[[], torch.Tensor], grad: torch.Tensor | None) -> None:
+def _raw_varlen_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
+    grad: torch.Tensor, train: bool, iters: int,
+) -> dict[str, Any]:  # fmt: skip
+    """PyTorch's varlen_attn called directly, as a user would, whatever attnhub's
+    torch_varlen backend accepts: causal through the arguments the installed version has,
+    and K/V heads repeated where it takes no GQA (the copy is made before timing)."""
+    row: dict[str, Any] = {"backend": "varlen_attn (raw)"}
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception as exc:
+        return {**row, "error": f"not in this PyTorch: {type(exc).__name__}: {exc}"[:300]}
+    names = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, Any] = {}
+    if "window_size" in names:
+        kwargs["window_size"] = (-1, 0)
+    elif "is_causal" in names:
+        kwargs["is_causal"] = True
+    else:
+        return {**row, "error": "varlen_attn takes no causal argument"}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in names:
+            kwargs["enable_gqa"] = True
+        else:
+            group = q.shape[1] // k.shape[1]
+            k, v = (t.detach().repeat_interleave(group, 1).requires_grad_(train) for t in (k, v))
+            row["backend"] = "varlen_attn (raw, K/V heads repeated)"
+    call: Callable[[], Any] = functools.partial(
+        varlen_attn, q, k, v, cu, cu, longest, longest, **kwargs
+    )
+    try:
+        row["ms"] = _time(functools.partial(_step, call, grad if train else None), iters)
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return row
+
+
+def _step(call: Callable[[], Any], grad: torch.Tensor | None) -> None:
     """One forward, and the backward where ``grad`` is given."""
     out = call()
     if grad is not None:

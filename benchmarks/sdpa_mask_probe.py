@@ -7,10 +7,11 @@ torch_sdpa declines a bool mask with a backward on CUDA (backends/torch_sdpa.py,
 ``_bool_mask_on_cuda``), while the same backend passes small calls of that kind
 (tests/test_pytorch_checks.py). This probe runs that call as torch_sdpa does (the
 mask's key-less rows opened, the output's rows zeroed after) on each of PyTorch's
-kernels, with the mask as bool and as float (0 / -inf), at several lengths, and prints
-each gradient's error against float64 as a multiple of the contract's bound
-(2 * the error of the reference computed in the inputs' dtype, + 1e-5). A ratio over 1
-fails the contract.
+kernels, and through the torch_sdpa backend's own forward ("attnhub": causal plus the
+key mask, as mask recognition hands it the call), with the mask as bool and as float
+(0 / -inf), at several lengths, and prints each gradient's error against float64 as a
+multiple of the contract's bound (2 * the error of the reference computed in the
+inputs' dtype, + 1e-5). A ratio over 1 fails the contract.
 
     python benchmarks/sdpa_mask_probe.py [--lengths 256,1024,4096] [--json FILE]
 """
@@ -18,6 +19,7 @@ fails the contract.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -26,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnhub.backends.torch_reference import reference_attention
 from attnhub.backends.torch_sdpa import _open_rows_without_keys
+from attnhub.registry import get_registry
 from attnhub.validation import make_params
 
 _KERNELS = {
@@ -58,13 +61,25 @@ def _sdpa(q, k, v, mask, kernel):  # type: ignore[no-untyped-def]
     return out.masked_fill(empty, 0.0)
 
 
+def _params(q: torch.Tensor, k: torch.Tensor, causal: bool):  # type: ignore[no-untyped-def]
+    return make_params(q, key=k, causal=causal, alignment="top_left", window=None,
+                       softcap=None, scale=None, dropout_p=0.0, block_sparse=None,
+                       return_lse=False)  # fmt: skip
+
+
+def _attnhub_torch_sdpa(q, k, v, mask):  # type: ignore[no-untyped-def]
+    """The torch_sdpa backend's own forward (past its declared refusal), on the call as
+    the demo made it after mask recognition: causal plus a (B, 1, 1, N) key mask, the
+    last query row's keys (every key some query sees)."""
+    backend = get_registry().get("torch_sdpa")
+    return backend.forward(q, k, v, mask[:, :, -1:, :], _params(q, k, causal=True))
+
+
 def probe(n: int, args: argparse.Namespace) -> list[dict]:
     device, dtype = args.device, getattr(torch, args.dtype)
     pad = n // 4
     q, k, v, keep = _inputs(n, args.batch, args.heads, args.head_dim, pad, dtype, device)
-    params = make_params(q, key=k, causal=False, alignment="top_left", window=None,
-                         softcap=None, scale=None, dropout_p=0.0, block_sparse=None,
-                         return_lse=False)  # fmt: skip
+    params = _params(q, k, causal=False)
     grad = torch.randn((*q.shape[:-1], v.shape[-1]), device=device, dtype=dtype)
 
     def reference(cast: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -76,12 +91,14 @@ def probe(n: int, args: argparse.Namespace) -> list[dict]:
     _, low = reference(dtype)
     bounds = [2 * (lo.double() - ex).abs().max().item() + 1e-5 for lo, ex in zip(low, exact)]
     rows = []
-    for kname, kernel in _KERNELS.items():
+    runs = {name: functools.partial(_sdpa, kernel=kernel) for name, kernel in _KERNELS.items()}
+    runs["attnhub"] = _attnhub_torch_sdpa
+    for kname, run in runs.items():
         for form in ("bool", "float"):
             mask = keep if form == "bool" else torch.zeros(keep.shape, device=device, dtype=dtype).masked_fill(~keep, float("-inf"))  # fmt: skip
             leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
             try:
-                out = _sdpa(*leaves, mask, kernel)
+                out = run(*leaves, mask)
                 got = [out.detach(), *_grads(out, leaves, grad)]
             except RuntimeError as exc:
                 rows.append(
