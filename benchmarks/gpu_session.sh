@@ -13,7 +13,8 @@
 #   SERVING_S   serving.json/txt: `attnhub bench --serving` (SERVING_ARGS, e.g. --quick)
 #   VARLEN_S    varlen.json/txt: `attnhub bench --varlen` (VARLEN_ARGS, e.g. --iters 10)
 #   CP_S        context-parallel*: benchmarks/context_parallel.py at world size 1 (torchrun)
-#   MODELS_S    models.json/md: `attnhub bench --models` (MODELS: comma-separated names)
+#   MODELS_S    models.json/md: `attnhub bench --models` (MODELS: comma-separated names;
+#               MODELS_REPEATS: timed repetitions per way, default 3)
 #   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16)
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
 # Usage (on the device): TESTS_S=150 MODELS_S=200 bash benchmarks/gpu_session.sh
@@ -69,7 +70,7 @@ step "${CP_S:-0}" context-parallel torchrun --standalone --nproc-per-node=1 \
     --seqlens "${CP_SEQLENS:-8192,32768,131072}" > "$OUT/cp.log" 2>&1
 cat "$OUT/cp/context-parallel.md" 2>/dev/null
 step "${MODELS_S:-0}" models python3 -m attnhub bench --models --model-names "${MODELS:-llama,mistral-window1024,gemma2-window1024-softcap50,qwen2}" \
-    --device cuda --repeats 3 -o "$OUT/models.json" > "$OUT/models.md" 2> "$OUT/models.err"
+    --device cuda --repeats "${MODELS_REPEATS:-3}" -o "$OUT/models.json" > "$OUT/models.md" 2> "$OUT/models.err"
 cat "$OUT/models.md" 2>/dev/null
 step "${WORKLOADS_S:-0}" workloads python3 -m attnhub bench --workloads --device cuda \
     --dtypes "${DTYPES:-bfloat16}" --budget 0.04 -o "$OUT/workloads.json" > /dev/null 2> "$OUT/workloads.err"
