@@ -20,7 +20,7 @@ it cannot or must not:
   same backend for the same call, and timings differ between ranks, so ranks rank by
   the one measurement file ``ATTNHUB_MEASUREMENTS`` names for all of them (written
   beforehand by ``attnhub tune``), or else by the (deterministic) table or priority;
-- where fewer than two backends are eligible.
+- where fewer than two backends are eligible, or none of them can be timed (below).
 
 A backend that declares ``compiles_per_shape`` (FlexAttention compiled with static
 shapes) is not timed: its warm-up call would compile, for seconds, in the user's first
@@ -29,7 +29,12 @@ Nor is a backend that no timing could rank first: the reference (it serves only 
 nothing else can) and, where a linear-memory backend is eligible, every quadratic-memory
 one (every policy ranks linear memory first). Timing those would only spend the
 caller's memory: the reference materializes the float32 scores, 64 GiB for a causal
-call of B=1, H=16, N=32K (seen on the H200: a 130 GiB peak in the first call).
+call of B=1, H=16, N=32K (seen on the H200: a 130 GiB peak in the first call). One timed
+backend beside untimed ones is still measured: the measurement is what ranks it above
+them. Left to the cost model, the order of a timed and an untimed backend would rest on
+fitted constants that may predate either kernel (seen on the H200: Gemma 2's decode
+calls through ``attn_implementation="attnhub"`` went to FlexAttention, untimed, over
+triton_flash, and generation ran at 0.78x stock; benchmarks/results/models-h200.md).
 
 Timing never touches the caller's tensors (they are read, never written; gradients go
 to detached leaves), nor the caller's random state; the outputs of the timed calls are
@@ -90,7 +95,8 @@ def wanted(decision: Decision, params: AttentionParams, device: torch.device) ->
         return False
     if measured.store_for(device).get(decision.request) is not None:
         return False  # measured already (the common answer): decided before the count
-    return sum(c.eligible for c in decision.candidates) - len(_untimed(decision)) >= 2
+    eligible = sum(c.eligible for c in decision.candidates)
+    return eligible >= 2 and eligible - len(_untimed(decision)) >= 1
 
 
 def _sync(device: torch.device) -> None:

@@ -259,6 +259,32 @@ def test_a_backend_that_compiles_per_shape_is_not_timed_at_a_first_call(tuned):
     assert "compiles per shape: not timed at a first call" in note
 
 
+def test_one_timed_backend_beside_untimed_ones_is_measured_and_serves(tuned, monkeypatch):
+    """Where a single eligible backend can be timed (the others compile per shape, or
+    are the reference), it is still measured, and the measurement ranks it above the
+    untimed ones, as the module says, where the declared priority (or the cost model)
+    would put an untimed one first."""
+    fresh = BackendRegistry()
+    monkeypatch.setattr(registry_module, "_registry", fresh)
+    dispatch.clear_cache()
+    fast = _backend("fast", 10, 0.0)
+    compiling = _backend("compiling", 1000, 0.0)
+    type(compiling).compiles_per_shape = True
+    fresh.add(fast)
+    fresh.add(compiling)
+    q, k, v = _qkv()
+    assert attnhub.explain(q, k, v).chosen == "compiling"  # declared priority, unmeasured
+    attnhub.reset_stats()
+    attnhub.attention(q, k, v)
+    assert attnhub.stats() == {"fast": 1}
+    assert compiling.calls == 0 and fast.calls == 1 + autotune.REPEATS + 1
+    decision = attnhub.explain(q, k, v)
+    assert decision.chosen == "fast"
+    assert "measured here on first use" in decision.why
+    (note,) = [c.note for c in decision.candidates if c.name == "compiling"]
+    assert "compiles per shape: not timed at a first call" in note
+
+
 def test_backends_no_timing_could_rank_first_are_not_timed(tuned):
     """The reference (ranked last whatever it costs) and, beside a linear-memory backend,
     a quadratic-memory one (ranked after every linear one) are not timed: timing them
