@@ -563,3 +563,100 @@ def test_gpu_fused_merge(page_size):  # type: ignore[no-untyped-def]
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, ref[0])
+
+
+# -- dense calls shaped like decoding (serving.decode_shaped) ------------------------------
+
+
+def _count_decode_calls(monkeypatch) -> list[int]:  # type: ignore[no-untyped-def]
+    from attnhub.backends.triton_flash import serving
+
+    calls: list[int] = []
+    real = decode.decode_attention
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(serving, "_decode_attention", counting)
+    return calls
+
+
+DENSE_DECODE_CASES = [
+    (1, 77, {}),
+    (4, 100, {"causal": True, "alignment": "bottom_right"}),
+    (16, 9, {"causal": True, "alignment": "bottom_right"}),  # rows without keys
+    (3, 50, {"causal": True, "alignment": "bottom_right", "window": (10, 0), "softcap": 5.0}),
+    (5, 5, {"causal": True, "window": (2, 1)}),  # equal lengths: any alignment
+    (2, 33, {"window": (4, 3), "alignment": "bottom_right", "scale": -0.3}),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(("nq", "nk", "options"), DENSE_DECODE_CASES)
+def test_dense_calls_shaped_like_decoding_run_on_the_decode_kernel(monkeypatch, dtype, nq, nk, options):  # type: ignore[no-untyped-def]  # fmt: skip
+    """attnhub.attention with a few query rows, no mask and no gradient runs on the
+    split-KV decode kernel (key and value as full caches), with the contract's answer:
+    output and lse against float64, Dv != D, GQA, rows without keys."""
+    import attnhub
+    from attnhub.testing.tolerance import compare
+
+    calls = _count_decode_calls(monkeypatch)
+    g = torch.Generator().manual_seed(nq * 100 + nk)
+    q = torch.randn(2, 8, nq, 32, generator=g).to(DEVICE, dtype)
+    k = torch.randn(2, 2, nk, 32, generator=g).to(DEVICE, dtype)
+    v = torch.randn(2, 2, nk, 16, generator=g).to(DEVICE, dtype)
+    out, lse = attnhub.attention(q, k, v, backend="triton_flash", return_lse=True, **options)
+    assert len(calls) == 1
+    r64, lse64 = attnhub.attention(q.double(), k.double(), v.double(), backend="torch_reference",
+                                   return_lse=True, **options)  # fmt: skip
+    r_lp, lse_lp = attnhub.attention(q, k, v, backend="torch_reference", return_lse=True, **options)
+    problems = [compare("out", out, r_lp, r64), compare("lse", lse, lse_lp, lse64)]
+    assert not [p for p in problems if p], problems
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["grad", "mask", "top_left_causal", "17_rows", "forward_ad"],
+)
+def test_other_dense_calls_keep_the_prefill_kernels(monkeypatch, case):  # type: ignore[no-untyped-def]
+    """What the decode kernel cannot give stays on the prefill kernels, with the same
+    answer: a gradient, a mask, a top-left diagonal with Nq != Nk, more than 16 rows;
+    forward-mode AD (dual tensors) gets the prefill path's error (its autograd.Function
+    has no jvp), never a primal without its tangent."""
+    from torch.autograd import forward_ad
+
+    import attnhub
+
+    calls = _count_decode_calls(monkeypatch)
+    nq = 17 if case == "17_rows" else 3
+    q, k, v = (torch.randn(1, 4, n, 16, device=DEVICE) for n in (nq, 40, 40))
+    options: dict = {"causal": True} if case == "top_left_causal" else {}
+    mask = torch.rand(1, 1, nq, 40, device=DEVICE) > 0.3 if case == "mask" else None
+    want = attnhub.attention(q, k, v, mask, backend="torch_reference", **options)
+    if case == "grad":
+        q.requires_grad_()
+    if case == "forward_ad":
+        with forward_ad.dual_level(), pytest.raises(NotImplementedError, match="jvp"):
+            attnhub.attention(forward_ad.make_dual(q, torch.randn_like(q)), k, v,
+                              backend="triton_flash")  # fmt: skip
+        assert calls == []
+        return
+    got = attnhub.attention(q, k, v, mask, backend="triton_flash", **options)
+    assert calls == []
+    torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_nan_query_gives_a_nan_row_and_lse(splits):  # type: ignore[no-untyped-def]
+    """A NaN in query row i: its output row and its lse are NaN (contract: NaN in, NaN
+    out), on the one-split path and through the merge; other rows are untouched. The
+    epilogues took a NaN row sum for "no key" and wrote lse -inf."""
+    q, k, v, seqlens = make_inputs(1, 4, 2, 3, 96, 16, torch.float32, [96])
+    q[0, :, 1, 5] = float("nan")
+    config = decode.DecodeConfig(16, 4, 1, num_splits=splits)
+    out, lse = decode.decode_attention(q, k, v, seqlens, scale=0.25, return_lse=True,
+                                       causal=False, config=config)  # fmt: skip
+    assert out[0, :, 1].isnan().all() and lse[0, :, 1].isnan().all()
+    others = torch.tensor([0, 2])
+    assert out[0, :, others].isfinite().all() and lse[0, :, others].isfinite().all()

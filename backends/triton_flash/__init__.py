@@ -62,7 +62,8 @@ class TritonFlash(Backend):
     # benchmarks/results/archive/gpu-compile-2026-11-30.log).
     compile_safe = True
     copies_strided = False
-    # attnhub.attention_kvcache through the split-KV decode kernel (serving.py);
+    # attnhub.attention_kvcache through the split-KV decode kernel (serving.py), which
+    # also runs dense calls shaped like decoding (serving.decode_shaped);
     # attnhub.attention_varlen through the dense kernels' packed mode (packed.py).
     layouts = frozenset({"dense", "varlen", "kvcache", "paged"})
 
@@ -116,6 +117,23 @@ class TritonFlash(Backend):
         from .serving import forward_kvcache
 
         return forward_kvcache(query, k_cache, v_cache, seqlens_k, block_table, params)
+
+    def prepare(self, request: AttentionRequest, params: AttentionParams) -> Any:
+        dense = super().prepare(request, params)
+        from .serving import decode_shaped
+
+        if not decode_shaped(request, params):
+            return dense
+        from torch.autograd import forward_ad
+
+        from .serving import forward_dense_decode
+
+        def runner(query, key, value, attn_mask):  # type: ignore[no-untyped-def]
+            if forward_ad._current_level >= 0:  # dual tensors: the prefill path's autograd
+                return dense(query, key, value, attn_mask)
+            return forward_dense_decode(query, key, value, params)
+
+        return runner
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         global _flash_attention

@@ -240,7 +240,7 @@ def _merge_partials(
         l_sum = l_sum * alpha + w
         acc = acc * alpha[:, None] + w[:, None] * o_s
         m = m_new
-    has_key = l_sum > 0.0
+    has_key = l_sum != 0.0  # a NaN sum stays NaN (decode_split_kernel's epilogue)
     out = acc / tl.where(has_key, l_sum, 1.0)[:, None]
     lse2 = tl.where(has_key, m + tl.log2(tl.where(has_key, l_sum, 1.0)), float("-inf"))
     return out, lse2
@@ -371,7 +371,9 @@ def decode_split_kernel(
         True, EVEN_D, HAS_LEFT, HAS_SOFTCAP, PAGED, PAGE_SIZE, BLOCK_N, INPUT_PRECISION,
     )  # fmt: skip
 
-    has_key = l_i > 0.0
+    # "!= 0", not "> 0": a NaN sum (a NaN query or key) must give a NaN lse, as the
+    # contract's NaN-in, NaN-out asks; only a row without keys sums to exactly 0.
+    has_key = l_i != 0.0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]  # rows without a key: acc is 0
     lse2 = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("-inf"))
     dv_ok = offs_dv[None, :] < HEAD_DV

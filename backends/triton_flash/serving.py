@@ -7,6 +7,15 @@ heads in one tile, return_lse, contiguous caches and paged caches with power-of-
 sizes. It has no backward. What it cannot serve, :func:`kvcache_reasons` says, for
 ``TritonFlash.extra_reasons``. Packed sequences ("varlen") are served by the prefill
 kernels (packed.py), with every option that call offers.
+
+Dense calls shaped like decoding (:func:`decode_shaped`: a few query rows, no mask, no
+dropout, no gradient) run on the decode kernel too, the keys and values read as a
+contiguous cache whose every sequence is full (:func:`forward_dense_decode`). The
+prefill kernel tiles such a call in blocks of 64-128 query rows for one to sixteen real
+ones and walks the keys in one program per row block: on the H200 it read a 32K-key
+cache at 1.08 TB/s where the split-KV decode kernel reads 4.0-4.4 (issue 17;
+benchmarks/results/decode-h200.md). Hugging Face's generate() makes these calls, one
+per layer and token, through ``attn_implementation="attnhub"`` or ``patch()``.
 """
 
 from __future__ import annotations
@@ -36,6 +45,55 @@ def kvcache_reasons(request: AttentionRequest) -> list[str]:
     if page_size is not None and page_size & (page_size - 1):
         reasons.append(f"page_size {page_size} is not a power of two")
     return reasons
+
+
+# The most query rows a dense call may have to run on the decode kernel: its tested
+# range (tests/test_triton_decode.py; the kernel packs a kv head's GROUP * Nq rows in one
+# tile), where the prefill kernel leaves most of its 64-128-row tiles empty.
+DENSE_DECODE_MAX_NQ = 16
+
+
+def decode_shaped(request: AttentionRequest, params: AttentionParams) -> bool:
+    """Whether a dense call runs on the decode kernel (module docstring): at most
+    DENSE_DECODE_MAX_NQ query rows (the request's bucket bounds them), no mask, no
+    dropout, no gradient recorded, and a diagonal the kernel places (bottom-right; or
+    none, or equal lengths, where the alignment does not matter)."""
+    return (
+        request.seqlen_q <= DENSE_DECODE_MAX_NQ
+        and request.mask == "none"
+        and not request.dropout
+        and not request.needs_grad
+        and not request.block_sparse
+        and (not (params.causal or params.window) or params.bottom_right or request.same_seqlen)
+    )
+
+
+# The lengths tensor of the last few (device, B, Nk) dense decode calls: a model's layers
+# at one decoding step share one instead of filling their own (read only, never written).
+_FULL_LENGTHS: dict[tuple[Any, int, int], torch.Tensor] = {}
+_MAX_FULL_LENGTHS = 8
+
+
+def _full_lengths(key: torch.Tensor) -> torch.Tensor:
+    """(B,) int32 holding Nk on key's device: every sequence of the cache is full."""
+    b, nk = key.shape[0], key.shape[2]
+    if torch.compiler.is_compiling():
+        return torch.full((b,), nk, dtype=torch.int32, device=key.device)
+    slot = (key.device, b, nk)
+    lengths = _FULL_LENGTHS.get(slot)
+    if lengths is None:
+        if len(_FULL_LENGTHS) >= _MAX_FULL_LENGTHS:
+            _FULL_LENGTHS.clear()
+        lengths = _FULL_LENGTHS[slot] = torch.full((b,), nk, dtype=torch.int32, device=key.device)
+    return lengths
+
+
+def forward_dense_decode(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: AttentionParams
+) -> Any:
+    """A decode-shaped dense call (:func:`decode_shaped`) on the decode kernel: key and
+    value (B, Hkv, Nk, D) as a contiguous cache of B full sequences."""
+    return forward_kvcache(query, key, value, _full_lengths(key), None, params)
 
 
 _decode_attention: Any = None
