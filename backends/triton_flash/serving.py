@@ -77,7 +77,9 @@ _MAX_FULL_LENGTHS = 8
 def _full_lengths(key: torch.Tensor) -> torch.Tensor:
     """(B,) int32 holding Nk on key's device: every sequence of the cache is full."""
     b, nk = key.shape[0], key.shape[2]
-    if torch.compiler.is_compiling():
+    # Traced, or captured in a CUDA graph (whose pool would own a cached tensor): filled
+    # where the call runs, not shared.
+    if torch.compiler.is_compiling() or (key.is_cuda and torch.cuda.is_current_stream_capturing()):
         return torch.full((b,), nk, dtype=torch.int32, device=key.device)
     slot = (key.device, b, nk)
     lengths = _FULL_LENGTHS.get(slot)
