@@ -189,6 +189,21 @@ def shard(
     return torch.cat([x.narrow(dim, offset, length) for offset, length in chunks], dim=dim)
 
 
+def _sharded_length(lengths: list[int], dim: int, layout: str, prefix: str = "") -> int:
+    """The sequence length N whose ``layout`` shards have these per-rank ``lengths``
+    (their sum); ``ValueError`` where they are not such shards. ``prefix``: "gather: ",
+    whose message speaks of the ranks' shards (unshard's of a list's)."""
+    n = sum(lengths)
+    expected = [local_length(n, len(lengths), r, layout) for r in range(len(lengths))]
+    if lengths != expected:
+        per_rank = " per rank" if prefix else ""
+        raise ValueError(
+            f"{prefix}the shards' lengths along dim {dim}{per_rank} are {lengths}; {layout} "
+            f"shards of a sequence of {n} have lengths {expected}"
+        )
+    return n
+
+
 def unshard(shards: Sequence[torch.Tensor], dim: int, layout: str = "zigzag") -> torch.Tensor:
     """The full sequence from every rank's shard (``shards[r]`` is rank r's), the
     inverse of :func:`shard` along ``dim``."""
@@ -196,13 +211,7 @@ def unshard(shards: Sequence[torch.Tensor], dim: int, layout: str = "zigzag") ->
     if world_size < 1:
         raise ValueError("shards must hold one tensor per rank, got none")
     lengths = [s.shape[dim] for s in shards]
-    n = sum(lengths)
-    expected = [local_length(n, world_size, r, layout) for r in range(world_size)]
-    if lengths != expected:
-        raise ValueError(
-            f"the shards' lengths along dim {dim} are {lengths}; {layout} shards of a "
-            f"sequence of {n} have lengths {expected}"
-        )
+    n = _sharded_length(lengths, dim, layout)
     pieces: list[tuple[int, torch.Tensor]] = []
     for r, s in enumerate(shards):
         start = 0
@@ -278,13 +287,7 @@ def gather(
             f"between ranks (this rank's: {x.dtype}, {tuple(x.shape)}, dim={dim}, {layout})"
         )
     lengths = [row[0] for row in rows]
-    n = sum(lengths)
-    expected = [local_length(n, world_size, r, layout) for r in range(world_size)]
-    if lengths != expected:
-        raise ValueError(
-            f"gather: the shards' lengths along dim {dim} per rank are {lengths}; {layout} "
-            f"shards of a sequence of {n} have lengths {expected}"
-        )
+    n = _sharded_length(lengths, dim, layout, prefix="gather: ")
     given = [row[1] for row in rows]
     if any(s not in (-1, n) for s in given):
         raise ValueError(
