@@ -311,8 +311,10 @@ def test_tune_measures_this_machine_into_the_cache(tmp_path, capsys):
     q = torch.randn(2, 2, 32, 16)
     decision = attnhub.explain(q, q, q)
     assert decision.policy == "measured cost (cost_table_cpu.json)"
-    fastest = min(table.entries[key], key=lambda b: table.entries[key][b])
-    assert decision.chosen == fastest
+    # The reference serves only where nothing else can, whatever it measured (dispatch
+    # ranks it last): on this tiny call it is sometimes timed faster than SDPA.
+    timed = {b: ms for b, ms in table.entries[key].items() if b != "torch_reference"}
+    assert decision.chosen == min(timed, key=timed.__getitem__)
     assert "in cost_table_cpu.json [fp32 D16 N~32 non-causal fwd]" in decision.why
 
 
