@@ -189,6 +189,18 @@ def shard(
     return torch.cat([x.narrow(dim, offset, length) for offset, length in chunks], dim=dim)
 
 
+def _gather_ints(group: Any, values: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on each), by one small all-gather: row r
+    is rank r's. On the tensors' device (NCCL; read back on the host, a wait for the
+    device), or the CPU where the group is gloo."""
+    if dist.get_backend(group) == "gloo":
+        device = torch.device("cpu")
+    local = torch.tensor(values, dtype=torch.int64, device=device)
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return [p.tolist() for p in parts]
+
+
 def _sharded_length(lengths: list[int], dim: int, layout: str, prefix: str = "") -> int:
     """The sequence length N whose ``layout`` shards have these per-rank ``lengths``
     (their sum); ``ValueError`` where they are not such shards. ``prefix``: "gather: ",
@@ -271,11 +283,7 @@ def gather(
         mine = [x.shape[dim], -1 if seq_len is None else seq_len, facts, 0]
     else:
         mine = [-1, -1, 0, 1]
-    device = x.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-    local = torch.tensor(mine, dtype=torch.int64, device=device)
-    rows_t = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(rows_t, local, group=group)
-    rows = [row.tolist() for row in rows_t]
+    rows = _gather_ints(group, mine, x.device)
     if problem is not None:
         raise ValueError(f"gather: {problem}")
     bad = [r for r, row in enumerate(rows) if row[3]]
@@ -860,12 +868,8 @@ def _check_ranks(
     and options differing only in a later call would go unseen.) On NCCL the result is
     read on the host: the call waits for the device once there."""
     mine = [*q.shape, *k.shape, *v.shape, _DTYPE_CODES.get(q.dtype, 0), *map(_as_int, facts)]
-    device = q.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-    local = torch.tensor(mine, dtype=torch.int64, device=device)
-    world_size = dist.get_world_size(group)
-    parts = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(parts, local, group=group)
-    rows = [p.tolist() for p in parts]
+    rows = _gather_ints(group, mine, q.device)
+    world_size = len(rows)
 
     def rest(row: list[int]) -> list[int]:  # all but the three sequence lengths
         return row[:2] + row[3:6] + row[7:10] + row[11:]
