@@ -122,7 +122,7 @@ class TritonFlash(Backend):
         dense = super().prepare(request, params)
         from .serving import decode_shaped
 
-        if not decode_shaped(request, params):
+        if not decode_shaped(request):
             return dense
         from torch.autograd import forward_ad
 

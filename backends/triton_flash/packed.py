@@ -18,10 +18,15 @@ from torch._library.triton import set_wrap_triton_enabled
 from .ops import DirectAttention, Packed, _bwd_full, _forward, _records_no_gradient, call_scalars
 
 
-def _fwd(q, k, v, mask, seed, packed, *scalars):  # type: ignore[no-untyped-def]
-    """(out (Tq, Hq, Dv), lse (Hq, Tq)): DirectAttention's forward for packed tensors."""
+def _run(q, k, v, packed, scalars, store_lse):  # type: ignore[no-untyped-def]
+    """(out (Tq, Hq, Dv), lse (Hq, Tq) or None): the forward on packed tensors."""
     views = (packed.view(t) for t in (q, k, v))
-    return _forward(*views, None, None, scalars, True, None, packed)
+    return _forward(*views, None, None, scalars, store_lse, None, packed)
+
+
+def _fwd(q, k, v, mask, seed, packed, *scalars):  # type: ignore[no-untyped-def]
+    """DirectAttention's forward for packed tensors (the lse kept for the backward)."""
+    return _run(q, k, v, packed, scalars, True)
 
 
 def _bwd(dout, q, k, v, mask, seed, packed, out, lse, dlse, *scalars):  # type: ignore[no-untyped-def]
@@ -57,8 +62,7 @@ def flash_attention_varlen(
     _, scalars = call_scalars(q, causal, bottom_right, window, softcap, scale, 0.0)
     if _records_no_gradient(q, k, v):
         with set_wrap_triton_enabled(False):
-            views = (packed.view(t) for t in (q, k, v))
-            out, lse = _forward(*views, None, None, scalars, return_lse, None, packed)
+            out, lse = _run(q, k, v, packed, scalars, return_lse)
     else:
         out, lse = DirectAttention.apply(_fwd, _bwd, (packed,), q, k, v, None, None, *scalars)
     return out, (lse.t() if return_lse and lse is not None else None)

@@ -53,18 +53,17 @@ def kvcache_reasons(request: AttentionRequest) -> list[str]:
 DENSE_DECODE_MAX_NQ = 16
 
 
-def decode_shaped(request: AttentionRequest, params: AttentionParams) -> bool:
+def decode_shaped(request: AttentionRequest) -> bool:
     """Whether a dense call runs on the decode kernel (module docstring): at most
     DENSE_DECODE_MAX_NQ query rows (the request's bucket bounds them), no mask, no
-    dropout, no gradient recorded, and a diagonal the kernel places (bottom-right; or
-    none, or equal lengths, where the alignment does not matter)."""
+    dropout, and nothing :func:`kvcache_reasons` refuses a cache call (a gradient, a
+    top-left diagonal that matters)."""
     return (
         request.seqlen_q <= DENSE_DECODE_MAX_NQ
         and request.mask == "none"
         and not request.dropout
-        and not request.needs_grad
         and not request.block_sparse
-        and (not (params.causal or params.window) or params.bottom_right or request.same_seqlen)
+        and not kvcache_reasons(request)
     )
 
 
