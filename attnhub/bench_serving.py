@@ -67,8 +67,12 @@ def decode_cases(quick: bool) -> list[dict[str, Any]]:
 
 
 def run_decode(case: dict[str, Any], iters: int) -> list[dict[str, Any]]:
-    b, hq, hkv, d, nk, page = 8, 32, 8, 128, case["nk"], case["page"]
-    dtype, dev = torch.bfloat16, "cuda"
+    # The decode bench's serving shape, and its count of the bytes a call must read
+    # (imported here: that module imports Triton).
+    from .bench_decode import DTYPE, HKV, HQ, B, D, kv_bytes
+
+    b, hq, hkv, d, nk, page = B, HQ, HKV, D, case["nk"], case["page"]
+    dtype, dev = DTYPE, "cuda"
     q = torch.randn(b, hq, 1, d, device=dev, dtype=dtype)
     seqlens = torch.full((b,), nk, device=dev, dtype=torch.int32)
     table = None
@@ -81,8 +85,7 @@ def run_decode(case: dict[str, Any], iters: int) -> list[dict[str, Any]]:
     v = torch.randn_like(k)
     options = case["options"]
     window = options.get("window")
-    keys = nk if window is None else min(nk, window[0] + 1)  # what the call must read
-    kv_bytes = 2 * b * hkv * keys * d * k.element_size()
+    read = kv_bytes(nk, 1, None if window is None else window[0])
     rows: list[dict[str, Any]] = []
     decision = attnhub.explain_kvcache(q, k, v, seqlens, block_table=table, **options)
     for name in _eligible(decision):
@@ -95,7 +98,7 @@ def run_decode(case: dict[str, Any], iters: int) -> list[dict[str, Any]]:
                     backend=name, check_indices=checked, **options,
                 )  # fmt: skip
                 ms = _time(call, iters)
-                row.update(ms=ms, tb_s=kv_bytes / ms / 1e9)
+                row.update(ms=ms, tb_s=read / ms / 1e9)
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
@@ -110,7 +113,7 @@ def run_decode(case: dict[str, Any], iters: int) -> list[dict[str, Any]]:
             iters,
         )  # fmt: skip
         rows.append({"kind": "decode", **case, "backend": "decode_attention (raw op)",
-                     "ms": ms, "tb_s": kv_bytes / ms / 1e9})  # fmt: skip
+                     "ms": ms, "tb_s": read / ms / 1e9})  # fmt: skip
     except Exception as exc:
         rows.append({"kind": "decode", **case, "backend": "decode_attention (raw op)",
                      "error": f"{type(exc).__name__}: {exc}"[:300]})  # fmt: skip
