@@ -56,7 +56,7 @@ step "${CHURN_S:-0}" churn python3 benchmarks/shape_churn_probe.py --json "$OUT/
 cat "$OUT/churn.txt" 2>/dev/null
 step "${DECODE_S:-0}" decode python3 -m attnhub bench --decode -o "$OUT/decode.json" ${DECODE_ARGS:-} \
     > "$OUT/decode.log" 2>&1
-tail -40 "$OUT/decode-gpu.md" 2>/dev/null
+tail -40 "$OUT/decode.md" 2>/dev/null
 step "${HOST_S:-0}" host python3 benchmarks/host_time.py "$OUT" > "$OUT/host.log" 2>&1
 cat "$OUT/host-time-tiny.md" 2>/dev/null
 step "${SERVING_S:-0}" serving python3 -m attnhub bench --serving -o "$OUT/serving.json" ${SERVING_ARGS:-} \
