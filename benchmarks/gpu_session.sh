@@ -15,6 +15,8 @@
 #   CP_S        context-parallel*: benchmarks/context_parallel.py at world size 1 (torchrun)
 #   MODELS_S    models.json/md: `attnhub bench --models` (MODELS: comma-separated names;
 #               MODELS_REPEATS: timed repetitions per way, default 3)
+#   PROFILE_S   model-profile.json/md: benchmarks/model_profile.py, attention kernels' share of
+#               a model step per way (PROFILE_MODELS, default Gemma 2; PROFILE_TASK: train)
 #   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16)
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
 # Usage (on the device): TESTS_S=150 MODELS_S=200 bash benchmarks/gpu_session.sh
@@ -72,6 +74,10 @@ cat "$OUT/cp/context-parallel.md" 2>/dev/null
 step "${MODELS_S:-0}" models python3 -m attnhub bench --models --model-names "${MODELS:-llama,mistral-window1024,gemma2-window1024-softcap50,qwen2}" \
     --device cuda --repeats "${MODELS_REPEATS:-3}" -o "$OUT/models.json" > "$OUT/models.md" 2> "$OUT/models.err"
 cat "$OUT/models.md" 2>/dev/null
+step "${PROFILE_S:-0}" profile python3 benchmarks/model_profile.py \
+    --models "${PROFILE_MODELS:-gemma2-window1024-softcap50}" --task "${PROFILE_TASK:-train}" \
+    --json "$OUT/model-profile.json" > "$OUT/model-profile.md" 2> "$OUT/model-profile.err"
+head -40 "$OUT/model-profile.md" 2>/dev/null; tail -5 "$OUT/model-profile.err" 2>/dev/null
 step "${WORKLOADS_S:-0}" workloads python3 -m attnhub bench --workloads --device cuda \
     --dtypes "${DTYPES:-bfloat16}" --budget 0.04 -o "$OUT/workloads.json" > /dev/null 2> "$OUT/workloads.err"
 step "${GRID_S:-0}" grid python3 -m attnhub bench --quick --no-plots --no-progress \

@@ -615,6 +615,43 @@ def test_dense_calls_shaped_like_decoding_run_on_the_decode_kernel(monkeypatch, 
     assert not [p for p in problems if p], problems
 
 
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=SHORT.get)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize(
+    ("nq", "nk", "options"),
+    [
+        (1, 8191, {}),
+        (4, 4100, {"causal": True, "alignment": "bottom_right"}),
+        (
+            2,
+            6000,
+            {"causal": True, "alignment": "bottom_right", "window": (1024, 0), "softcap": 50.0},
+        ),
+    ],
+)
+def test_gpu_dense_calls_shaped_like_decoding(monkeypatch, dtype, d, nq, nk, options):  # type: ignore[no-untyped-def]  # fmt: skip
+    """The model-shaped dense decode calls (GQA 32/8, caches of thousands of keys, the
+    window and softcap Gemma 2 decodes with) through attnhub.attention(backend=
+    "triton_flash"): served by the decode kernel, output and lse against float64."""
+    import attnhub
+    from attnhub.testing.tolerance import compare
+
+    calls = _count_decode_calls(monkeypatch)
+    g = torch.Generator().manual_seed(d + nq)
+    q = torch.randn(3, 32, nq, d, generator=g).to(DEVICE, dtype)
+    k = torch.randn(3, 8, nk, d, generator=g).to(DEVICE, dtype)
+    v = torch.randn(3, 8, nk, d, generator=g).to(DEVICE, dtype)
+    out, lse = attnhub.attention(q, k, v, backend="triton_flash", return_lse=True, **options)
+    assert len(calls) == 1
+    r64, lse64 = attnhub.attention(q.double(), k.double(), v.double(), backend="torch_reference",
+                                   return_lse=True, **options)  # fmt: skip
+    r_lp, lse_lp = attnhub.attention(q, k, v, backend="torch_reference", return_lse=True, **options)
+    problems = [compare("out", out, r_lp, r64), compare("lse", lse, lse_lp, lse64)]
+    assert not [p for p in problems if p], problems
+
+
 @pytest.mark.parametrize(
     "case",
     ["grad", "mask", "top_left_causal", "17_rows", "forward_ad"],

@@ -1,0 +1,121 @@
+"""Where a model's step spends its GPU time: attention kernels against everything else.
+
+``attnhub bench --models`` gives tokens per second; this says why a ratio is what it is.
+For each model and way (stock ``sdpa``, ``patch``, ``attn_implementation="attnhub"``)
+it runs one warm training step (or ``generate``) under ``torch.profiler`` and sums the
+CUDA kernels' device time, split into attention kernels (names matched by
+``ATTENTION_KERNELS``) and the rest, with the heaviest kernels listed. Kernel time, not
+wall clock: host gaps (launch overhead, Python) show as the difference between the
+step's wall clock and the kernels' sum.
+
+    python benchmarks/model_profile.py [--models gemma2-window1024-softcap50] \
+        [--task train|generate] [--top 8] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from attnhub import bench_models as bm
+
+# Kernel names of the attention implementations the ways can run: PyTorch's flash,
+# efficient and cuDNN kernels, attnhub's Triton kernels, FlexAttention's, and the math
+# path's softmax (stock's masked calls on the math kernel run bmm + softmax: the bmm
+# shows under "other"; the softmax is the marker).
+ATTENTION_KERNELS = re.compile(
+    r"flash|fmha|attn|attention|cudnn_generated|sdpa|_fwd_kernel|_bwd_|triton_tem|softmax",
+    re.IGNORECASE,
+)
+
+
+def _kernels(prof: Any) -> dict[str, float]:
+    """Device microseconds per kernel name over the profile."""
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.key] += event.self_device_time_total
+    return totals
+
+
+def profile_way(
+    spec: bm.ModelSpec, way: str, task: str, device: torch.device, top: int
+) -> dict[str, Any]:
+    ids, prompts, mask = bm._inputs(spec, 32000, device)
+    model, implementation = bm.build(spec, way, torch.bfloat16, device, 32000)
+    if task == "train":
+        fn = functools.partial(bm._train_step, model, ids)
+    else:
+        fn = functools.partial(bm._generate, model, prompts, mask, spec.new_tokens)
+    with bm._context(way):
+        fn()
+        fn()
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+    totals = _kernels(prof)
+    attention = {k: v for k, v in totals.items() if ATTENTION_KERNELS.search(k)}
+    heaviest = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "model": spec.name, "way": way, "implementation": implementation, "task": task,
+        "wall_ms": wall * 1e3, "kernels_ms": sum(totals.values()) / 1e3,
+        "attention_ms": sum(attention.values()) / 1e3,
+        "attention_kernels": {k: v / 1e3 for k, v in sorted(attention.items(), key=lambda kv: -kv[1])},
+        "heaviest": [(k, v / 1e3) for k, v in heaviest],
+    }  # fmt: skip
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | task | way | wall ms | kernels ms | attention ms | other kernels ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['task']} | {r['way']} | {r['wall_ms']:.1f} | {r['kernels_ms']:.1f} | "
+            f"{r['attention_ms']:.1f} | {r['kernels_ms'] - r['attention_ms']:.1f} |"
+        )
+    for r in rows:
+        lines += ["", f"{r['model']} {r['task']} {r['way']}: attention kernels (ms)"]
+        lines += [f"- {v:.2f} {k[:110]}" for k, v in list(r["attention_kernels"].items())[:6]]
+        lines += ["  heaviest kernels (ms):"]
+        lines += [f"  - {v:.2f} {k[:110]}" for k, v in r["heaviest"]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gemma2-window1024-softcap50")
+    parser.add_argument("--task", choices=("train", "generate"), default="train")
+    parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    names = args.models.split(",")
+    specs = [m for m in bm.MODELS if m.name in names]
+    rows = []
+    for spec in specs:
+        for way in bm.WAYS:
+            rows.append(profile_way(spec, way, args.task, device, args.top))
+            torch.cuda.empty_cache()  # the way's model is gone with profile_way's frame
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
