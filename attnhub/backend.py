@@ -63,7 +63,8 @@ class Backend:
     ``compile_safe``       ``torch.compile(fullgraph=True)`` traces it without a break
     ``compiles_per_shape`` its first call of each new shape compiles (seconds): autotune
                            does not time it (a user's first call would pay that), it is
-                           ranked by the policies beneath the measurement
+                           ranked by the policies beneath the measurement; the cost
+                           model ranks it after its memory class's other backends
     ``copies_strided``     non-contiguous inputs are copied (True) or read through
                            their strides (False)
     ``layouts``            subset of :data:`LAYOUTS`: the calls served. "dense" (the

@@ -19,8 +19,14 @@ estimate of what the call costs on each, instead of a flat priority::
 
 A backend the file does not know (a plugin) is estimated with the file's ``default``
 constants, the median backend; the model ranks within one memory class only (linear
-before quadratic, as every policy does). The model is a ranking, not a prediction:
-its numbers are stated in ``explain()`` as estimates.
+before quadratic, as every policy does). Within a class, a backend that declares
+``compiles_per_shape`` ranks after those that do not: the model ranks calls nobody
+measured, whose first call on such a backend compiles (seconds), a cost no constant
+of the fit holds; its throughput was fitted on shapes already compiled. (Seen on the
+H200: with triton_flash's host constant fitted before its host-path plans, the paged
+decode steps of ``examples/paged_generate.py`` went to FlexAttention, 35 tokens/s.)
+The model is a ranking, not a prediction: its numbers are stated in ``explain()`` as
+estimates.
 """
 
 from __future__ import annotations
@@ -152,12 +158,23 @@ class CostModelPolicy:
         for memory in MEMORY_CLASSES:
             group = sorted(
                 (b for b in eligible if b.memory_class(request) == memory),
-                key=lambda b: (estimates[b.name][0].ms(w), -b.priority, b.name),
+                key=lambda b: (
+                    b.compiles_per_shape,
+                    estimates[b.name][0].ms(w),
+                    -b.priority,
+                    b.name,
+                ),
             )
             for b in group:
                 cost, own = estimates[b.name]
                 basis = "its constants" if own else "the default constants (none of its own)"
+                compiles = (
+                    ", after those that do not compile per shape" if b.compiles_per_shape else ""
+                )
                 ranked.append(
-                    (b, f"estimated {cost.ms(w):.3g} ms by {self.name}, {basis}, {memory} memory")
+                    (
+                        b,
+                        f"estimated {cost.ms(w):.3g} ms by {self.name}, {basis}, {memory} memory{compiles}",
+                    )
                 )
         return ranked

@@ -85,6 +85,20 @@ def test_the_model_never_ranks_against_the_memory_class(cuda_request):
     assert [b.name for b, _ in ranked] == ["launch", "compute"]
 
 
+def test_a_backend_that_compiles_per_shape_ranks_after_those_that_do_not(cuda_request):
+    """The model ranks unmeasured calls, whose first call on a compile-per-shape backend
+    compiles: its estimate (the cheaper one here) does not put it first; within its
+    memory class only, and explain() says why."""
+    policy = CostModelPolicy(MODEL)
+    decode = cuda_request(seqlen_q=1, same_seqlen=False, seqlen_k=32768, causal=False)
+    compiling = fake("launch", 1, compiles_per_shape=True)
+    ranked = policy.rank(decode, [compiling, fake("compute", 1)])
+    assert [b.name for b, _ in ranked] == ["compute", "launch"]
+    assert "after those that do not compile per shape" in ranked[1][1]
+    quadratic = fake("compute", 1, memory="quadratic")
+    assert [b.name for b, _ in policy.rank(decode, [quadratic, compiling])] == ["launch", "compute"]
+
+
 @pytest.fixture
 def isolated(monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
