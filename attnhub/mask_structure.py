@@ -25,12 +25,11 @@ Masks recognized: bool (True = may attend) and float masks whose every value is 
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from .tensor_memo import TensorMemo
 
 __all__ = ["MaskPlan", "recognize"]
 
@@ -155,12 +154,7 @@ def _recognize(mask: torch.Tensor) -> MaskPlan | None:
     return MaskPlan(key_mask, causal, alignment, window)
 
 
-# One entry per live mask tensor, keyed by id and checked against a weak reference (an
-# id can be reused once the tensor is gone) and the version counter (an in-place
-# change makes it another mask).
-_cache: dict[int, tuple[Any, int, MaskPlan | None]] = {}
-_cache_lock = threading.Lock()
-_CACHE_LIMIT = 64
+_memo: TensorMemo[MaskPlan | None] = TensorMemo()
 
 
 def recognize(mask: torch.Tensor) -> MaskPlan | None:
@@ -172,13 +166,4 @@ def recognize(mask: torch.Tensor) -> MaskPlan | None:
     """
     if mask.requires_grad or mask.dim() < 2:
         return None
-    key = id(mask)
-    entry = _cache.get(key)
-    if entry is not None and entry[0]() is mask and entry[1] == mask._version:
-        return entry[2]
-    plan = _recognize(mask)
-    with _cache_lock:
-        if len(_cache) >= _CACHE_LIMIT:
-            _cache.clear()
-        _cache[key] = (weakref.ref(mask), mask._version, plan)
-    return plan
+    return _memo(mask, _recognize)

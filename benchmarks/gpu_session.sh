@@ -17,7 +17,8 @@
 #               MODELS_REPEATS: timed repetitions per way, default 3)
 #   PROFILE_S   model-profile.json/md: benchmarks/model_profile.py, attention kernels' share of
 #               a model step per way (PROFILE_MODELS, default Gemma 2; PROFILE_TASK: train)
-#   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16)
+#   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16;
+#               WORKLOADS_ONLY: only the workloads whose name contains it)
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
 # Usage (on the device): TESTS_S=150 MODELS_S=200 bash benchmarks/gpu_session.sh
 # The steps write into a scratch folder, bundled into $OUT/session.tgz (the only file in
@@ -79,7 +80,8 @@ step "${PROFILE_S:-0}" profile python3 benchmarks/model_profile.py \
     --json "$OUT/model-profile.json" > "$OUT/model-profile.md" 2> "$OUT/model-profile.err"
 head -40 "$OUT/model-profile.md" 2>/dev/null; tail -5 "$OUT/model-profile.err" 2>/dev/null
 step "${WORKLOADS_S:-0}" workloads python3 -m attnhub bench --workloads --device cuda \
-    --dtypes "${DTYPES:-bfloat16}" --budget 0.04 -o "$OUT/workloads.json" > /dev/null 2> "$OUT/workloads.err"
+    --dtypes "${DTYPES:-bfloat16}" --budget 0.04 ${WORKLOADS_ONLY:+--only "$WORKLOADS_ONLY"} \
+    -o "$OUT/workloads.json" > /dev/null 2> "$OUT/workloads.err"
 step "${GRID_S:-0}" grid python3 -m attnhub bench --quick --no-plots --no-progress \
     -o "$OUT/grid-quick.json" > /dev/null 2> "$OUT/grid-quick.err"
 [ -f "$OUT/workloads.json" ] && python3 - "$OUT" <<'PY'

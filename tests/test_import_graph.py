@@ -14,9 +14,17 @@ PACKAGE = Path(attnhub.__file__).resolve().parent
 # (and, within one layer, none of its peers).
 RUNTIME_LAYERS: tuple[frozenset[str], ...] = (
     frozenset(
-        {"errors", "env", "request", "call_stats", "jsonfile", "hookspecs", "mask_structure"}
+        {
+            "errors",
+            "env",
+            "request",
+            "call_stats",
+            "jsonfile",
+            "hookspecs",
+            "tensor_memo",
+        }
     ),
-    frozenset({"backend", "block_sparse"}),
+    frozenset({"backend", "block_sparse", "mask_structure"}),
     frozenset({"registry"}),
     frozenset({"ranking"}),
     frozenset({"cost_model"}),

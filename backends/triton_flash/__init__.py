@@ -136,13 +136,27 @@ class TritonFlash(Backend):
         return runner
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
-        global _flash_attention
+        global _flash_attention, _key_ranges
         if _flash_attention is None:  # imports Triton: on the first call, not at import
+            from . import key_ranges as _key_ranges
             from .ops import flash_attention as _flash_attention
-        out, lse = _flash_attention(
-            query, key, value, attn_mask, return_lse=params.return_lse, **kernel_options(params)
-        )
+        options = kernel_options(params)
+        # A key padding mask runs as per-batch key ranges: no mask read, and the padded
+        # key tiles skipped (key_ranges.py).
+        ranges = None
+        if attn_mask is not None:
+            ranges = _key_ranges.ranges_of(attn_mask, query, key, params.dropout_p)
+        if ranges is not None:
+            del options["dropout_p"]
+            out, lse = _key_ranges.flash_attention_key_ranges(
+                query, key, value, ranges, return_lse=params.return_lse, **options
+            )
+        else:
+            out, lse = _flash_attention(
+                query, key, value, attn_mask, return_lse=params.return_lse, **options
+            )
         return (out, lse) if params.return_lse else out
 
 
 _flash_attention: Any = None
+_key_ranges: Any = None

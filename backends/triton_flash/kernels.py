@@ -58,6 +58,14 @@ Packed sequences (VARLEN=True, attnhub.attention_varlen)
     offset argument is 1 for bottom_right and 0 for top_left; each sequence's offset
     is that times Nk_b - Nq_b. No attn_mask and no dropout (the call offers neither).
 
+Key ranges (VARLEN=2, a dense call whose bool mask is a key padding mask)
+    Dense tensors and outputs, every query row, and for batch entry b only the keys
+    CuK[2b]:CuK[2b + 1] (an int32 (B, 2) tensor): the kernels shift the K/V/dK/dV bases
+    to the range's first key and take its length as NK, and the diagonal's offset moves
+    by the same amount, so causal and window keep their dense meaning. Key tiles outside
+    the range are never visited; dK/dV rows outside it are never stored (the host
+    zeroes them). The lse and delta are dense. No attn_mask and no dropout.
+
 Constexpr knobs (each absent feature compiles away)
 ---------------------------------------------------
 BLOCK_M, BLOCK_N      tile sizes (configs.py picks them per device/head dim/dtype)
@@ -89,8 +97,9 @@ STRIDE_QM, STRIDE_DOM in the forward and dQ kernels, Q/dO in dK/dV) as a constan
                       the loop (ops._row_strides has the measurements)
 STORE_LSE             forward only: write Lse (False where the caller wants neither the
                       lse nor gradients: ops.flash_attention(return_lse=False) without grad)
-VARLEN                packed sequences (above); CuQ, CuK are then the int32/int64 (B + 1,)
-                      cumulative lengths (else any pointer, never read)
+VARLEN                0 dense; 1 packed sequences (above): CuQ, CuK are then the int32/int64
+                      (B + 1,) cumulative lengths; 2 key ranges (above): CuK is the int32
+                      (B, 2) ranges, CuQ never read (else any pointers, never read)
 """
 
 from __future__ import annotations
@@ -127,13 +136,21 @@ from .common import (
 def _sequence(CuQ, CuK, b, NQ, NK, offset, VARLEN: tl.constexpr):
     """(q0, k0, nq, nk, offset) of batch entry ``b``: its first query and key rows (int64),
     its lengths and its diagonal's offset. Dense: 0, 0, NQ, NK and ``offset`` as given.
-    Packed sequences (glossary): read from CuQ/CuK, the offset placed per sequence."""
-    if VARLEN:
+    Packed sequences (VARLEN=1, glossary): read from CuQ/CuK, the offset placed per
+    sequence. Key ranges (VARLEN=2, glossary): keys CuK[2b]:CuK[2b + 1] of every row,
+    the keys renumbered from CuK[2b] and the dense offset moved with them."""
+    if VARLEN == 1:
         q0 = tl.load(CuQ + b).to(tl.int64)
         k0 = tl.load(CuK + b).to(tl.int64)
         nq = (tl.load(CuQ + b + 1) - q0).to(tl.int32)
         nk = (tl.load(CuK + b + 1) - k0).to(tl.int32)
         offset = offset * (nk - nq)
+    elif VARLEN == 2:
+        q0 = 0
+        k0 = tl.load(CuK + 2 * b).to(tl.int64)
+        nq = NQ
+        nk = (tl.load(CuK + 2 * b + 1) - k0).to(tl.int32)
+        offset = offset - k0.to(tl.int32)
     else:
         q0 = 0
         k0 = 0
@@ -146,7 +163,7 @@ def _sequence(CuQ, CuK, b, NQ, NK, offset, VARLEN: tl.constexpr):
 def _lse_row(bh, h, NQ, q0, VARLEN: tl.constexpr):
     """Where row 0 of (b, h) sits in the lse and delta (``bh`` = b * H + h): bh * NQ in
     (B, H, NQ), h * Tq + q0 in packed sequences' (H, Tq) (NQ is Tq there)."""
-    if VARLEN:
+    if VARLEN == 1:
         row = h * NQ + q0
     else:
         row = bh * NQ
@@ -155,9 +172,9 @@ def _lse_row(bh, h, NQ, q0, VARLEN: tl.constexpr):
 
 @triton.jit
 def _walked(length, start, own, VARLEN: tl.constexpr):
-    """The length a program walks: ``length``, or for packed sequences 0 where the
-    program's tile (from ``start``) lies past its sequence's ``own`` rows or keys (its
-    segments are then empty and its masked stores write nothing)."""
+    """The length a program walks: ``length``, or for packed sequences and key ranges 0
+    where the program's tile (from ``start``) lies past its sequence's ``own`` rows or
+    keys (its segments are then empty and its masked stores write nothing)."""
     if VARLEN:
         length = tl.where(start < own, length, 0)
     return length

@@ -245,9 +245,18 @@ class Packed:
         return out, lse, False
 
 
-def _cu(packed: Packed | None, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' CuQ, CuK arguments (``like`` where the call is dense: never read)."""
-    return (like, like) if packed is None else (packed.cu_q, packed.cu_k)
+def _cu(
+    packed: Packed | None, like: torch.Tensor, key_ranges: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' CuQ, CuK arguments (``like`` where a kernel never reads one)."""
+    if packed is not None:
+        return packed.cu_q, packed.cu_k
+    return like, like if key_ranges is None else key_ranges
+
+
+def _varlen(packed: Packed | None, key_ranges: torch.Tensor | None) -> int:
+    """The kernels' VARLEN: 0 dense, 1 packed sequences, 2 key ranges (glossary)."""
+    return 1 if packed is not None else 0 if key_ranges is None else 2
 
 
 def _setup(
@@ -526,10 +535,13 @@ def _forward(
     store_lse: bool,
     key: tuple | None,
     packed: Packed | None = None,
+    key_ranges: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward's full path (see :func:`_fwd_impl`); records a plan under ``key``
     where it is given and the launch returned a compiled kernel. ``packed``: q, k, v
-    are :meth:`Packed.view` views; out is then (Tq, Hq, Dv) and lse (Hq, Tq)."""
+    are :meth:`Packed.view` views; out is then (Tq, Hq, Dv) and lse (Hq, Tq).
+    ``key_ranges``: int32 (B, 2), the keys each batch entry sees (glossary, "Key
+    ranges"; no mask then)."""
     causal, bottom_right, window_left, window_right, softcap, scale, dropout_p = scalars
     b, hq, nq, d = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -550,14 +562,14 @@ def _forward(
     grid = (cdiv(rows, cfg.block_m), b * hq)
     args = (
         q, k, v, c.mask, q if seed is None else seed, out_view, q if lse is None else lse,
-        *_cu(packed, q), *q.stride(), *k.stride(), *v.stride(), *c.mask_strides,
+        *_cu(packed, q, key_ranges), *q.stride(), *k.stride(), *v.stride(), *c.mask_strides,
         *out_view.stride(), hq, hq // hkv, nq, nk, d, dv, *c.scalars,
     )  # fmt: skip
-    ragged = packed is not None
+    varlen = _varlen(packed, key_ranges)
     meta = {
         **c.meta, **cfg.meta(), "FOLD_SCALE": c.fold_scale,
-        **_edge_segments(True, nq, nk, cfg, causal, window_left, window_right, ragged=ragged),
-        **_row_strides(K=k, V=v), "STORE_LSE": store_lse, "VARLEN": ragged,
+        **_edge_segments(True, nq, nk, cfg, causal, window_left, window_right, ragged=varlen > 0),
+        **_row_strides(K=k, V=v), "STORE_LSE": store_lse, "VARLEN": varlen,
     }  # fmt: skip
     compiled = _launcher(kernels.attn_fwd_kernel, q)[grid](*args, **meta)
     if key is not None and _is_compiled(compiled):
@@ -673,11 +685,13 @@ def _bwd_full(
     scalars: tuple,
     key: tuple | None,
     packed: Packed | None = None,
+    key_ranges: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward's full path (see :func:`_bwd_impl`); records a plan under ``key``
     where it is given and every launch returned a compiled kernel. ``packed``: dout, q,
     k, v, out are :meth:`Packed.view` views, lse and dlse (Hq, Tq), and the gradients
-    come back packed, shaped like the tensors the views show."""
+    come back packed, shaped like the tensors the views show. ``key_ranges``: as
+    :func:`_forward`'s."""
     causal, bottom_right, window_left, window_right, softcap, scale, dropout_p = scalars
     b, hq, nq, d = q.shape
     hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
@@ -685,6 +699,9 @@ def _bwd_full(
         dq, dk, dv, empty = _grad_outputs(q, k, v)
         if empty:
             return dq, dk, dv
+        if key_ranges is not None:  # keys outside a range get no program's store
+            dk.zero_()
+            dv.zero_()
         views, rows_q, rows_k = (dq, dk, dv), nq, nk
     else:
         # Every packed row belongs to one sequence, whose programs store it (zeros where
@@ -704,12 +721,13 @@ def _bwd_full(
     delta = _delta(out, dout, dlse, c.meta, record, packed)
     block_d = max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"])
     seed_t = q if seed is None else seed
-    cu_q, cu_k = _cu(packed, q)
+    cu_q, cu_k = _cu(packed, q, key_ranges)
     esize, lean = q.element_size(), mask is None
     kv_cfg, q_cfg = backward_configs(block_d, esize, causal, _capability(q.device),
                                      interpreting(), c.walk, lean)  # fmt: skip
     band = (causal, window_left, window_right)
-    ragged = packed is not None
+    varlen = _varlen(packed, key_ranges)
+    ragged = varlen > 0
     mode = backward_launch(kv_cfg, q_cfg, block_d, esize, lean)
     if mode != "split":
         # One launch; the kernel derives each program's role and tile from its ids alone
@@ -729,7 +747,7 @@ def _bwd_full(
             **c.meta, **merged_meta(kv_cfg, q_cfg, mode),
             **_edge_segments(False, nq, nk, kv_cfg, *band, prefix="KV_", ragged=ragged),
             **_edge_segments(True, nq, nk, q_cfg, *band, prefix="Q_", ragged=ragged),
-            **_row_strides(Q=q, DO=dout, K=k, V=v), "VARLEN": ragged,
+            **_row_strides(Q=q, DO=dout, K=k, V=v), "VARLEN": varlen,
         }  # fmt: skip
         _launch(kernels.attn_bwd_kernel, q, grid, args, meta, 13, record)
     else:
@@ -740,7 +758,7 @@ def _bwd_full(
             *c.scalars,
         )  # fmt: skip
         meta = {**c.meta, **kv_cfg.meta(), **_edge_segments(False, nq, nk, kv_cfg, *band, ragged=ragged),
-                **_row_strides(Q=q, DO=dout), "VARLEN": ragged}  # fmt: skip
+                **_row_strides(Q=q, DO=dout), "VARLEN": varlen}  # fmt: skip
         _launch(kernels.attn_bwd_dkdv_kernel, q, (cdiv(rows_k, kv_cfg.block_n), b * hkv), args,
                 meta, 12, record)  # fmt: skip
         args = (
@@ -749,7 +767,7 @@ def _bwd_full(
             *views[0].stride(), hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
         )  # fmt: skip
         meta = {**c.meta, **q_cfg.meta(), **_edge_segments(True, nq, nk, q_cfg, *band, ragged=ragged),
-                **_row_strides(K=k, V=v), "VARLEN": ragged}  # fmt: skip
+                **_row_strides(K=k, V=v), "VARLEN": varlen}  # fmt: skip
         _launch(kernels.attn_bwd_dq_kernel, q, (cdiv(rows_q, q_cfg.block_m), b * hq), args, meta,
                 11, record)  # fmt: skip
     if key is not None and record and all(x is not None for x in record):

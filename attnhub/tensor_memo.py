@@ -1,0 +1,49 @@
+"""Values computed from a tensor's contents, remembered while the tensor lives unchanged.
+
+Mask analyses (:mod:`attnhub.mask_structure`, triton_flash's key ranges) read a mask's
+values on the host, one device synchronization each; the layers of one forward pass
+share their mask, so the answer is kept per mask tensor. An entry is keyed by the
+tensor's id and checked against a weak reference (an id is reused once the tensor is
+gone) and its version counter (an in-place change makes it another mask).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import torch
+
+__all__ = ["TensorMemo"]
+
+T = TypeVar("T")
+
+
+class TensorMemo(Generic[T]):
+    """``memo(tensor, compute)``: ``compute(tensor)``, once per live, unchanged tensor.
+
+    At most ``limit`` entries: the table is cleared when full (entries are cheap to
+    recompute and a forward pass uses few masks)."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], int, T]] = {}
+        self._lock = threading.Lock()
+        self._limit = limit
+
+    def __call__(self, tensor: torch.Tensor, compute: Callable[[torch.Tensor], T]) -> T:
+        key = id(tensor)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+            return entry[2]
+        value = compute(tensor)
+        with self._lock:
+            if len(self._entries) >= self._limit:
+                self._entries.clear()
+            self._entries[key] = (weakref.ref(tensor), tensor._version, value)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
