@@ -187,9 +187,13 @@ def test_backward_launches_give_bitwise_the_same_gradients():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("options", ["causal", "bottom_right", "window", "plain"])
-def test_gpu_key_ranges_at_model_sizes(counted, dtype, d, options):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("path", ["ranges", "mask"])
+def test_gpu_key_ranges_at_model_sizes(counted, monkeypatch, dtype, d, options, path):  # type: ignore[no-untyped-def]
     """B4, Hq 8 / Hkv 2, N 1500 (ragged tiles), right padding as a batch of prompts has it
-    and left padding as generation has it, one entry without keys."""
+    and left padding as generation has it, one entry without keys; in key-range mode and,
+    for comparison, through the mask path."""
+    if path == "mask":
+        monkeypatch.setattr(key_ranges, "ranges_of", lambda *args: None)
     opts = dict(OPTIONS[options])
     if options == "window":
         opts["window"] = (300, 40)
@@ -199,4 +203,4 @@ def test_gpu_key_ranges_at_model_sizes(counted, dtype, d, options):  # type: ign
     mask = padding_mask(4, n, runs)
     q, k, v = inputs(4, 8, 2, nq, n, d, dtype, mask, seed=d)
     check(q, k, v, mask, opts, dtype)
-    assert len(counted) == 1
+    assert len(counted) == (path == "ranges")
