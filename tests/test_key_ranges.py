@@ -122,6 +122,29 @@ def test_key_padding_masks_run_as_key_ranges(counted, runs, options, dtype):  # 
     assert counted[0].tolist() == [[lo, hi] if hi > lo else [0, 0] for lo, hi in RUNS[runs]]
 
 
+def test_key_ranges_compute_what_the_dense_kernel_computes_on_the_kept_keys():
+    """Each batch entry's output and gradients are bitwise the dense kernel's on its
+    kept keys alone (top-left causal over keys lo.. is bottom-right causal over the
+    slice when lo > 0 and the run ends at Nk): the rewrite changes which tiles are
+    visited, not the arithmetic."""
+    runs = [(0, N), (0, 33), (20, N)]
+    mask = padding_mask(B, N, runs)
+    q, k, v = inputs(B, HQ, HKV, N, N, D, torch.float16, mask, seed=5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attnhub.attention(*leaves, mask, backend="triton_flash", causal=True)
+    out.float().square().sum().backward()
+    for b, (lo, hi) in enumerate(runs):
+        alignment = "top_left" if lo == 0 else "bottom_right"
+        one = [t[b : b + 1].clone() for t in (q, k, v)]
+        one = [one[0].requires_grad_()] + [t[:, :, lo:hi].requires_grad_() for t in one[1:]]
+        want = attnhub.attention(*one, backend="triton_flash", causal=True, alignment=alignment)
+        want.float().square().sum().backward()
+        assert torch.equal(out[b : b + 1], want), b
+        assert torch.equal(leaves[0].grad[b : b + 1], one[0].grad), b
+        for got, slice_grad in ((leaves[1].grad, one[1].grad), (leaves[2].grad, one[2].grad)):
+            assert torch.equal(got[b : b + 1, :, lo:hi], slice_grad), b
+
+
 def test_a_mask_shared_by_the_batch_is_read_once_while_it_is_unchanged(counted, monkeypatch):  # type: ignore[no-untyped-def]
     """One (1, 1, 1, Nk) mask for every batch entry; its runs are read on the host once
     per mask tensor (the layers of a forward share it), again after an in-place change."""
@@ -202,5 +225,7 @@ def test_gpu_key_ranges_at_model_sizes(counted, monkeypatch, dtype, d, options, 
     runs = [(0, n), (0, 1023), (477, n), (0, 0)]
     mask = padding_mask(4, n, runs)
     q, k, v = inputs(4, 8, 2, nq, n, d, dtype, mask, seed=d)
+    if path == "mask":  # it reads the keys it masks (0 * NaN): the same values, no NaN
+        k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
     check(q, k, v, mask, opts, dtype)
     assert len(counted) == (path == "ranges")
