@@ -37,6 +37,11 @@ from attnhub.cost_model import FORMAT, CostModel, KernelCost, work
 from attnhub.request import AttentionRequest, seqlen_bucket
 
 NOT_BACKENDS = frozenset({"auto", "sdpa", "patched", "torch_reference"})
+# Backends whose first call of a shape compiles, which the cost model ranks after the
+# others (cost_model.py): those the registry here declares so, and the FlexAttention
+# plugin's (attnhub_flex declares compiles_per_shape), which the machine that checks a
+# fit may not have installed.
+PLUGINS_THAT_COMPILE_PER_SHAPE = frozenset({"flex_attention"})
 CONSTANTS = ("host_us", "fwd_tflops", "fwd_bwd_tflops", "tbps")
 
 
@@ -92,14 +97,22 @@ def fit(data: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def check(data: dict[str, Any], model: CostModel) -> list[dict[str, Any]]:
-    """Per workload call: the model's pick among the timed backends against the fastest."""
+    """Per workload call: the model's pick among the timed backends against the fastest
+    (ranked as CostModelPolicy ranks: compile-per-shape backends last)."""
+    from attnhub.registry import get_registry
+
+    compiles = PLUGINS_THAT_COMPILE_PER_SHAPE | {
+        b.name for b in get_registry().backends() if b.compiles_per_shape
+    }
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in _rows(data):
         groups[(r["name"], r["dtype"], r["mode"])].append(r)
     out = []
     for (name, dtype, mode), rows in groups.items():
         w = work(request_of(rows[0]))
-        picked = min(rows, key=lambda r: model.cost(r["backend"])[0].ms(w))
+        picked = min(
+            rows, key=lambda r: (r["backend"] in compiles, model.cost(r["backend"])[0].ms(w))
+        )
         fastest = min(rows, key=lambda r: r["ms"])
         out.append({
             "workload": name, "dtype": dtype, "mode": mode, "model_pick": picked["backend"],
