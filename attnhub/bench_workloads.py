@@ -11,7 +11,8 @@ mask for what it cannot say) and on ``patched`` (that same call under
 
 Timing is wall clock per call in a loop after warm-up, host time included (a tiny or
 decode call is often all host time): ``iters`` calls, a device synchronization, the
-elapsed time divided by ``iters``; the median of ``repeats`` such loops. ``fwd_bwd``
+elapsed time divided by ``iters``; the median of ``repeats`` such loops, the
+competitors' loops interleaved in rotating order (:func:`interleaved_ms`). ``fwd_bwd``
 times the forward and ``torch.autograd.grad`` of a fixed output gradient.
 
 Each row also records the largest difference from the ``sdpa`` output on the query
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import time
@@ -164,25 +166,70 @@ def _sdpa_call(w: Workload, x: _Inputs) -> Callable[..., torch.Tensor]:
     return call
 
 
-def wall_ms(fn: Callable[[], Any], device: torch.device, *, budget_s: float, repeats: int) -> float:
-    """Median over ``repeats`` loops of wall-clock ms per call, host time included."""
-    for _ in range(2):  # warm-up: compilation, caches, allocator
+def _iterations(fn: Callable[[], Any], device: torch.device, budget_s: float, repeats: int) -> int:
+    """Warm ``fn`` up (compilation, caches, allocator) and size one timed loop of it:
+    ``repeats`` loops fill about ``budget_s``."""
+    for _ in range(2):
         fn()
     synchronize(device)
     start = time.perf_counter()
     fn()
     synchronize(device)
     once = max(time.perf_counter() - start, 1e-6)
-    iters = max(3, min(1000, int(budget_s / repeats / once)))
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        synchronize(device)
-        times.append((time.perf_counter() - start) / iters)
-    return statistics.median(times) * 1e3
+    return max(3, min(1000, int(budget_s / repeats / once)))
+
+
+def _loop_ms(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
+    """Wall-clock ms per call over one loop of ``iters`` calls, host time included."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def interleaved_ms(
+    fns: dict[str, Callable[[], Any]],
+    device: torch.device,
+    *,
+    budget_s: float,
+    repeats: int,
+    context: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
+) -> tuple[dict[str, float], dict[str, str]]:
+    """(median over ``repeats`` loops of each callable's wall-clock ms per call, the
+    error of each that raised). The loops are interleaved, round by round in a rotating
+    order, so that drift of the clocks or the host (seen on the H200: a tiny call's
+    fwd+bwd read 0.18 ms on one backend and 0.31 on SDPA's function running the same
+    kernel, timed one after the other) falls on every competitor alike; one that raises
+    (out of memory, a failing kernel) is dropped, the others go on. ``context(name)``,
+    where given, is entered around each of that competitor's loops (the patched way:
+    ``attnhub.patch()``)."""
+    errors: dict[str, str] = {}
+    iters: dict[str, int] = {}
+    times: dict[str, list[float]] = {}
+
+    def attempt(name: str, measure: Callable[[], Any]) -> Any:
+        try:
+            with context(name) if context is not None else contextlib.nullcontext():
+                return measure()
+        except Exception as exc:
+            errors[name] = _error(exc)
+            synchronize(device)
+            return None
+
+    for name, fn in fns.items():
+        found = attempt(name, functools.partial(_iterations, fn, device, budget_s, repeats))
+        if found is not None:
+            iters[name], times[name] = found, []
+    for r in range(repeats):
+        names = [n for n in iters if n not in errors]
+        for name in names[r % max(len(names), 1) :] + names[: r % max(len(names), 1)]:
+            ms = attempt(name, functools.partial(_loop_ms, fns[name], device, iters[name]))
+            if ms is not None:
+                times[name].append(ms)
+    medians = {n: statistics.median(t) for n, t in times.items() if n not in errors and t}
+    return medians, errors
 
 
 def _runner(call: Callable[..., torch.Tensor], x: _Inputs, mode: str) -> Callable[[], Any]:
@@ -230,6 +277,10 @@ def _patched_if(name: str) -> Any:
     return patch(aliases=False) if name == PATCHED else contextlib.nullcontext()
 
 
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
 def _served_by(name: str, call: Callable[..., Any], x: _Inputs) -> str | None:
     """Which backend ``auto`` or ``patched`` ran (from attnhub.stats())."""
     if name not in (AUTO, PATCHED):
@@ -254,21 +305,26 @@ def _rows(
         calls, skipped = competitors(w, x, mode)
         for name, why in sorted(skipped.items()):
             yield {**base, "mode": mode, "backend": name, "ms": None, "skipped": why}
+        rows: dict[str, dict[str, Any]] = {}
+        timed: dict[str, Callable[[], Any]] = {}
         for name, call in calls.items():
-            row: dict[str, Any] = {**base, "mode": mode, "backend": name}
+            row = rows[name] = {**base, "mode": mode, "backend": name}
             try:
-                with _patched_if(name):
-                    with torch.no_grad():
-                        row["max_abs_vs_sdpa"] = _max_diff(call(x.query, x.key, x.value), reference)
-                    row["ms"] = wall_ms(
-                        _runner(call, x, mode), device, budget_s=budget_s, repeats=repeats
-                    )
+                with _patched_if(name), torch.no_grad():
+                    row["max_abs_vs_sdpa"] = _max_diff(call(x.query, x.key, x.value), reference)
                 row["served_by"] = _served_by(name, call, x)
+                timed[name] = _runner(call, x, mode)
             except Exception as exc:  # one failing competitor must not end the run
                 row["ms"] = None
-                row["error"] = (
-                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                )
+                row["error"] = _error(exc)
+        ms, errors = interleaved_ms(
+            timed, device, budget_s=budget_s, repeats=repeats, context=_patched_if
+        )
+        for name, row in rows.items():
+            if name in timed:
+                row["ms"] = ms.get(name)
+            if name in errors:
+                row["error"] = errors[name]
             if mode == "fwd" and row.get("ms"):
                 row["kv_tb_s"] = w.kv_bytes(dtype) / (row["ms"] * 1e-3) / 1e12
             yield row

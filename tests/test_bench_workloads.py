@@ -3,6 +3,7 @@ stock SDPA and the patched function, with a summary table."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -86,3 +87,38 @@ def test_cli(tmp_path, monkeypatch, no_interpreted_kernels):
     data = json.loads(output.read_text())
     assert {r["name"] for r in data["results"]} == {"decode", "spec-decode"}
     assert "| decode | float32 | fwd |" in output.with_suffix(".md").read_text()
+
+
+def test_competitors_are_timed_in_interleaved_rounds_and_a_failing_one_is_dropped():
+    """Round r times every competitor once, starting from the r-th (drift falls on all
+    alike); one that raises is left out with its error and the others keep their
+    medians; the context (the patched way's attnhub.patch()) wraps only its own loops."""
+    order: list[str] = []
+    inside: list[str] = []
+
+    @contextlib.contextmanager
+    def context(name):  # type: ignore[no-untyped-def]
+        inside.append(name)
+        yield
+        inside.remove(name)
+
+    def competitor(name):  # type: ignore[no-untyped-def]
+        def call():  # type: ignore[no-untyped-def]
+            order.append(name)
+            assert inside == ([name] if name == "c" else [])
+            if name == "b" and order.count("b") > 4:
+                raise RuntimeError("out of memory\nmore")
+
+        return call
+
+    fns = {n: competitor(n) for n in "abc"}
+    ms, errors = bw.interleaved_ms(
+        fns, torch.device("cpu"), budget_s=0.0, repeats=3,
+        context=lambda n: context(n) if n == "c" else contextlib.nullcontext(),
+    )  # fmt: skip
+    assert errors == {"b": "RuntimeError: out of memory"} and set(ms) == {"a", "c"}
+    assert all(t > 0 for t in ms.values())
+    # Warm-up and sizing: 3 calls each; then loops of 3 calls (b raising in its first),
+    # round 1 starting from the second of those left, round 2 from the first again.
+    rounds = ["aaa" + "bb" + "ccc", "ccc" + "aaa", "aaa" + "ccc"]
+    assert "".join(order) == "aaabbbccc" + "".join(rounds)
