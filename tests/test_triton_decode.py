@@ -598,14 +598,20 @@ def test_dense_calls_shaped_like_decoding_run_on_the_decode_kernel(monkeypatch, 
     """attnhub.attention with a few query rows, no mask and no gradient runs on the
     split-KV decode kernel (key and value as full caches), with the contract's answer:
     output and lse against float64, Dv != D, GQA, rows without keys."""
-    import attnhub
-    from attnhub.testing.tolerance import compare
-
-    calls = _count_decode_calls(monkeypatch)
     g = torch.Generator().manual_seed(nq * 100 + nk)
     q = torch.randn(2, 8, nq, 32, generator=g).to(DEVICE, dtype)
     k = torch.randn(2, 2, nk, 32, generator=g).to(DEVICE, dtype)
     v = torch.randn(2, 2, nk, 16, generator=g).to(DEVICE, dtype)
+    _check_on_the_decode_kernel(monkeypatch, q, k, v, options)
+
+
+def _check_on_the_decode_kernel(monkeypatch, q, k, v, options):  # type: ignore[no-untyped-def]
+    """attnhub.attention(backend="triton_flash") runs the call on the decode kernel, once,
+    with output and lse within the contract's tolerance of float64."""
+    import attnhub
+    from attnhub.testing.tolerance import compare
+
+    calls = _count_decode_calls(monkeypatch)
     out, lse = attnhub.attention(q, k, v, backend="triton_flash", return_lse=True, **options)
     assert len(calls) == 1
     r64, lse64 = attnhub.attention(q.double(), k.double(), v.double(), backend="torch_reference",
@@ -635,21 +641,11 @@ def test_gpu_dense_calls_shaped_like_decoding(monkeypatch, dtype, d, nq, nk, opt
     """The model-shaped dense decode calls (GQA 32/8, caches of thousands of keys, the
     window and softcap Gemma 2 decodes with) through attnhub.attention(backend=
     "triton_flash"): served by the decode kernel, output and lse against float64."""
-    import attnhub
-    from attnhub.testing.tolerance import compare
-
-    calls = _count_decode_calls(monkeypatch)
     g = torch.Generator().manual_seed(d + nq)
     q = torch.randn(3, 32, nq, d, generator=g).to(DEVICE, dtype)
     k = torch.randn(3, 8, nk, d, generator=g).to(DEVICE, dtype)
     v = torch.randn(3, 8, nk, d, generator=g).to(DEVICE, dtype)
-    out, lse = attnhub.attention(q, k, v, backend="triton_flash", return_lse=True, **options)
-    assert len(calls) == 1
-    r64, lse64 = attnhub.attention(q.double(), k.double(), v.double(), backend="torch_reference",
-                                   return_lse=True, **options)  # fmt: skip
-    r_lp, lse_lp = attnhub.attention(q, k, v, backend="torch_reference", return_lse=True, **options)
-    problems = [compare("out", out, r_lp, r64), compare("lse", lse, lse_lp, lse64)]
-    assert not [p for p in problems if p], problems
+    _check_on_the_decode_kernel(monkeypatch, q, k, v, options)
 
 
 @pytest.mark.parametrize(

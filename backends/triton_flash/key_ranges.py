@@ -23,11 +23,10 @@ in the run, tracing) runs with the mask as given.
 from __future__ import annotations
 
 import torch
-from torch._library.triton import set_wrap_triton_enabled
 
 from attnhub.tensor_memo import TensorMemo
 
-from .ops import DirectAttention, _bwd_full, _forward, _records_no_gradient, call_scalars, direct
+from .ops import _bwd_full, _forward, apply_direct, call_scalars, direct
 
 _memo: TensorMemo[torch.Tensor | None] = TensorMemo()
 
@@ -69,9 +68,9 @@ def ranges_of(
     return runs.expand(batch, 2).contiguous() if mb != batch else runs
 
 
-def _fwd(q, k, v, mask, seed, ranges, *scalars):  # type: ignore[no-untyped-def]
-    """DirectAttention's forward in key-range mode (the lse kept for the backward)."""
-    return _forward(q, k, v, None, None, scalars, True, None, key_ranges=ranges)
+def _fwd(q, k, v, mask, seed, ranges, *scalars, store_lse=True):  # type: ignore[no-untyped-def]
+    """(out, lse or None): the forward in key-range mode."""
+    return _forward(q, k, v, None, None, scalars, store_lse, None, key_ranges=ranges)
 
 
 def _bwd(dout, q, k, v, mask, seed, ranges, out, lse, dlse, *scalars):  # type: ignore[no-untyped-def]
@@ -96,9 +95,5 @@ def flash_attention_key_ranges(
     differentiable: shapes and options as :func:`.ops.flash_attention` (no dropout), the
     same answer as that call with the key mask the ranges stand for."""
     _, scalars = call_scalars(q, causal, bottom_right, window, softcap, scale, 0.0)
-    if _records_no_gradient(q, k, v):
-        with set_wrap_triton_enabled(False):
-            out, lse = _forward(q, k, v, None, None, scalars, return_lse, None, key_ranges=ranges)
-    else:
-        out, lse = DirectAttention.apply(_fwd, _bwd, (ranges,), q, k, v, None, None, *scalars)
+    out, lse = apply_direct(_fwd, _bwd, (ranges,), q, k, v, scalars, return_lse)
     return out, (lse if return_lse else None)

@@ -995,6 +995,20 @@ def _records_no_gradient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> b
     )
 
 
+def apply_direct(
+    fwd_impl: Any, bwd_impl: Any, extra: tuple, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, scalars: tuple, return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(out, lse) of a maskless, dropout-free call through ``fwd_impl`` / ``bwd_impl``
+    (DirectAttention's pair, ``extra`` their layout argument): without an autograd node
+    and without an lse unless ``return_lse`` where the call records no gradient, else
+    through :class:`DirectAttention` (the lse kept for the backward)."""
+    if _records_no_gradient(q, k, v):
+        with set_wrap_triton_enabled(False):
+            return fwd_impl(q, k, v, None, None, *extra, *scalars, store_lse=return_lse)  # type: ignore[no-any-return]
+    return DirectAttention.apply(fwd_impl, bwd_impl, extra, q, k, v, None, None, *scalars)  # type: ignore[no-any-return]
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,

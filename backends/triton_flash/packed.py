@@ -13,20 +13,14 @@ launch plans.
 from __future__ import annotations
 
 import torch
-from torch._library.triton import set_wrap_triton_enabled
 
-from .ops import DirectAttention, Packed, _bwd_full, _forward, _records_no_gradient, call_scalars
+from .ops import Packed, _bwd_full, _forward, apply_direct, call_scalars
 
 
-def _run(q, k, v, packed, scalars, store_lse):  # type: ignore[no-untyped-def]
+def _fwd(q, k, v, mask, seed, packed, *scalars, store_lse=True):  # type: ignore[no-untyped-def]
     """(out (Tq, Hq, Dv), lse (Hq, Tq) or None): the forward on packed tensors."""
     views = (packed.view(t) for t in (q, k, v))
     return _forward(*views, None, None, scalars, store_lse, None, packed)
-
-
-def _fwd(q, k, v, mask, seed, packed, *scalars):  # type: ignore[no-untyped-def]
-    """DirectAttention's forward for packed tensors (the lse kept for the backward)."""
-    return _run(q, k, v, packed, scalars, True)
 
 
 def _bwd(dout, q, k, v, mask, seed, packed, out, lse, dlse, *scalars):  # type: ignore[no-untyped-def]
@@ -60,9 +54,5 @@ def flash_attention_varlen(
     False); the lse is a transposed view of the kernels' (Hq, Tq)."""
     packed = Packed(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
     _, scalars = call_scalars(q, causal, bottom_right, window, softcap, scale, 0.0)
-    if _records_no_gradient(q, k, v):
-        with set_wrap_triton_enabled(False):
-            out, lse = _run(q, k, v, packed, scalars, return_lse)
-    else:
-        out, lse = DirectAttention.apply(_fwd, _bwd, (packed,), q, k, v, None, None, *scalars)
+    out, lse = apply_direct(_fwd, _bwd, (packed,), q, k, v, scalars, return_lse)
     return out, (lse.t() if return_lse and lse is not None else None)
