@@ -4,7 +4,9 @@ Mask analyses (:mod:`attnhub.mask_structure`, triton_flash's key ranges) read a 
 values on the host, one device synchronization each; the layers of one forward pass
 share their mask, so the answer is kept per mask tensor. An entry is keyed by the
 tensor's id and checked against a weak reference (an id is reused once the tensor is
-gone) and its version counter (an in-place change makes it another mask).
+gone) and its version counter (an in-place change makes it another mask). Inference
+tensors (``torch.inference_mode``) have no version counter: their answers are computed
+at every call, never kept.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ class TensorMemo(Generic[T]):
         self._limit = limit
 
     def __call__(self, tensor: torch.Tensor, compute: Callable[[torch.Tensor], T]) -> T:
+        if tensor.is_inference():
+            # An inference tensor (made under torch.inference_mode) has no version
+            # counter: an in-place change could not be told apart, so nothing is kept.
+            return compute(tensor)
         key = id(tensor)
         entry = self._entries.get(key)
         if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:

@@ -229,3 +229,19 @@ def test_gpu_key_ranges_at_model_sizes(counted, monkeypatch, dtype, d, options, 
         k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
     check(q, k, v, mask, opts, dtype)
     assert len(counted) == (path == "ranges")
+
+
+def test_a_mask_made_under_inference_mode_is_read_at_every_call(counted):
+    """An inference tensor has no version counter (reading it raised RuntimeError): its
+    runs are read at every call, so an in-place change inside inference mode is seen."""
+    with torch.inference_mode():
+        mask = padding_mask(B, N, RUNS["right"])
+        q, k, v = inputs(
+            B, HQ, HKV, N, N, D, torch.float32, torch.ones(B, 1, 1, N, dtype=torch.bool)
+        )
+        for _ in range(2):
+            got = attnhub.attention(q, k, v, mask, backend="triton_flash", causal=True)
+            want = attnhub.attention(q, k, v, mask, backend="torch_reference", causal=True)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            mask[1, ..., 20:] = False
+    assert [r.tolist()[1] for r in counted] == [[0, 33], [0, 20]]

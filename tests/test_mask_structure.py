@@ -121,3 +121,16 @@ def test_recognition_is_cached_per_tensor_and_version():
     keep.fill_(True)  # an in-place change is another mask
     again = mask_structure.recognize(keep)
     assert again is not None and not again.causal and again.attn_mask is None
+
+
+def test_a_mask_made_under_inference_mode_is_recognized_at_every_call():
+    """Inference tensors have no version counter (reading it raised RuntimeError, so a
+    patched model under torch.inference_mode failed on its padding mask): recognized
+    anew at every call, an in-place change inside inference mode included."""
+    with torch.inference_mode():
+        keep = torch.ones(6, 6, dtype=torch.bool).tril()
+        first = mask_structure.recognize(keep)
+        assert first is not None and first.causal
+        keep.fill_(True)
+        again = mask_structure.recognize(keep)
+        assert again is not None and not again.causal and again.attn_mask is None
