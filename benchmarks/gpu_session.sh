@@ -20,10 +20,14 @@
 #   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16;
 #               WORKLOADS_ONLY: only the workloads whose name contains it)
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
+#   SWEEP256_S  sweep-d256.json/log: benchmarks/triton_flash_gpu.py's launch-config sweep at
+#               D=256 (B4 H8 N4096, causal and not), SDPA flash and cuDNN timed beside it
 # Usage (on the device): TESTS_S=150 MODELS_S=200 bash benchmarks/gpu_session.sh
 # The steps write into a scratch folder, bundled into $OUT/session.tgz (the only file in
 # $OUT) after each step: the device returns at most 8 files (more, and the rest are lost),
-# and a call cut at its limit still returns what the finished steps wrote.
+# and a call cut at its limit still returns what the finished steps wrote. A command run
+# after this script in the same call must not write session.tgz again (tar of $OUT into
+# it replaced the bundle with itself on 2026-12-02): write other files beside it.
 # Kept outputs are committed as benchmarks/results/<kind>-h200.* (gpu-tests-h200.log,
 # demo-h200.log, ...), the previous ones moved to archive/ (benchmarks/results/README.md).
 set -uo pipefail
@@ -84,6 +88,9 @@ step "${WORKLOADS_S:-0}" workloads python3 -m attnhub bench --workloads --device
     -o "$OUT/workloads.json" > /dev/null 2> "$OUT/workloads.err"
 step "${GRID_S:-0}" grid python3 -m attnhub bench --quick --no-plots --no-progress \
     -o "$OUT/grid-quick.json" > /dev/null 2> "$OUT/grid-quick.err"
+step "${SWEEP256_S:-0}" sweep-d256 python3 benchmarks/triton_flash_gpu.py "$OUT/sweep-d256.json" \
+    --only sweep --sweep-head-dims 256 --sweep-seqlens 4096 > "$OUT/sweep-d256.log" 2>&1
+grep -c "^sweep" "$OUT/sweep-d256.log" 2>/dev/null
 [ -f "$OUT/workloads.json" ] && python3 - "$OUT" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])

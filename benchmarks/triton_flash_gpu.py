@@ -15,7 +15,8 @@ Usage (on the H200 machine, after ``pip install --no-build-isolation --no-deps -
    N 1K/4K/16K, B = 16384/N, H = 2048/D, causal and not, do_bench(warmup=25,
    rep=100, median)) beside SDPA flash, in the same process on the same inputs.
 6. A sweep of a few launch configurations at N=4096, each checked against SDPA flash,
-   then timed (data for the configuration table).
+   then timed beside SDPA flash and cuDNN (data for the configuration table);
+   ``--only sweep --sweep-head-dims 256`` the D=256 rows at the issue's B=4, H=8.
 7. ``--only window_sweep``: a few forward and backward configurations for W = 256 and
    1024 at the issue's sliding-window shape, each compared with the table's choice, then
    timed.
@@ -337,28 +338,53 @@ def timing(quick: bool) -> list[dict]:
     return rows
 
 
+# D=256: the table's rows first, then the candidates that compile for sm_90 without
+# spills, or with a few bytes outside the loops (archive/aot-d256-configs-2026-12-02.md).
 SWEEP_FWD = {
     64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4), (128, 128, 4, 3), (64, 64, 4, 3),
          (128, 128, 4, 4)],
     128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3)],
+    256: [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1), (128, 32, 8, 2),
+          (128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
 }  # fmt: skip
 SWEEP_BWD = {  # (dK/dV config, dQ config)
     64: [((32, 128, 4, 3), (128, 32, 4, 3)), ((64, 128, 8, 3), (128, 64, 8, 3)),
          ((32, 64, 4, 3), (64, 32, 4, 3))],
     128: [((64, 128, 8, 3), (128, 64, 8, 3)), ((64, 128, 8, 2), (128, 64, 8, 2)),
           ((32, 64, 4, 3), (64, 32, 4, 3)), ((32, 128, 8, 3), (64, 64, 4, 3))],
+    # The table's pair (its dQ row spills in its loops), the same dK/dV with the dQ tiles
+    # on 2 stages (no spills), then larger tiles on 8 warps.
+    256: [((32, 32, 4, 1), (64, 32, 8, 1)), ((32, 32, 4, 1), (64, 32, 8, 2)),
+          ((32, 32, 8, 2), (32, 64, 8, 2)), ((64, 32, 8, 2), (64, 16, 8, 2)),
+          ((64, 32, 8, 1), (64, 32, 8, 2)), ((16, 64, 8, 2), (128, 32, 8, 2)),
+          ((32, 64, 8, 2), (64, 64, 8, 2))],
 }  # fmt: skip
 
 
-def sweep(seqlens: tuple[int, ...] = (4096,)) -> list[dict]:
-    """A few launch configurations per direction at each N (bf16; B = 16384 / N tokens,
-    H = 2048 / D as the benchmark grid), each checked against SDPA flash before it is
-    timed: data for the configuration table (issue 4)."""
+def _sdpa_cudnn(q, k, v, causal=False):  # type: ignore[no-untyped-def]
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False
+    )[0]
+
+
+def _shape(n: int, d: int) -> tuple[int, int]:
+    """(B, H) of the sweep at N, head dim D: the grid's B = 16384 / N, H = 2048 / D; at
+    D = 256 the issue's B = 4, H = 8 (19: "D=256 (B=4, H=8, N=4K)")."""
+    if d == 256:
+        return 4, 8
+    return max(1, 16384 // n), 2048 // d
+
+
+def sweep(seqlens: tuple[int, ...] = (4096,), head_dims: tuple[int, ...] = (64, 128)) -> list[dict]:
+    """A few launch configurations per direction at each N and head dim (bf16, shapes
+    by :func:`_shape`), each checked against SDPA flash before it is timed, with SDPA
+    flash and cuDNN timed beside them on the same inputs (rows of kind "baseline"):
+    data for the configuration table."""
     from attnhub.backends.triton_flash import tuning
 
     rows = []
-    for n, d in ((n, d) for n in seqlens for d in (64, 128)):
-        b, h = max(1, 16384 // n), 2048 // d
+    for n, d in ((n, d) for n in seqlens for d in head_dims):
+        b, h = _shape(n, d)
         torch.manual_seed(5)
         q, k, v = (torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))  # fmt: skip
@@ -367,6 +393,18 @@ def sweep(seqlens: tuple[int, ...] = (4096,)) -> list[dict]:
             flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
             ref = _sdpa_flash(q, k, v, causal)
             ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+            for name, fn in (("torch_sdpa_flash", _sdpa_flash), ("torch_sdpa_cudnn", _sdpa_cudnn)):
+                base = {"kind": "baseline", "backend": name, "D": d, "N": n, "B": b, "H": h,
+                        "causal": causal}  # fmt: skip
+                try:
+                    t_f, t_fb = _bench(fn, q, k, v, dout, causal)
+                    base.update(fwd_ms=round(t_f, 4), bwd_ms=round(t_fb - t_f, 4),
+                                fwd_tflops=round(flops / t_f / 1e9, 1),
+                                bwd_tflops=round(2.5 * flops / (t_fb - t_f) / 1e9, 1))  # fmt: skip
+                except Exception as exc:
+                    base["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                print(f"sweep {base}", flush=True)
+                rows.append(base)
             trials = [("fwd", c, None) for c in SWEEP_FWD[d]]
             trials += [("bwd", kv, dq) for kv, dq in SWEEP_BWD[d]]
             for kind, first, second in trials:
@@ -522,6 +560,7 @@ def main() -> None:
     parser.add_argument("--no-sanitizer", action="store_true")
     parser.add_argument("--only", default="", help="comma list of sections to run")
     parser.add_argument("--sweep-seqlens", default="4096", help="comma list of N for the sweep")
+    parser.add_argument("--sweep-head-dims", default="64,128", help="comma list of D for the sweep (64, 128, 256)")  # fmt: skip
     parser.add_argument("--commit", help="the tree's commit, recorded in env (default: git HEAD)")
     args = parser.parse_args()
     torch.set_float32_matmul_precision("highest")
@@ -543,7 +582,13 @@ def main() -> None:
         ("memory", memory),
         ("long", long_run),
         ("timing", lambda: timing(args.quick)),
-        ("sweep", lambda: sweep(tuple(int(n) for n in args.sweep_seqlens.split(",")))),
+        (
+            "sweep",
+            lambda: sweep(
+                tuple(int(n) for n in args.sweep_seqlens.split(",")),
+                tuple(int(d) for d in args.sweep_head_dims.split(",")),
+            ),
+        ),
         ("window_sweep", window_sweep),
     )
     for name, step in steps:
