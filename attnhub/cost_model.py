@@ -168,13 +168,8 @@ class CostModelPolicy:
             for b in group:
                 cost, own = estimates[b.name]
                 basis = "its constants" if own else "the default constants (none of its own)"
-                compiles = (
-                    ", after those that do not compile per shape" if b.compiles_per_shape else ""
-                )
-                ranked.append(
-                    (
-                        b,
-                        f"estimated {cost.ms(w):.3g} ms by {self.name}, {basis}, {memory} memory{compiles}",
-                    )
-                )
+                note = f"estimated {cost.ms(w):.3g} ms by {self.name}, {basis}, {memory} memory"
+                if b.compiles_per_shape:
+                    note += ", after those that do not compile per shape"
+                ranked.append((b, note))
         return ranked

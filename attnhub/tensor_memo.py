@@ -49,7 +49,3 @@ class TensorMemo(Generic[T]):
                 self._entries.clear()
             self._entries[key] = (weakref.ref(tensor), tensor._version, value)
         return value
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()

@@ -145,7 +145,7 @@ class TritonFlash(Backend):
         # key tiles skipped (key_ranges.py).
         ranges = None
         if attn_mask is not None:
-            ranges = _key_ranges.ranges_of(attn_mask, query, key, params.dropout_p)
+            ranges = _key_ranges.ranges_of(attn_mask, query, key, value, params.dropout_p)
         if ranges is not None:
             del options["dropout_p"]
             out, lse = _key_ranges.flash_attention_key_ranges(

@@ -8,7 +8,8 @@ keys lo_b .. hi_b - 1. The kernels then run in their key-range mode (kernels'
 glossary, "Key ranges"): no mask is read, and the key tiles outside the run are never
 visited, where the mask path reads a mask tile and computes every tile (seen on the
 H200, the workload bench's padding call, B8 Hq32/Hkv8 N4096 causal, lengths 512..4096:
-17.2 ms forward with the mask, against 6.8 ms for PyTorch's SDPA).
+17.2 ms forward with the mask, 1.88 ms as key ranges, 6.8 ms for PyTorch's SDPA;
+benchmarks/results/archive/workloads-padding-h200-2026-12-02-953f2b6.md).
 
 What qualifies (:func:`ranges_of`): a bool mask of shape (1 or B, 1, 1, Nk) whose True
 entries form one run per batch entry (an empty run too: every row then has no key and
@@ -50,17 +51,18 @@ def _runs(mask: torch.Tensor) -> torch.Tensor | None:
 
 
 def ranges_of(
-    mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, dropout_p: float
+    mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
 ) -> torch.Tensor | None:
     """The int32 (B, 2) key ranges that ``mask`` (4-D, as the backend receives it) means
-    for a call on q (B, Hq, Nq, D) and k (B, Hkv, Nk, D), or None (module docstring)."""
+    for a call on q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D/Dv), or None (module
+    docstring)."""
     if mask.dtype != torch.bool or dropout_p > 0.0 or mask.dim() != 4:
         return None
     batch, nk = q.shape[0], k.shape[2]
     mb, mh, mq, mk = mask.shape
     if mh != 1 or mq != 1 or mk != nk or mb not in (1, batch) or nk == 0:
         return None
-    if not direct(q, k, mask) or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not direct(q, k, v, mask) or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     runs = _memo(mask, _runs)
     if runs is None:

@@ -251,7 +251,7 @@ def _cu(
     """The kernels' CuQ, CuK arguments (``like`` where a kernel never reads one)."""
     if packed is not None:
         return packed.cu_q, packed.cu_k
-    return like, like if key_ranges is None else key_ranges
+    return like, (like if key_ranges is None else key_ranges)
 
 
 def _varlen(packed: Packed | None, key_ranges: torch.Tensor | None) -> int:
