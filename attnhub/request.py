@@ -82,6 +82,11 @@ class AttentionRequest:
     head_dim_v: int
     mask: str = "none"
     mask_needs_grad: bool = False
+    # The mask varies along the keys only (its head and query-row dims are 1 or absent):
+    # key padding. triton_flash runs such a bool mask as key ranges, many times faster
+    # than a mask of rows (backends/triton_flash/key_ranges.py), so a measurement of one
+    # must not rank the other.
+    mask_per_key: bool = False
     causal: bool = False
     alignment: str = "top_left"
     window: bool = False
@@ -131,7 +136,10 @@ class AttentionRequest:
                 "block_sparse" + ("{}x{}".format(*self.block_size) if self.block_size else "")
             )
         if self.mask != "none":
-            flags.append(f"{self.mask} mask" + (" with grad" if self.mask_needs_grad else ""))
+            per_key = " (per key)" if self.mask_per_key else ""
+            flags.append(
+                f"{self.mask} mask{per_key}" + (" with grad" if self.mask_needs_grad else "")
+            )
         if self.needs_grad:
             flags.append("backward")
         if self.deterministic:

@@ -469,6 +469,11 @@ def request_facts(
         ("head_dim_v", _exact(value.shape[-1], "the value head dim Dv")),
         ("mask", mask),
         ("mask_needs_grad", needs_grad and attn_mask is not None and attn_mask.requires_grad),
+        (
+            "mask_per_key",
+            attn_mask is not None
+            and all(_fact(n == 1, "the mask's head and row dims") for n in attn_mask.shape[-3:-1]),
+        ),
         ("causal", params.causal),
         # The alignment only matters where a diagonal does and the lengths differ;
         # normalizing it keeps backends that lack one alignment eligible elsewhere.

@@ -56,6 +56,7 @@ def request_of(row: dict[str, Any]) -> AttentionRequest:
         seqlen_q=seqlen_bucket(nq), seqlen_k=seqlen_bucket(nk),
         same_seqlen=nq == nk, q_longer=nq > nk, head_dim=row["head_dim"],
         head_dim_v=row["head_dim"], mask="bool" if row["lengths"] else "none",
+        mask_per_key=bool(row["lengths"]),  # the padding call's (B, 1, 1, Nk) key mask
         causal=causal, alignment=row["alignment"] if causal and nq != nk else "top_left",
         window=row["window"] is not None, needs_grad=row["mode"] == "fwd_bwd",
     )  # fmt: skip

@@ -678,3 +678,21 @@ def test_a_decode_step_is_the_same_call_without_causal(window):
     # With more than one query row, causal still means causal.
     q2 = torch.randn(2, 4, 2, 16, dtype=torch.float64)
     assert attnhub.explain(q2, k, v, causal=True, alignment="bottom_right").request.causal
+
+
+def test_a_key_padding_mask_and_a_mask_of_rows_are_different_requests():
+    """A bool mask that varies along the keys only (key padding, which triton_flash runs
+    as key ranges) and a mask of rows of the same sizes cost a backend differently: they
+    are different requests, so a measurement of one never ranks the other."""
+    from attnhub import measured
+
+    q, k, v = (torch.randn(2, 4, 12, 16) for _ in range(3))
+    keys = torch.ones(2, 1, 1, 12, dtype=torch.bool)
+    per_key = [attnhub.explain(q, k, v, m).request for m in (keys, keys[0, 0, 0])]
+    rows = [attnhub.explain(q, k, v, m).request
+            for m in (torch.ones(2, 1, 12, 12, dtype=torch.bool), torch.ones(2, 4, 1, 12, dtype=torch.bool))]  # fmt: skip
+    assert all(r.mask_per_key for r in per_key) and not any(r.mask_per_key for r in rows)
+    per_key_keys = {measured.request_key(r) for r in per_key}
+    rows_keys = {measured.request_key(r) for r in rows}
+    assert len(per_key_keys) == len(rows_keys) == 1 and per_key_keys.isdisjoint(rows_keys)
+    assert "bool mask (per key)" in attnhub.explain(q, k, v, keys).signature
