@@ -215,7 +215,8 @@ def interleaved_ms(
                 return measure()
         except Exception as exc:
             errors[name] = _error(exc)
-            synchronize(device)
+            with contextlib.suppress(Exception):  # a sticky CUDA error raises here again
+                synchronize(device)
             return None
 
     for name, fn in fns.items():

@@ -165,11 +165,12 @@ class CostModelPolicy:
                     b.name,
                 ),
             )
+            others_compile_once = any(not b.compiles_per_shape for b in group)
             for b in group:
                 cost, own = estimates[b.name]
                 basis = "its constants" if own else "the default constants (none of its own)"
                 note = f"estimated {cost.ms(w):.3g} ms by {self.name}, {basis}, {memory} memory"
-                if b.compiles_per_shape:
+                if b.compiles_per_shape and others_compile_once:
                     note += ", after those that do not compile per shape"
                 ranked.append((b, note))
         return ranked

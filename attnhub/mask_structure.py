@@ -15,8 +15,10 @@ mask and then compared with it element by element; a mask that is almost a windo
 not a window, and comes back as None (the call runs with the mask as given).
 
 Recognition costs a few passes over the mask and one device synchronization; it is
-cached per mask tensor (identity and version counter), so the layers of one forward
-pass, which share their mask, pay it once. It never runs while ``torch.compile`` traces
+cached per mask tensor (identity and version counter, :mod:`attnhub.tensor_memo`), so
+the layers of one forward pass, which share their mask, pay it once; under
+``torch.inference_mode`` every layer pays it (inference tensors keep no version
+counter). It never runs while ``torch.compile`` traces
 (the answer depends on the mask's values).
 
 Masks recognized: bool (True = may attend) and float masks whose every value is 0 or

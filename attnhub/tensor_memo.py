@@ -3,10 +3,11 @@
 Mask analyses (:mod:`attnhub.mask_structure`, triton_flash's key ranges) read a mask's
 values on the host, one device synchronization each; the layers of one forward pass
 share their mask, so the answer is kept per mask tensor. An entry is keyed by the
-tensor's id and checked against a weak reference (an id is reused once the tensor is
-gone) and its version counter (an in-place change makes it another mask). Inference
-tensors (``torch.inference_mode``) have no version counter: their answers are computed
-at every call, never kept.
+tensor's id (a view's: its base's, with the view's shape, strides and offset) and
+checked against a weak reference (an id is reused once the tensor is gone) and the
+version counter (an in-place change makes it another mask). Inference tensors
+(``torch.inference_mode``) have no version counter: their answers are computed at
+every call, never kept (one synchronization per layer then).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class TensorMemo(Generic[T]):
     recompute and a forward pass uses few masks)."""
 
     def __init__(self, limit: int = 64) -> None:
-        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], int, T]] = {}
+        self._entries: dict[tuple, tuple[weakref.ref[torch.Tensor], int, T]] = {}
         self._lock = threading.Lock()
         self._limit = limit
 
@@ -39,13 +40,17 @@ class TensorMemo(Generic[T]):
             # An inference tensor (made under torch.inference_mode) has no version
             # counter: an in-place change could not be told apart, so nothing is kept.
             return compute(tensor)
-        key = id(tensor)
+        # A view is known by its base and its geometry: attnhub.attention views a mask
+        # of fewer than 4 dims anew at every call (one object per call), and a view
+        # shares its base's version counter.
+        base = tensor._base if tensor._base is not None else tensor
+        key = (id(base), tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
         entry = self._entries.get(key)
-        if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+        if entry is not None and entry[0]() is base and entry[1] == base._version:
             return entry[2]
         value = compute(tensor)
         with self._lock:
             if len(self._entries) >= self._limit:
                 self._entries.clear()
-            self._entries[key] = (weakref.ref(tensor), tensor._version, value)
+            self._entries[key] = (weakref.ref(base), base._version, value)
         return value

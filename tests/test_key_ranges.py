@@ -245,3 +245,39 @@ def test_a_mask_made_under_inference_mode_is_read_at_every_call(counted):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             mask[1, ..., 20:] = False
     assert [r.tolist()[1] for r in counted] == [[0, 33], [0, 20]]
+
+
+def test_a_mask_of_fewer_dims_is_read_once_too(counted, monkeypatch):
+    """attnhub.attention views an (Nk,) mask as (1, 1, 1, Nk) anew at every call: the
+    memo knows a view by its base and geometry, so the runs are read once (they were
+    read at every call)."""
+    reads = []
+    real = key_ranges._runs
+    monkeypatch.setattr(key_ranges, "_runs", lambda m: reads.append(1) or real(m))
+    mask = torch.zeros(N, dtype=torch.bool, device=DEVICE)
+    mask[3:50] = True
+    q, k, v = inputs(B, HQ, HKV, N, N, D, torch.float32, mask.expand(B, 1, 1, N))
+    for _ in range(3):
+        attnhub.attention(q, k, v, mask, backend="triton_flash")
+    assert len(reads) == 1 and len(counted) == 3 and counted[0].tolist() == [[3, 50]] * B
+    mask[49] = False  # the base changed in place: read again
+    attnhub.attention(q, k, v, mask, backend="triton_flash")
+    assert len(reads) == 2 and counted[-1].tolist() == [[3, 49]] * B
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda r: r.long(),
+        lambda r: r[:1],
+        lambda r: r.t().contiguous().t(),
+    ],
+    ids=["int64", "short", "strided"],
+)
+def test_ranges_that_the_kernels_cannot_index_are_refused(bad):
+    """flash_attention_key_ranges takes ranges_of's tensors only: any other dtype, shape
+    or layout is a ValueError naming ``ranges`` before a kernel could read past it."""
+    q, k, v = (torch.randn(B, HQ, N, D, device=DEVICE) for _ in range(3))
+    good = torch.tensor([[0, N]] * B, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="ranges: expected"):
+        key_ranges.flash_attention_key_ranges(q, k, v, bad(good))

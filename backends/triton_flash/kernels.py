@@ -47,7 +47,7 @@ merged backward           attn_bwd_kernel: the dK/dV and dQ programs above in on
 Layout: every tensor is (B, heads, N, D) read through its four strides (transposed
 (B, N, H, D) views work without a copy). Base offsets are int64.
 
-Packed sequences (VARLEN=True, attnhub.attention_varlen)
+Packed sequences (VARLEN=1, attnhub.attention_varlen)
     Q/Out/dO/dQ are (Tq, H, D) and K/V/dK/dV (Tk, HKV, D), passed as (B, heads, N, D)
     with batch stride 0; sequence b is rows CuQ[b]:CuQ[b + 1] of the queries and
     CuK[b]:CuK[b + 1] of the keys (:func:`_sequence`), and the kernels shift each base

@@ -16,7 +16,8 @@ entries form one run per batch entry (an empty run too: every row then has no ke
 gets zeros, lse -inf, as the contract says), in an eager call outside CUDA-graph
 capture; reading the runs costs one device synchronization per mask tensor, kept while
 the tensor lives unchanged (:class:`attnhub.tensor_memo.TensorMemo`), so the layers of
-one forward pass pay it once. Dropout calls keep the mask path (its random stream is
+one forward pass pay it once (under ``torch.inference_mode``, every layer: inference
+tensors keep no version counter). Dropout calls keep the mask path (its random stream is
 indexed by the dense key positions). Anything else (per-head or per-row masks, holes
 in the run, tracing) runs with the mask as given.
 """
@@ -95,7 +96,17 @@ def flash_attention_key_ranges(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dense attention over keys ``ranges[b, 0] .. ranges[b, 1] - 1`` of each batch entry,
     differentiable: shapes and options as :func:`.ops.flash_attention` (no dropout), the
-    same answer as that call with the key mask the ranges stand for."""
+    same answer as that call with the key mask the ranges stand for. ``ranges``: as
+    :func:`ranges_of` gives them, int32 (B, 2) contiguous on q's device with
+    0 <= lo <= hi <= Nk (the values are the caller's to vouch for: they are not read
+    on the host)."""
+    if ranges.dtype != torch.int32 or ranges.shape != (q.shape[0], 2) or not ranges.is_contiguous():
+        raise ValueError(
+            f"ranges: expected a contiguous int32 ({q.shape[0]}, 2) tensor, got "
+            f"{ranges.dtype} {tuple(ranges.shape)} strides {ranges.stride()}"
+        )
+    if ranges.device != q.device:
+        raise ValueError(f"ranges: on {ranges.device}, expected q's device {q.device}")
     _, scalars = call_scalars(q, causal, bottom_right, window, softcap, scale, 0.0)
     out, lse = apply_direct(_fwd, _bwd, (ranges,), q, k, v, scalars, return_lse)
     return out, (lse if return_lse else None)

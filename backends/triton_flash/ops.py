@@ -308,7 +308,8 @@ def _edge_segments(
     or queries (dK/dV: the head is the band's right edge, the tail its left edge and
     ragged last tiles of either length). ``prefix`` names a role of the merged backward
     kernel ("KV_", "Q_"), whose ``cfg`` is that role's tiles. ``ragged``: packed
-    sequences, whose lengths the host does not know: every tail is compiled."""
+    sequences or key ranges, whose lengths the host does not know: every tail is
+    compiled."""
     left_edge = left != NO_WINDOW
     right_edge = causal or right != NO_WINDOW
     if walks_keys:
