@@ -171,11 +171,7 @@ def _iterations(fn: Callable[[], Any], device: torch.device, budget_s: float, re
     ``repeats`` loops fill about ``budget_s``."""
     for _ in range(2):
         fn()
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    once = max(time.perf_counter() - start, 1e-6)
+    once = max(_loop_ms(fn, device, 1) / 1e3, 1e-6)
     return max(3, min(1000, int(budget_s / repeats / once)))
 
 
