@@ -245,7 +245,9 @@ def attention(
             and window is None
             and softcap is None
             and scale is None
-            and dropout_p is _NO_DROPOUT
+            # 0.0 by value, as callers pass it (F.sdpa's own default, Hugging Face's
+            # dropout=0.0 at inference): another module's 0.0 is another object.
+            and (dropout_p is _NO_DROPOUT or (dropout_p.__class__ is float and dropout_p == 0.0))
             and block_sparse is None
             and return_lse is False
         ):

@@ -40,6 +40,12 @@ from attnhub.request import AttentionParams, AttentionRequest
 from .torch_reference import keep_mask
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
+# PyTorch's own function (what F.scaled_dot_product_attention is until something
+# replaces it), bound here so that a runner never goes through a replacement:
+# attnhub.patch()'s, which would pass the call back here (a Python frame and its
+# checks, a few us a call), or dispatch it again when the runner is reached from
+# attnhub.attention outside a patched call.
+_SDPA = torch._C._nn.scaled_dot_product_attention
 
 
 def _combined_mask(
@@ -336,7 +342,7 @@ class TorchSDPA(Backend):
             static["is_causal"] = True
         if request.heads_q != request.heads_kv:
             static["enable_gqa"] = True
-        sdpa = F.scaled_dot_product_attention
+        sdpa = _SDPA
         if request.mask == "none" and not static:  # the commonest call: nothing to add
             return lambda query, key, value, attn_mask: sdpa(query, key, value)
         if request.mask == "none":
@@ -354,7 +360,7 @@ class TorchSDPA(Backend):
         if cached is None:
             cached = _built_masks.put(query, key, attn_mask, params, _sdpa_arguments(query, key, attn_mask, params))  # fmt: skip
         attn_mask, is_causal, empty_rows = cached
-        out = F.scaled_dot_product_attention(
+        out = _SDPA(
             query, key, value, attn_mask=attn_mask, dropout_p=params.dropout_p,
             is_causal=is_causal, scale=params.scale,
             # A branch: with symbolic head counts (torch.compile(dynamic=True)) the

@@ -16,7 +16,8 @@
 #   MODELS_S    models.json/md: `attnhub bench --models` (MODELS: comma-separated names;
 #               MODELS_REPEATS: timed repetitions per way, default 3)
 #   PROFILE_S   model-profile.json/md: benchmarks/model_profile.py, attention kernels' share of
-#               a model step per way (PROFILE_MODELS, default Gemma 2; PROFILE_TASK: train)
+#               a model step per way (PROFILE_MODELS, default Gemma 2; PROFILE_TASK: train;
+#               PROFILE_HOST_TOP: also a cProfile of one run per way, this many functions)
 #   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16;
 #               WORKLOADS_ONLY: only the workloads whose name contains it)
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
@@ -47,9 +48,12 @@ step() {  # step LIMIT_S NAME COMMAND...: run COMMAND under LIMIT_S seconds, if 
     tar czf "$DEST/session.tgz" -C "$OUT" . 2>/dev/null
 }
 
-step "${TESTS_S:-0}" tests python3 -m pytest -m gpu -n "${TESTS_N:-6}" -q -rfE --tb=line -p no:cacheprovider --timeout 120 \
+# -v: each test's outcome is logged as it ends, so a step cut at its limit (SIGINT, then
+# SIGKILL when pytest-xdist does not stop in time) still says which failed.
+step "${TESTS_S:-0}" tests python3 -m pytest -m gpu -n "${TESTS_N:-6}" -v -rfE --tb=line -p no:cacheprovider --timeout 120 \
     --continue-on-collection-errors ${TESTS:-tests} > "$OUT/gpu-tests.log" 2>&1
-tail -25 "$OUT/gpu-tests.log" 2>/dev/null | grep -v "^\.\.\.\." | tail -12
+grep -E "FAILED|ERROR" "$OUT/gpu-tests.log" 2>/dev/null | grep -v "^FAILED\|^ERROR" | head -20
+tail -3 "$OUT/gpu-tests.log" 2>/dev/null
 step "${PROBE_S:-0}" probe python3 benchmarks/sdpa_mask_probe.py --json "$OUT/sdpa-mask-probe.json" \
     > "$OUT/sdpa-mask-probe.txt" 2>&1
 cat "$OUT/sdpa-mask-probe.txt" 2>/dev/null
@@ -80,7 +84,7 @@ step "${MODELS_S:-0}" models python3 -m attnhub bench --models --model-names "${
     --device cuda --repeats "${MODELS_REPEATS:-3}" -o "$OUT/models.json" > "$OUT/models.md" 2> "$OUT/models.err"
 cat "$OUT/models.md" 2>/dev/null
 step "${PROFILE_S:-0}" profile python3 benchmarks/model_profile.py \
-    --models "${PROFILE_MODELS:-gemma2-window1024-softcap50}" --task "${PROFILE_TASK:-train}" \
+    --models "${PROFILE_MODELS:-gemma2-window1024-softcap50}" --task "${PROFILE_TASK:-train}" --host-top "${PROFILE_HOST_TOP:-0}" \
     --json "$OUT/model-profile.json" > "$OUT/model-profile.md" 2> "$OUT/model-profile.err"
 head -40 "$OUT/model-profile.md" 2>/dev/null; tail -5 "$OUT/model-profile.err" 2>/dev/null
 step "${WORKLOADS_S:-0}" workloads python3 -m attnhub bench --workloads --device cuda \

@@ -8,15 +8,17 @@ CUDA kernels' device time, split into attention kernels (names matched by
 wall clock: host gaps (launch overhead, Python) show as the difference between the
 step's wall clock and the kernels' sum.
 
-    python benchmarks/model_profile.py [--models gemma2-window1024-softcap50] \
+    python benchmarks/model_profile.py [--models gemma2-window1024-softcap50] [--host-top 40] \
         [--task train|generate] [--top 8] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import json
+import pstats
 import re
 import time
 from collections import defaultdict
@@ -37,6 +39,11 @@ ATTENTION_KERNELS = re.compile(
 )
 
 
+# Unprofiled runs timed per way; the fastest is its wall clock (one run drifts by tens
+# of percent on the shared host, 2026-12-02).
+WALL_REPEATS = 3
+
+
 def _kernels(prof: Any) -> dict[str, float]:
     """Device microseconds per kernel name over the profile."""
     totals: dict[str, float] = defaultdict(float)
@@ -46,8 +53,26 @@ def _kernels(prof: Any) -> dict[str, float]:
     return totals
 
 
+def _host_profile(fn: Any, top: int) -> list[tuple[str, int, float, float]]:
+    """cProfile of one run of ``fn``: the ``top`` functions by cumulative time, as
+    (function, calls, own ms, cumulative ms). Where a way's host time goes, beside the
+    kernels' device time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    rows = [
+        (f"{pstats.func_std_string(func)}", calls, own * 1e3, cumulative * 1e3)
+        for func, (_, calls, own, cumulative, _) in stats.items()
+    ]
+    return sorted(rows, key=lambda r: -r[3])[:top]
+
+
 def profile_way(
-    spec: bm.ModelSpec, way: str, task: str, device: torch.device, top: int
+    spec: bm.ModelSpec, way: str, task: str, device: torch.device, top: int,
+    host_top: int = 0,
 ) -> dict[str, Any]:
     ids, prompts, mask = bm._inputs(spec, 32000, device)
     model, implementation = bm.build(spec, way, torch.bfloat16, device, 32000)
@@ -58,14 +83,18 @@ def profile_way(
     with bm._context(way):
         fn()
         fn()
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize(device)
-        wall = time.perf_counter() - start
+        walls = []
+        for _ in range(WALL_REPEATS):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(device)
+            walls.append(time.perf_counter() - start)
+        wall = min(walls)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize(device)
+        host = _host_profile(fn, host_top) if host_top else []
     totals = _kernels(prof)
     attention = {k: v for k, v in totals.items() if ATTENTION_KERNELS.search(k)}
     heaviest = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
@@ -75,6 +104,7 @@ def profile_way(
         "attention_ms": sum(attention.values()) / 1e3,
         "attention_kernels": {k: v / 1e3 for k, v in sorted(attention.items(), key=lambda kv: -kv[1])},
         "heaviest": [(k, v / 1e3) for k, v in heaviest],
+        "host": host,
     }  # fmt: skip
 
 
@@ -93,6 +123,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines += [f"- {v:.2f} {k[:110]}" for k, v in list(r["attention_kernels"].items())[:6]]
         lines += ["  heaviest kernels (ms):"]
         lines += [f"  - {v:.2f} {k[:110]}" for k, v in r["heaviest"]]
+        if r["host"]:
+            lines += ["  host (cProfile of one run): calls, own ms, cumulative ms, function:"]
+            lines += [f"  - {n} {own:.1f} {cum:.1f} {f[-110:]}" for f, n, own, cum in r["host"]]
     return "\n".join(lines) + "\n"
 
 
@@ -101,6 +134,8 @@ def main() -> None:
     parser.add_argument("--models", default="gemma2-window1024-softcap50")
     parser.add_argument("--task", choices=("train", "generate"), default="train")
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--host-top", type=int, default=0,
+                        help="also cProfile one run per way, listing this many functions")
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -109,7 +144,7 @@ def main() -> None:
     rows = []
     for spec in specs:
         for way in bm.WAYS:
-            rows.append(profile_way(spec, way, args.task, device, args.top))
+            rows.append(profile_way(spec, way, args.task, device, args.top, args.host_top))
             torch.cuda.empty_cache()  # the way's model is gone with profile_way's frame
     print(markdown(rows))
     if args.json:

@@ -178,6 +178,22 @@ def test_decisions_and_validation_are_cached_per_signature(fake_registry, monkey
     assert (len(checked), backend.extra_calls) == (3, 3)
 
 
+def test_an_explicit_zero_dropout_is_the_default_call(fake_registry, monkeypatch):
+    # F.sdpa's and Hugging Face's dropout_p=0.0 is another float object than
+    # attention()'s default: it must find the default call's entry, not decide again.
+    fake_registry.add(fake("general"))
+    checked = []
+    original = api.check_tensors
+    monkeypatch.setattr(api, "check_tensors", lambda *a: checked.append(1) or original(*a))
+    q = torch.randn(2, 2, 8, 16)
+    attnhub.attention(q, q, q)
+    attnhub.attention(q, q, q, dropout_p=float("0"))
+    attnhub.attention(q, q, q, dropout_p=-0.0)
+    assert len(checked) == 1
+    with pytest.raises(TypeError):
+        attnhub.attention(q, q, q, dropout_p=False)  # still validation's to reject
+
+
 @pytest.mark.parametrize(
     ("valid", "invalid"),
     [

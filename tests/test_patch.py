@@ -252,6 +252,36 @@ def test_threads_share_the_patch_and_count_every_call():
     assert attnhub.stats() == {}
 
 
+def test_torch_sdpa_reaches_pytorch_directly_while_patched():
+    """torch_sdpa's runner calls PyTorch's own function, never the patched one: called
+    through attnhub.attention while a patch is in force, it went back into the patch
+    (served twice, counted twice), and a patched call took an extra Python frame."""
+    q, k, v = _qkv()
+    ref = ORIGINAL(q, k, v, is_causal=True)
+    attnhub.reset_stats()
+    with attnhub.patch():
+        for _ in range(2):  # decided, then from the call cache
+            out = attnhub.attention(q, k, v, causal=True, backend="torch_sdpa")
+            torch.testing.assert_close(out, ref)
+    assert attnhub.stats() == {"torch_sdpa": 2}
+
+
+def test_torch_sdpa_does_not_call_another_replacement_of_the_function(monkeypatch):
+    q, k, v = _qkv()
+    seen = []
+
+    def wrapper(*args, **kwargs):  # a user's own replacement (logging, say)
+        seen.append(1)
+        return ORIGINAL(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", wrapper)
+    torch.testing.assert_close(
+        attnhub.attention(q, k, v, causal=True, backend="torch_sdpa"),
+        ORIGINAL(q, k, v, is_causal=True),
+    )
+    assert seen == []
+
+
 def test_multihead_attention_and_encoder_layer():
     """Which torch.nn modules go through F.scaled_dot_product_attention (torch 2.13)."""
     torch.manual_seed(0)
