@@ -13,8 +13,10 @@ Two measurements per way: a training step (forward and backward of the next-toke
 loss, no optimizer) in tokens per second, and greedy ``generate`` with the KV cache
 (a batch of prompts, a fixed number of new tokens, ``min_new_tokens`` so that every
 row runs to the end) in new tokens per second; both with peak memory. Timed by wall
-clock after a warm-up step, the median of a few repetitions, the ways interleaved so
-that drift hits them alike.
+clock after a warm-up step, the median of a few repetitions, the ways interleaved, in
+an order that rotates from one repetition to the next, so that drift hits them alike
+(in one fixed order the first way gained from a host that slowed over a run: stock's
+generate went from 0.43 to 0.62 s over five repetitions on the H200, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -65,6 +67,13 @@ MODELS = (
     ModelSpec("gemma2-window1024-softcap50", "gemma2", window=1024, softcap=50.0, train_batch=1, train_seq=8192),
     ModelSpec("qwen2", "qwen2"),
 )  # fmt: skip
+
+
+def rotated(ways: tuple[str, ...], repeat: int) -> tuple[str, ...]:
+    """``ways`` starting from the ``repeat``-th (modulo their number): each way is timed
+    first, second and third equally often over a multiple of ``len(ways)`` repeats."""
+    start = repeat % len(ways)
+    return ways[start:] + ways[:start]
 
 
 def _config(spec: ModelSpec, vocab: int) -> Any:
@@ -197,8 +206,9 @@ def run_model(
                 reset_stats()  # what serves the attention calls, once warm
                 fn(model)
                 served[way] = stats()
-        for _ in range(repeats):
-            for way, model in models.items():
+        for repeat in range(repeats):
+            for way in rotated(WAYS, repeat):
+                model = models[way]
                 with _context(way):
                     seconds, peak = _time(functools.partial(fn, model), device)
                 entry = timed.setdefault(way, _Timed([], peak))
@@ -263,7 +273,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("models (--models)")
     g.add_argument("--models", action="store_true", help="Hugging Face models end to end: stock sdpa vs patch() vs attn_implementation='attnhub'")  # fmt: skip
     g.add_argument("--model-names", help=f"with --models: comma-separated subset of {','.join(m.name for m in MODELS)}")  # fmt: skip
-    g.add_argument("--repeats", type=int, default=5, help="with --models: timed repetitions per way (default 5)")  # fmt: skip
+    g.add_argument("--repeats", type=int, default=6, help="with --models: timed repetitions per way, the order of the ways rotating (default 6)")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:

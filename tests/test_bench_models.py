@@ -65,3 +65,25 @@ def test_cli(tmp_path, monkeypatch):
     data = json.loads(output.read_text())
     assert data["kind"] == "models" and len(data["results"]) == 6
     assert "| llama | train |" in output.with_suffix(".md").read_text()
+
+
+def test_each_way_is_timed_in_each_position_equally_often(monkeypatch):
+    """A fixed order gave the first way the head start of a host that slows over a run."""
+    spec = bm.ModelSpec("llama", "llama", **TINY)
+    ways_seen: list[str] = []
+    real_context = bm._context
+
+    def context(way):  # type: ignore[no-untyped-def]
+        ways_seen.append(way)
+        return real_context(way)
+
+    monkeypatch.setattr(bm, "_context", context)
+    list(bm.run_model(spec, torch.float32, torch.device("cpu"), repeats=3, vocab=50))
+    # Per task: two warm-up calls' contexts (one per way), then 3 repeats x 3 ways.
+    per_task = len(bm.WAYS) + 3 * len(bm.WAYS)
+    for task in range(2):
+        timed_ways = ways_seen[task * per_task + len(bm.WAYS) : (task + 1) * per_task]
+        rounds = [tuple(timed_ways[i : i + 3]) for i in range(0, 9, 3)]
+        assert sorted(rounds) == sorted(bm.rotated(bm.WAYS, r) for r in range(3))
+        for position in range(3):
+            assert sorted(r[position] for r in rounds) == sorted(bm.WAYS)

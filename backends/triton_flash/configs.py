@@ -191,20 +191,21 @@ _LEAN_2B: dict[tuple[str, int, bool, bool], LaunchConfig] = {
     ("bwd_kv", 128, True, False): LaunchConfig(64, 128, 8, 3),
     ("bwd_q", 128, True, False): LaunchConfig(128, 64, 8, 3),
     # D=256 (B4 H8 N4096, benchmarks/results/sweep-d256-h200.json): the forward with
-    # 128-row tiles, 192 KiB of shared memory on 2 stages: 502 TFLOP/s non-causal, 434
-    # causal, against 261 / 234 for the table's (64, 64, 8, 2) and SDPA flash's 325 /
-    # 286. The backward: 174 / 166 against 120 / 112 for the table's pair (1.45x; SDPA
-    # flash 243 / 219, cuDNN 371 / 348): dK/dV on 64 resident keys, dQ on 64 rows, both
-    # near 255 registers (the 16-warp variants cap registers at 128 and spill in their
-    # loops, archive/aot-d256-configs-2026-12-02.md). Not timed with a mask tile beside
+    # 128-row tiles, 192 KiB of shared memory on 2 stages: 491 TFLOP/s non-causal, 429
+    # causal, against 261 / 235 for the table's (64, 64, 8, 2) and SDPA flash's 325 /
+    # 286 (at N=1024: 382 / 204 against 204 / 139). The backward, split: dK/dV on 64 resident keys with 3 stages, dQ on 128 rows
+    # (sweep-d256-h200.json: each of the two beside the other's runner-up, 181 / 172 and
+    # 200 / 188 TFLOP/s, against 120 / 112 for the table's pair; SDPA flash 244 / 219,
+    # cuDNN 376 / 337). Both near 255 registers; the 16-warp variants cap registers at
+    # 128 and spill in their loops (aot_check). Not timed with a mask tile beside
     # them (the forward's would take 208 of the 227 KiB): masked calls keep the table's
     # rows.
     **{
         (direction, 256, causal, short): config
         for direction, config in (
             ("fwd", LaunchConfig(128, 64, 8, 2)),
-            ("bwd_kv", LaunchConfig(32, 64, 8, 2)),
-            ("bwd_q", LaunchConfig(64, 64, 8, 2)),
+            ("bwd_kv", LaunchConfig(32, 64, 8, 3)),
+            ("bwd_q", LaunchConfig(128, 32, 8, 2)),
         )
         for causal in (False, True)
         for short in (False, True)
