@@ -31,7 +31,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from attnhub.backend import FLOAT_DTYPES, Backend, Runner

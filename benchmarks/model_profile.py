@@ -71,7 +71,11 @@ def _host_profile(fn: Any, top: int) -> list[tuple[str, int, float, float]]:
 
 
 def profile_way(
-    spec: bm.ModelSpec, way: str, task: str, device: torch.device, top: int,
+    spec: bm.ModelSpec,
+    way: str,
+    task: str,
+    device: torch.device,
+    top: int,
     host_top: int = 0,
 ) -> dict[str, Any]:
     ids, prompts, mask = bm._inputs(spec, 32000, device)
@@ -134,8 +138,12 @@ def main() -> None:
     parser.add_argument("--models", default="gemma2-window1024-softcap50")
     parser.add_argument("--task", choices=("train", "generate"), default="train")
     parser.add_argument("--top", type=int, default=8)
-    parser.add_argument("--host-top", type=int, default=0,
-                        help="also cProfile one run per way, listing this many functions")
+    parser.add_argument(
+        "--host-top",
+        type=int,
+        default=0,
+        help="also cProfile one run per way, listing this many functions",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device("cuda")

@@ -352,8 +352,8 @@ SWEEP_BWD = {  # (dK/dV config, dQ config)
          ((32, 64, 4, 3), (64, 32, 4, 3))],
     128: [((64, 128, 8, 3), (128, 64, 8, 3)), ((64, 128, 8, 2), (128, 64, 8, 2)),
           ((32, 64, 4, 3), (64, 32, 4, 3)), ((32, 128, 8, 3), (64, 64, 4, 3))],
-    # The lean pair first (the best halves of sweep-d256-h200.json), then each half with
-    # the other's runner-up, and dQ on shorter key tiles.
+    # The lean pair first (the best halves of archive/sweep-d256-h200-2026-12-02-9b87448.json),
+    # then each half with the other's runner-up, and dQ on shorter key tiles.
     256: [((32, 64, 8, 3), (128, 32, 8, 2)), ((32, 64, 8, 2), (128, 32, 8, 2)),
           ((32, 64, 8, 3), (64, 64, 8, 2)), ((32, 64, 8, 3), (128, 16, 8, 2))],
 }  # fmt: skip

@@ -190,16 +190,16 @@ _LEAN_2B: dict[tuple[str, int, bool, bool], LaunchConfig] = {
     ("bwd_q", 128, False, True): LaunchConfig(128, 64, 8, 3),
     ("bwd_kv", 128, True, False): LaunchConfig(64, 128, 8, 3),
     ("bwd_q", 128, True, False): LaunchConfig(128, 64, 8, 3),
-    # D=256 (B4 H8 N4096, benchmarks/results/sweep-d256-h200.json): the forward with
-    # 128-row tiles, 192 KiB of shared memory on 2 stages: 491 TFLOP/s non-causal, 429
-    # causal, against 261 / 235 for the table's (64, 64, 8, 2) and SDPA flash's 325 /
-    # 286 (at N=1024: 382 / 204 against 204 / 139). The backward, split: dK/dV on 64 resident keys with 3 stages, dQ on 128 rows
-    # (sweep-d256-h200.json: each of the two beside the other's runner-up, 181 / 172 and
-    # 200 / 188 TFLOP/s, against 120 / 112 for the table's pair; SDPA flash 244 / 219,
-    # cuDNN 376 / 337). Both near 255 registers; the 16-warp variants cap registers at
-    # 128 and spill in their loops (aot_check). Not timed with a mask tile beside
-    # them (the forward's would take 208 of the 227 KiB): masked calls keep the table's
-    # rows.
+    # D=256, bf16, B4 H8 (benchmarks/results/archive/sweep-d256-h200-2026-12-02-*.json,
+    # each candidate checked against SDPA flash, then timed). Forward: 128-row tiles on
+    # 2 stages (192 KiB of shared memory): 491 / 429 TFLOP/s non-causal / causal at
+    # N=4096, against 261 / 235 for the table's (64, 64, 8, 2) and SDPA flash's 325 /
+    # 286; at N=1024 382 / 204 against 204 / 139. Backward (split): dK/dV on 64 resident
+    # keys with 3 stages, dQ on 128 rows: 210 / 195 at N=4096 (-4c14567), against 120 /
+    # 112 for the table's pair and SDPA flash's 242 / 220. Both kernels near 255
+    # registers; with 16 warps registers cap at 128 and spill in the loops (aot_check).
+    # Not timed with a mask tile beside them (the forward's would take 208 of the
+    # 227 KiB): masked calls keep the table's rows.
     **{
         (direction, 256, causal, short): config
         for direction, config in (
