@@ -237,9 +237,11 @@ def markdown(data: dict[str, Any]) -> str:
         f"attnhub {env['attnhub_commit']}, {env['date']}, {data['dtype']}",
         "",
         "Tokens per second (training: tokens in the batch per forward+backward; generate: "
-        "new tokens per second); `x sdpa` = speed relative to stock `sdpa`.",
+        "new tokens per second), the median of the repeats; `x sdpa` = speed relative to "
+        "stock `sdpa` (median / best: the ratio of the medians, and of the fastest repeats, "
+        "which a host that changes speed during the run disturbs least).",
         "",
-        "| model | task | sdpa tok/s | patch tok/s | x sdpa | attnhub tok/s | x sdpa | peak MiB sdpa / patch / attnhub |",
+        "| model | task | sdpa tok/s | patch tok/s | x sdpa median / best | attnhub tok/s | x sdpa median / best | peak MiB sdpa / patch / attnhub |",
         "|---|---|---|---|---|---|---|---|",
     ]
     rows: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
@@ -251,12 +253,19 @@ def markdown(data: dict[str, Any]) -> str:
             value = ways.get(way, {}).get(key)
             return "-" if value is None else format(value, spec)
 
+        def ratio(way: str, ways: Any = ways) -> str:
+            median = cell(way, "vs_sdpa", ".2f", ways)
+            stock, mine = (ways.get(w, {}).get("all_seconds") for w in ("sdpa", way))
+            if not (stock and mine):
+                return median
+            return f"{median} / {min(stock) / min(mine):.2f}"
+
         stock_impl = ways.get("sdpa", {}).get("implementation", "sdpa")
         label = name if stock_impl == "sdpa" else f"{name} (stock runs {stock_impl})"
         lines.append(
             f"| {label} | {task} | {cell('sdpa', 'tokens_per_s', ',.0f')} | "
-            f"{cell('patch', 'tokens_per_s', ',.0f')} | {cell('patch', 'vs_sdpa', '.2f')} | "
-            f"{cell('attnhub', 'tokens_per_s', ',.0f')} | {cell('attnhub', 'vs_sdpa', '.2f')} | "
+            f"{cell('patch', 'tokens_per_s', ',.0f')} | {ratio('patch')} | "
+            f"{cell('attnhub', 'tokens_per_s', ',.0f')} | {ratio('attnhub')} | "
             f"{' / '.join(cell(w, 'peak_mib', '.0f') for w in WAYS)} |"
         )
     lines += ["", "Attention calls of one warm run, by what served them (`attnhub.stats()`):", ""]

@@ -87,3 +87,18 @@ def test_each_way_is_timed_in_each_position_equally_often(monkeypatch):
         assert sorted(rounds) == sorted(bm.rotated(bm.WAYS, r) for r in range(3))
         for position in range(3):
             assert sorted(r[position] for r in rounds) == sorted(bm.WAYS)
+
+
+def test_the_table_gives_the_ratio_of_medians_and_of_the_fastest_repeats():
+    def row(way, seconds):  # type: ignore[no-untyped-def]
+        median = sorted(seconds)[len(seconds) // 2]
+        return {"name": "llama", "task": "generate", "way": way, "implementation": "sdpa",
+                "tokens_per_s": 512 / median, "vs_sdpa": 2.0 / median, "peak_mib": None,
+                "all_seconds": seconds, "served": {}}  # fmt: skip
+
+    env = {"gpu": "g", "torch": "t", "attnhub_commit": "c", "date": "d"}
+    data = {"env": env, "dtype": "bfloat16", "results": [
+        row("sdpa", [1.0, 2.0, 2.0]), row("patch", [1.25, 1.25, 1.25]), row("attnhub", [0.5, 4.0, 4.0]),
+    ]}  # fmt: skip
+    line = next(x for x in bm.markdown(data).splitlines() if x.startswith("| llama | generate"))
+    assert "| 1.60 / 0.80 |" in line and "| 0.50 / 2.00 |" in line
