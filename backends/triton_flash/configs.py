@@ -196,8 +196,10 @@ _LEAN_2B: dict[tuple[str, int, bool, bool], LaunchConfig] = {
     # N=4096, against 261 / 235 for the table's (64, 64, 8, 2) and SDPA flash's 325 /
     # 286; at N=1024 382 / 204 against 204 / 139. Backward (split): dK/dV on 64 resident
     # keys with 3 stages, dQ on 128 rows: 210 / 195 at N=4096 (-4c14567), against 120 /
-    # 112 for the table's pair and SDPA flash's 242 / 220. Both kernels near 255
-    # registers; with 16 warps registers cap at 128 and spill in the loops (aot_check).
+    # 112 for the table's pair and SDPA flash's 242 / 220; at N=1024 each half was the
+    # best of its kind too (-9b87448: 169 / 116 with dK/dV on 2 stages). Both kernels
+    # near 255 registers; with 16 warps registers cap at 128 and spill in the loops
+    # (aot_check).
     # Not timed with a mask tile beside them (the forward's would take 208 of the
     # 227 KiB): masked calls keep the table's rows.
     **{
