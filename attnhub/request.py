@@ -91,6 +91,9 @@ class AttentionRequest:
     alignment: str = "top_left"
     window: bool = False
     softcap: bool = False
+    # The softcap's size as a power of two: the smallest n with softcap <= 2**n (None
+    # without one). A kernel's score error can grow with it (triton_flash's tanh).
+    softcap_log2: int | None = None
     dropout: bool = False
     needs_grad: bool = False
     deterministic: bool = False
@@ -129,6 +132,8 @@ class AttentionRequest:
         for name in ("window", "softcap", "dropout", "return_lse"):
             if getattr(self, name):
                 flags.append(name)
+        if self.softcap_log2 is not None:
+            flags[flags.index("softcap")] = f"softcap <= 2**{self.softcap_log2}"
         if not self.scale_positive:
             flags.append("scale <= 0")
         if self.block_sparse:

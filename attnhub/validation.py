@@ -485,6 +485,10 @@ def request_facts(
         ),
         ("window", params.window is not None),
         ("softcap", params.softcap is not None),
+        (
+            "softcap_log2",
+            None if params.softcap is None else math.ceil(math.log2(params.softcap)),
+        ),
         ("dropout", params.dropout_p > 0.0),
         ("needs_grad", needs_grad),
         (
