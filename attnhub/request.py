@@ -13,6 +13,7 @@ graph serves every batch size, and the request's ``batch`` is None.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +160,11 @@ class AttentionRequest:
             f"{lengths} {dtype_name(self.dtype)} {self.device_label}"
         )
         return text + (", " + ", ".join(flags) if flags else "")
+
+
+def softcap_log2(softcap: float | None) -> int | None:
+    """The request's ``softcap_log2``: the smallest n with ``softcap <= 2**n``, or None."""
+    return None if softcap is None else math.ceil(math.log2(softcap))
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:

@@ -23,7 +23,13 @@ from typing import Any
 
 import torch
 
-from .request import AttentionParams, AttentionRequest, device_capability, seqlen_bucket
+from .request import (
+    AttentionParams,
+    AttentionRequest,
+    device_capability,
+    seqlen_bucket,
+    softcap_log2,
+)
 from .validation import _shape, _type_name, make_params
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -194,6 +200,7 @@ def _request(
         else "top_left",
         window=params.window is not None,
         softcap=params.softcap is not None,
+        softcap_log2=softcap_log2(params.softcap),
         needs_grad=needs_grad,
         deterministic=needs_grad and torch.are_deterministic_algorithms_enabled(),
         last_dim_contiguous=contiguous,

@@ -37,7 +37,14 @@ from typing import Any
 
 import torch
 
-from .request import ALIGNMENTS, AttentionParams, AttentionRequest, device_capability, seqlen_bucket
+from .request import (
+    ALIGNMENTS,
+    AttentionParams,
+    AttentionRequest,
+    device_capability,
+    seqlen_bucket,
+    softcap_log2,
+)
 
 _TENSOR_NAMES = ("query", "key", "value")
 
@@ -485,10 +492,7 @@ def request_facts(
         ),
         ("window", params.window is not None),
         ("softcap", params.softcap is not None),
-        (
-            "softcap_log2",
-            None if params.softcap is None else math.ceil(math.log2(params.softcap)),
-        ),
+        ("softcap_log2", softcap_log2(params.softcap)),
         ("dropout", params.dropout_p > 0.0),
         ("needs_grad", needs_grad),
         (

@@ -775,15 +775,18 @@ def test_softcap_beyond_float32_max_over_log2e() -> None:
     contract's; the lse is finite, in the documented approximation (common._scores)
     of float32's largest * ln(2) / softcap times the contract's (scores near +-softcap
     have no float32 log2-domain representation). The backward is not checked: its
-    weights exp2(s - lse) need |lse| well below 2**24 to be exact in float32."""
+    weights exp2(s - lse) need |lse| well below 2**24 to be exact in float32. The op
+    is called directly: dispatch declines a float32 softcap this large
+    (test_a_large_softcap_is_declined_where_it_breaks_the_tolerance), which here would
+    be safe only because the scale saturates every weight."""
     import attnhub
 
     torch.manual_seed(6)
     q, k, v = (torch.randn(1, 2, 7, 16, device=DEVICE) * 0.3 for _ in range(3))
     cap = 3e38
-    out, lse = attnhub.attention(
-        q, k, v, softcap=cap, scale=cap, return_lse=True, backend="triton_flash"
-    )
+    with pytest.raises(attnhub.NoBackendError, match=r"softcap above 2\*\*6"):
+        attnhub.attention(q, k, v, softcap=cap, scale=cap, backend="triton_flash")
+    out, lse = ops.flash_attention(q, k, v, softcap=cap, scale=cap)
     r64, lse64 = reference_attention(
         q.double(), k.double(), v.double(), None, AttentionParams(softcap=cap, scale=cap)
     )
@@ -1263,3 +1266,26 @@ def test_a_large_softcap_is_declined_where_it_breaks_the_tolerance(dtype, softca
         return
     assert softcap <= limit
     assert compare("out", out, r_lp, r64) is None
+
+
+def test_serving_calls_decline_a_large_softcap_too():
+    """attention_kvcache and attention_varlen run the same tanh (decode._tanh, the packed
+    kernels' common._tanh): their requests carry the softcap's size as dense ones do."""
+    import attnhub
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 32, generator=g).to(DEVICE)
+    cache = torch.randn(2, 2, 40, 32, generator=g).to(DEVICE)
+    lengths = torch.tensor([40, 17], dtype=torch.int32, device=DEVICE)
+    packed = torch.randn(30, 2, 32, generator=g).to(DEVICE)
+    cu = torch.tensor([0, 12, 30], dtype=torch.int32, device=DEVICE)
+    served = attnhub.attention_kvcache(
+        q, cache, cache, lengths, softcap=64.0, backend="triton_flash"
+    )
+    assert torch.isfinite(served).all()
+    with pytest.raises(attnhub.NoBackendError, match=r"softcap above 2\*\*6"):
+        attnhub.attention_kvcache(q, cache, cache, lengths, softcap=500.0, backend="triton_flash")
+    with pytest.raises(attnhub.NoBackendError, match=r"softcap above 2\*\*6"):
+        attnhub.attention_varlen(
+            packed, packed, packed, cu, cu, softcap=500.0, backend="triton_flash"
+        )
