@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .bench import environment, synchronize, write_json
+from .bench import environment, rotated, synchronize, write_json
 from .call_stats import reset_stats, stats
 from .patching import patch
 
@@ -67,13 +67,6 @@ MODELS = (
     ModelSpec("gemma2-window1024-softcap50", "gemma2", window=1024, softcap=50.0, train_batch=1, train_seq=8192),
     ModelSpec("qwen2", "qwen2"),
 )  # fmt: skip
-
-
-def rotated(ways: tuple[str, ...], repeat: int) -> tuple[str, ...]:
-    """``ways`` starting from the ``repeat``-th (modulo their number): each way is timed
-    first, second and third equally often over a multiple of ``len(ways)`` repeats."""
-    start = repeat % len(ways)
-    return ways[start:] + ways[:start]
 
 
 def _config(spec: ModelSpec, vocab: int) -> Any:

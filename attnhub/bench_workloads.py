@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .api import attention, explain
-from .bench import environment, parse_dtype, synchronize, write_json
+from .bench import environment, parse_dtype, rotated, synchronize, write_json
 from .patching import patch
 from .request import AttentionParams, dtype_name
 
@@ -220,8 +220,7 @@ def interleaved_ms(
         if found is not None:
             iters[name], times[name] = found, []
     for r in range(repeats):
-        names = [n for n in iters if n not in errors]
-        for name in names[r % max(len(names), 1) :] + names[: r % max(len(names), 1)]:
+        for name in rotated([n for n in iters if n not in errors], r):
             ms = attempt(name, functools.partial(_loop_ms, fns[name], device, iters[name]))
             if ms is not None:
                 times[name].append(ms)
