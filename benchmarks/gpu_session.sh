@@ -21,8 +21,9 @@
 #   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16;
 #               WORKLOADS_ONLY: only the workloads whose name contains it)
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
-#   SWEEP256_S  sweep-d256.json/log: benchmarks/triton_flash_gpu.py's launch-config sweep at
-#               D=256 (B4 H8 N4096, causal and not), SDPA flash and cuDNN timed beside it
+#   SWEEP_S     sweep.json/log: benchmarks/triton_flash_gpu.py's launch-config sweep (B4 H8,
+#               causal and not; SWEEP_DIMS head dims, default 256; SWEEP_SEQLENS, default
+#               4096), SDPA flash and cuDNN timed beside it
 # Usage (on the device): TESTS_S=150 MODELS_S=200 bash benchmarks/gpu_session.sh
 # The steps write into a scratch folder, bundled into $OUT/session.tgz (the only file in
 # $OUT) after each step: the device returns at most 8 files (more, and the rest are lost),
@@ -92,9 +93,9 @@ step "${WORKLOADS_S:-0}" workloads python3 -m attnhub bench --workloads --device
     -o "$OUT/workloads.json" > /dev/null 2> "$OUT/workloads.err"
 step "${GRID_S:-0}" grid python3 -m attnhub bench --quick --no-plots --no-progress \
     -o "$OUT/grid-quick.json" > /dev/null 2> "$OUT/grid-quick.err"
-step "${SWEEP256_S:-0}" sweep-d256 python3 benchmarks/triton_flash_gpu.py "$OUT/sweep-d256.json" \
-    --only sweep --sweep-head-dims 256 --sweep-seqlens 4096 > "$OUT/sweep-d256.log" 2>&1
-grep -c "^sweep" "$OUT/sweep-d256.log" 2>/dev/null
+step "${SWEEP_S:-0}" sweep python3 benchmarks/triton_flash_gpu.py "$OUT/sweep.json" --only sweep \
+    --sweep-head-dims "${SWEEP_DIMS:-256}" --sweep-seqlens "${SWEEP_SEQLENS:-4096}" > "$OUT/sweep.log" 2>&1
+grep -c "^sweep" "$OUT/sweep.log" 2>/dev/null
 [ -f "$OUT/workloads.json" ] && python3 - "$OUT" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
