@@ -88,6 +88,12 @@ def _calls(args: argparse.Namespace) -> tuple[dict[str, Callable[[], object]], s
         calls["flash_direct"] = lambda: flash(q, k, v, 0.0, False, False)
         calls["flash_ops"] = lambda: flash_ops(q, k, v, 0.0, False, False)
         calls["flash_named"] = lambda: attnhub.attention(q, k, v, backend="torch_sdpa_flash")
+    if device.type == "cuda" and torch.backends.cudnn.is_available():
+        # cuDNN's op, as torch_sdpa_cudnn calls it (no mask, no lse without grad): what
+        # auto serves the tiny call with on the H200 (seen 2026-12-02).
+        cudnn = torch._scaled_dot_product_cudnn_attention
+        calls["cudnn_direct"] = lambda: cudnn(q, k, v, None, False, 0.0, False, False)
+        calls["cudnn_named"] = lambda: attnhub.attention(q, k, v, backend="torch_sdpa_cudnn")
     return calls, f"input {shape} {dtype} on {device}"
 
 
@@ -107,11 +113,20 @@ _LABELS = (
     ("flash_direct", "torch._scaled_dot_product_flash_attention", None),
     ("flash_ops", "torch.ops.aten._scaled_dot_product_flash_attention", None),
     ("flash_named", "attnhub.attention(backend='torch_sdpa_flash')", "flash_direct"),
+    ("cudnn_direct", "torch._scaled_dot_product_cudnn_attention", None),
+    ("cudnn_named", "attnhub.attention(backend='torch_sdpa_cudnn')", "cudnn_direct"),
 )
+# The direct call of each backend's own kernel: auto's overhead over what it dispatched
+# to (issue 16's "dispatch to a PyTorch kernel costs <= 2 us over calling that kernel").
+_KERNEL_CALL = {"torch_sdpa": "direct", "torch_sdpa_flash": "flash_direct",
+                "torch_sdpa_cudnn": "cudnn_direct"}  # fmt: skip
 
 
-def _report(title: str, values: dict[str, float], unit: str, digits: int) -> dict[str, float]:
-    """Prints each variant and its overhead; returns the overheads."""
+def _report(
+    title: str, values: dict[str, float], unit: str, digits: int, served: str = ""
+) -> dict[str, float]:
+    """Prints each variant and its overhead; returns the overheads. ``served``: the
+    backend that served ``auto``; its overhead over that backend's kernel comes last."""
     print(title)
     overheads = {}
     for name, label, base in _LABELS:
@@ -122,6 +137,11 @@ def _report(title: str, values: dict[str, float], unit: str, digits: int) -> dic
             overheads[name] = values[name] - values[base]
             line += f"  (+{overheads[name]:,.{digits}f} {unit})"
         print(line)
+    kernel = _KERNEL_CALL.get(served)
+    if kernel in values and "auto" in values:
+        overheads["auto_over_its_kernel"] = values["auto"] - values[kernel]
+        label = f"attnhub.attention() over {served}'s kernel"
+        print(f"  {label:<50}  {'':>10}    (+{overheads['auto_over_its_kernel']:,.{digits}f} {unit})")
     return overheads
 
 
@@ -133,7 +153,8 @@ def wall_times(args: argparse.Namespace) -> None:
     for fn in calls.values():
         for _ in range(500):
             fn()
-    header += f"; attnhub's own choice, once warm: {_served_auto(calls)}"
+    served = _served_auto(calls)
+    header += f"; attnhub's own choice, once warm: {served}"
     best = dict.fromkeys(calls, float("inf"))
     repeat = args.repeat
     for _ in range(args.rounds):
@@ -146,7 +167,7 @@ def wall_times(args: argparse.Namespace) -> None:
             best[name] = min(best[name], (time.perf_counter() - start) / repeat * 1e6)
     print(header)
     title = f"wall time per call, best of {args.rounds} rounds x {repeat}:"
-    overheads = _report(title, best, "us", 2)
+    overheads = _report(title, best, "us", 2, served)
     if args.json:
         data = {
             "kind": "attnhub-overhead/1",
@@ -194,12 +215,14 @@ def _count_instructions(args: argparse.Namespace, helper: str, out_dir: str) -> 
         counts[name] = int(totals[0].split()[1]) / n
         os.remove(newest)
     loop = counts.pop("empty")  # the benchmark loop and the lambda call themselves
-    print(f"{header}; attnhub's own choice, once warm: {_served_auto(calls)}")
+    served = _served_auto(calls)
+    print(f"{header}; attnhub's own choice, once warm: {served}")
     _report(
         f"instructions per call (callgrind, {n} calls, loop cost {loop:.0f} removed):",
         {name: c - loop for name, c in counts.items()},
         "instructions",
         0,
+        served,
     )
 
 
