@@ -9,7 +9,10 @@ op called as that backend calls it, through PyTorch's generated binding
 (``torch._scaled_dot_product_flash_attention``; issue 16: at most 2 us over it), and
 shows the same op called through ``torch.ops.aten`` (the baseline issue 16's +2.72 us
 was measured over), whose Python ``__call__`` and schema matching cost about 11,000
-instructions more (counted on the CPU op of the same schema).
+instructions more (counted on the CPU op of the same schema). With cuDNN, it times
+``attnhub.attention(..., backend="torch_sdpa_cudnn")`` against cuDNN's op the same way,
+and last, ``attnhub.attention()`` over the direct call of the kernel it dispatched to
+(on the H200, cuDNN's, once its first call has measured the candidates).
 
     python benchmarks/overhead.py [--device cuda] [--repeat 2000] [--rounds 200]
     python benchmarks/overhead.py --instructions    # needs valgrind and a C compiler
