@@ -1269,8 +1269,8 @@ def test_a_large_softcap_is_declined_where_it_breaks_the_tolerance(dtype, softca
 
 
 def test_serving_calls_decline_a_large_softcap_too():
-    """attention_kvcache and attention_varlen run the same tanh (decode._tanh, the packed
-    kernels' common._tanh): their requests carry the softcap's size as dense ones do."""
+    """attention_kvcache and attention_varlen run the same tanh (common._tanh, which the
+    decode and packed kernels share): their requests carry the softcap's size as dense ones do."""
     import attnhub
 
     g = torch.Generator().manual_seed(0)

@@ -42,6 +42,11 @@ FP32_MAX = tl.constexpr(3.4028234663852886e38)  # float32's largest finite value
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def interpreting() -> bool:
+    """Triton's interpreter is on (read when the kernels are decorated, at import)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 # Lengths and band edges are not specialized: a value of 1 would become a constexpr
 # (breaking scalar arithmetic such as NK * 0), and every new length would recompile.
 _DYNAMIC = ["NQ", "NK", "offset", "win_left", "win_right"]

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -66,21 +65,11 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
-LN2 = tl.constexpr(0.6931471805599453)  # natural lse = log2-domain lse * LN2
-FP32_MAX = tl.constexpr(3.4028234663852886e38)  # float32's largest finite value
+from .common import FP32_MAX, INTERPRETED, LN2, LOG2E, _tanh, interpreting
 
 # A window side this large keeps every key (contract.md: sides >= 2**30 are unbounded);
 # positions and keys stay below 2**31 - 2**30, so pos +- UNBOUNDED fits int32.
 UNBOUNDED = 1 << 30
-# Triton's interpreter runs these kernels (TRITON_INTERPRET=1 when this module is
-# imported, which is when Triton reads it to decorate them).
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-
-
-def interpreting() -> bool:
-    """Triton's interpreter is on (read when the kernels are decorated, at import)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -89,13 +78,6 @@ def _cdiv(a: int, b: int) -> int:
 
 def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
-
-
-@triton.jit
-def _tanh(x):
-    # tanh(x) = 1 - 2 / (exp(2x) + 1): exact saturation at +-inf, one exp2, and it runs
-    # in the interpreter (no libdevice there). The same formula as common._tanh.
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
 @triton.jit

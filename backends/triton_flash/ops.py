@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -39,16 +38,12 @@ from torch.autograd import forward_ad
 from torch.library import triton_op, wrap_triton
 
 from . import kernels, tuning
+from .common import interpreting
 from .configs import LaunchConfig, backward_configs, backward_launch, launch_config, merged_meta
 from .launch import CachedLaunch
 
 # Window sides and the causal clamp are passed as ints; this stands for "no window".
 NO_WINDOW = -1
-
-
-def interpreting() -> bool:
-    """Triton's interpreter is on (it is chosen when the kernels are decorated)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _noop_launch(*args, **kwargs) -> None:
