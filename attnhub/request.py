@@ -88,6 +88,10 @@ class AttentionRequest:
     # than a mask of rows (backends/triton_flash/key_ranges.py), so a measurement of one
     # must not rank the other.
     mask_per_key: bool = False
+    # A float mask in another dtype than a float16/bfloat16 query's. The contract adds it
+    # to float32 scores; PyTorch's kernels take the mask in the query's dtype, and the
+    # cast rounds it (-1e5 becomes -inf in float16, emptying rows that keep keys).
+    mask_rounded: bool = False
     causal: bool = False
     alignment: str = "top_left"
     window: bool = False
@@ -143,8 +147,10 @@ class AttentionRequest:
             )
         if self.mask != "none":
             per_key = " (per key)" if self.mask_per_key else ""
+            rounded = " (not the query's dtype)" if self.mask_rounded else ""
             flags.append(
-                f"{self.mask} mask{per_key}" + (" with grad" if self.mask_needs_grad else "")
+                f"{self.mask} mask{per_key}{rounded}"
+                + (" with grad" if self.mask_needs_grad else "")
             )
         if self.needs_grad:
             flags.append("backward")

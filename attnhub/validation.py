@@ -481,6 +481,12 @@ def request_facts(
             attn_mask is not None
             and all(_fact(n == 1, "the mask's head and row dims") for n in attn_mask.shape[-3:-1]),
         ),
+        (
+            "mask_rounded",
+            mask == "float"
+            and attn_mask.dtype != query.dtype
+            and query.dtype in (torch.float16, torch.bfloat16),
+        ),
         ("causal", params.causal),
         # The alignment only matters where a diagonal does and the lengths differ;
         # normalizing it keeps backends that lack one alignment eligible elsewhere.

@@ -293,6 +293,12 @@ class TorchSDPA(Backend):
     copies_strided = False
 
     def extra_reasons(self, request: AttentionRequest) -> list[str]:
+        if request.mask_rounded:
+            # SDPA takes a float mask in the query's dtype only: cast, it would be rounded.
+            return [
+                "a float attn_mask in another dtype than the float16/bfloat16 query: "
+                "PyTorch's SDPA takes it in the query's dtype, which would round it"
+            ]
         if request.device_type != "cuda":
             if not request.scale_positive and _uses_is_causal(request):
                 return [

@@ -784,7 +784,7 @@ def test_softcap_beyond_float32_max_over_log2e() -> None:
     torch.manual_seed(6)
     q, k, v = (torch.randn(1, 2, 7, 16, device=DEVICE) * 0.3 for _ in range(3))
     cap = 3e38
-    with pytest.raises(attnhub.NoBackendError, match=r"softcap above 2\*\*6"):
+    with pytest.raises(attnhub.NoBackendError, match=r"softcap above 2\*\*5"):
         attnhub.attention(q, k, v, softcap=cap, scale=cap, backend="triton_flash")
     out, lse = ops.flash_attention(q, k, v, softcap=cap, scale=cap)
     r64, lse64 = reference_attention(
@@ -1256,7 +1256,7 @@ def test_a_large_softcap_is_declined_where_it_breaks_the_tolerance(dtype, softca
         q.double(), k.double(), v.double(), backend="torch_reference", causal=True,
         softcap=softcap,
     )  # fmt: skip
-    limit = 64.0 if dtype == torch.float32 else 8192.0
+    limit = 32.0 if dtype == torch.float32 else 8192.0
     try:
         out = attnhub.attention(q, k, v, backend="triton_flash", causal=True, softcap=softcap)
     except attnhub.NoBackendError as exc:
@@ -1266,6 +1266,21 @@ def test_a_large_softcap_is_declined_where_it_breaks_the_tolerance(dtype, softca
         return
     assert softcap <= limit
     assert compare("out", out, r_lp, r64) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_largest_softcap_served_keeps_the_tolerance_in_the_gradients_too(dtype):
+    """At the largest softcap triton_flash serves in a dtype, output and gradients meet
+    the contract. fp32 at c = 64 had dK and dV at 1.1-1.9x the bound with grouped heads
+    (four query heads summed into each key head), while its output was within it."""
+    from attnhub.backends.triton_flash import _SOFTCAP_LOG2_LIMIT
+    from attnhub.testing import Case, case_problems
+
+    softcap = 2.0 ** _SOFTCAP_LOG2_LIMIT[dtype]
+    for seed in range(2):
+        case = Case(dtype=dtype, B=3, Hq=4, Hkv=1, Nq=80, Nk=9, D=32, Dv=32,
+                    softcap=softcap, backward=True, seed=seed)  # fmt: skip
+        assert case_problems("triton_flash", case) == []
 
 
 def test_serving_calls_decline_a_large_softcap_too():
@@ -1280,12 +1295,12 @@ def test_serving_calls_decline_a_large_softcap_too():
     packed = torch.randn(30, 2, 32, generator=g).to(DEVICE)
     cu = torch.tensor([0, 12, 30], dtype=torch.int32, device=DEVICE)
     served = attnhub.attention_kvcache(
-        q, cache, cache, lengths, softcap=64.0, backend="triton_flash"
+        q, cache, cache, lengths, softcap=32.0, backend="triton_flash"
     )
     assert torch.isfinite(served).all()
-    with pytest.raises(attnhub.NoBackendError, match=r"softcap above 2\*\*6"):
+    with pytest.raises(attnhub.NoBackendError, match=r"softcap above 2\*\*5"):
         attnhub.attention_kvcache(q, cache, cache, lengths, softcap=500.0, backend="triton_flash")
-    with pytest.raises(attnhub.NoBackendError, match=r"softcap above 2\*\*6"):
+    with pytest.raises(attnhub.NoBackendError, match=r"softcap above 2\*\*5"):
         attnhub.attention_varlen(
             packed, packed, packed, cu, cu, softcap=500.0, backend="triton_flash"
         )

@@ -46,10 +46,12 @@ def kernel_options(params: AttentionParams) -> dict[str, Any]:
 # by about 1e-7 near 0, and the softcap multiplies it: scores c * tanh(s / c) are off by
 # about c * 1e-7. Measured against the contract's tolerance in the interpreter
 # (tests/test_triton_flash.py, test_a_large_softcap_is_declined_where_it_breaks_the_
-# tolerance): float32 0.4-0.6x of the bound at c = 64, 1.1x at 128, 3x at 500; float16
-# 0.13x at 16384. Models use 30-50. An accurate tanh near 0 (a series below |x| = 1/4)
-# would lift this; not done: a kernel change to time on the GPU first.
-_SOFTCAP_LOG2_LIMIT = {torch.float32: 6, torch.float16: 13, torch.bfloat16: 13}
+# tolerance): float32 outputs 0.4-0.6x of the bound at c = 64, 1.1x at 128, 3x at 500,
+# and the gradients beyond it from c = 64 on (dK, dV 1.1-1.9x with grouped heads: the
+# test of the largest softcap served); float16 0.13x at 16384. Models use 30-50. An
+# accurate tanh near 0 (a series below |x| = 1/4) would lift this; not done: a kernel
+# change to time on the GPU first.
+_SOFTCAP_LOG2_LIMIT = {torch.float32: 5, torch.float16: 13, torch.bfloat16: 13}
 
 
 class TritonFlash(Backend):
