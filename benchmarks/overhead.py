@@ -144,7 +144,9 @@ def _report(
     if kernel in values and "auto" in values:
         overheads["auto_over_its_kernel"] = values["auto"] - values[kernel]
         label = f"attnhub.attention() over {served}'s kernel"
-        print(f"  {label:<50}  {'':>10}    (+{overheads['auto_over_its_kernel']:,.{digits}f} {unit})")
+        print(
+            f"  {label:<50}  {'':>10}    (+{overheads['auto_over_its_kernel']:,.{digits}f} {unit})"
+        )
     return overheads
 
 
