@@ -168,25 +168,19 @@ def test_reference_backend_accumulates_half_precision_in_float32(dtype):
         assert (g.double() - r).abs().max().item() <= 4 * eps * scale, name
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(
-    "bias",
-    [
-        # A constant bias beyond float16's range: cast to float16 it is -inf, and every
-        # row came out empty (zeros) where the contract keeps all keys equally.
-        lambda n: torch.full((n, n), -1e5),
-        # ALiBi-like slopes on a large offset: bfloat16 rounds -1000.37 to -1000.
-        lambda n: -1000.0 - 0.37 * torch.arange(float(n)).expand(n, n),
-    ],
-    ids=["beyond-fp16", "fine-slopes"],
-)
-def test_a_float32_mask_with_a_half_precision_query_is_added_in_float32(dtype, bias):
-    """The contract adds a float mask to float32 scores. PyTorch's SDPA takes the mask in
-    the query's dtype, so torch_sdpa would round a float32 mask first: it declines the
-    call, saying so, and what serves it matches float64."""
+_BIASES = {
+    # A constant bias beyond float16's range: cast to float16 it is -inf, and every row
+    # came out empty (zeros) where the contract keeps all keys equally.
+    "beyond-fp16": lambda n: torch.full((n, n), -1e5),
+    # ALiBi-like slopes on a large offset: bfloat16 rounds -1000.37 to -1000.
+    "fine-slopes": lambda n: -1000.0 - 0.37 * torch.arange(float(n)).expand(n, n),
+}
+
+
+def _check_a_float32_mask_is_added_in_float32(dtype, bias, device):  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 16, 32, generator=gen).to(dtype) for _ in range(3))
-    mask = bias(16)
+    q, k, v = (torch.randn(1, 2, 16, 32, generator=gen).to(device, dtype) for _ in range(3))
+    mask = _BIASES[bias](16).to(device)
     assert mask.dtype == torch.float32
     with pytest.raises(attnhub.NoBackendError, match="another dtype than the float16/bfloat16"):
         attnhub.attention(q, k, v, mask, backend="torch_sdpa")
@@ -197,8 +191,27 @@ def test_a_float32_mask_with_a_half_precision_query_is_added_in_float32(dtype, b
     out = attnhub.attention(q, k, v, mask)
     eps = torch.finfo(dtype).eps
     assert (out.double() - ref).abs().max().item() <= 4 * eps * ref.abs().max().item()
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias", list(_BIASES))
+def test_a_float32_mask_with_a_half_precision_query_is_added_in_float32(dtype, bias):
+    """The contract adds a float mask to float32 scores. PyTorch's SDPA takes the mask in
+    the query's dtype, so torch_sdpa would round a float32 mask first: it declines the
+    call, saying so, and what serves it matches float64."""
+    q, k, v, mask = _check_a_float32_mask_is_added_in_float32(dtype, bias, "cpu")
     # A mask already in the query's dtype is PyTorch's to serve, as before.
     assert attnhub.explain(q, k, v, mask.to(dtype)).chosen == "torch_sdpa"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias", list(_BIASES))
+def test_gpu_a_float32_mask_with_a_half_precision_query_is_added_in_float32(dtype, bias):
+    """The same on CUDA, where another backend (triton_flash) takes the call."""
+    _check_a_float32_mask_is_added_in_float32(dtype, bias, "cuda")
 
 
 def _cuda_request(request, **changes):  # type: ignore[no-untyped-def]
