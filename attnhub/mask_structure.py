@@ -90,10 +90,16 @@ def _to_arguments(
 
     The diagonal of ``causal`` sits at ``i`` (top-left) or ``i + nk - nq`` (bottom-right);
     other offsets, and the lower bound, become a window around one of them. None where
-    no window with sides >= 0 says it.
+    no window with sides >= 0 says it. Where both alignments say it, ``causal`` wins,
+    then the bottom-right window: a speculative-decoding mask (Nq 4, Nk 32K, keys up to
+    ``i + nk - nq``) is bottom-right causal, the call attnhub.attention gets from a
+    decoder, which triton_flash runs on its split-KV decode kernel; as the top-left
+    window (None, nk - nq) it took the prefill kernel, 4.4x slower on the H200
+    (``benchmarks/results/workloads-h200.md``: patched 1.14 ms, auto 0.26).
     """
     if offset >= nk - 1:  # no upper bound within the keys
         return False, "top_left", None if left is None else (left, None)
+    windows = []
     for alignment, diagonal in (("top_left", 0), ("bottom_right", nk - nq)):
         # Relative to the diagonal p = i + diagonal: keys p - lower <= j <= p + upper.
         upper = offset - diagonal
@@ -102,8 +108,8 @@ def _to_arguments(
             continue
         if upper == 0:
             return True, alignment, None if lower is None else (lower, None)
-        return False, alignment, (lower, upper)
-    return None
+        windows.append((False, alignment, (lower, upper)))
+    return windows[-1] if windows else None
 
 
 def _candidate(keep: torch.Tensor) -> tuple[torch.Tensor, int, int | None] | None:
@@ -152,7 +158,11 @@ def _recognize(mask: torch.Tensor) -> MaskPlan | None:
     if not torch.equal(keep, key_ok.unsqueeze(-2) & structure):
         return None
     causal, alignment, window = arguments
-    key_mask = None if bool(key_ok.all()) else key_ok.unsqueeze(-2)
+    # Keys that no row of the structure sees need no key mask either (a window's lower
+    # bound hides the oldest keys from every row of a short query block): the call then
+    # stays maskless, as a decoder's is.
+    implied = bool(key_ok.all()) or bool((key_ok == structure.any(dim=-2)).all())
+    key_mask = None if implied else key_ok.unsqueeze(-2)
     return MaskPlan(key_mask, causal, alignment, window)
 
 

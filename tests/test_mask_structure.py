@@ -83,6 +83,26 @@ def test_a_sliding_window_with_padding_is_a_window():
     assert plan is not None and plan.causal and plan.window == (w - 1, None)
 
 
+@pytest.mark.parametrize(("nq", "window"), [(4, None), (4, (9, None)), (1, None), (3, (None, 1))])
+def test_a_decoding_mask_reads_as_what_a_decoder_passes_attention(nq, window):
+    """Bottom-right causal with Nq < Nk (speculative decoding, chunked prefill) is also
+    the top-left window (None, Nk - Nq); it must come out as the bottom-right causal call
+    (or window) that attnhub.attention gets from a decoder, which triton_flash runs on
+    its decode kernel (as a top-left window it took the prefill kernel, 4.4x slower on
+    the H200). The same call: the same keys kept, the same arguments."""
+    from attnhub.backends.torch_reference import keep_mask
+
+    nk = 40
+    causal = window is None or window[1] is None
+    params = AttentionParams(causal=causal, alignment="bottom_right", window=window)
+    keep = keep_mask(nq, nk, params, "cpu")
+    plan = mask_structure._recognize(keep)
+    assert plan is not None and plan.attn_mask is None
+    assert torch.equal(_rebuilt(plan, nq, nk), keep)
+    if nq > 1:  # Nq == 1 bottom-right causal keeps every key: no structure is needed
+        assert (plan.causal, plan.alignment, plan.window) == (causal, "bottom_right", window)
+
+
 @pytest.mark.parametrize("flip", list(itertools.product([0, 5, 15], [0, 7, 15])))
 def test_almost_a_structure_is_no_structure(flip):
     """One changed element anywhere makes it another mask: recognized exactly or not at all."""

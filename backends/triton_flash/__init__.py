@@ -42,7 +42,7 @@ def kernel_options(params: AttentionParams) -> dict[str, Any]:
 
 
 # The largest softcap (as the power of two at or above it) each dtype is served with.
-# The kernels' tanh (common._tanh, decode._tanh: 1 - 2 / (exp(2x) + 1), one exp2) is off
+# The kernels' tanh (common._tanh, 1 - 2 / (exp(2x) + 1), one exp2) is off
 # by about 1e-7 near 0, and the softcap multiplies it: scores c * tanh(s / c) are off by
 # about c * 1e-7. Measured against the contract's tolerance in the interpreter
 # (tests/test_triton_flash.py, test_a_large_softcap_is_declined_where_it_breaks_the_
