@@ -483,7 +483,8 @@ def request_facts(
         ),
         (
             "mask_rounded",
-            mask == "float"
+            attn_mask is not None
+            and mask == "float"
             and attn_mask.dtype != query.dtype
             and query.dtype in (torch.float16, torch.bfloat16),
         ),
