@@ -158,10 +158,11 @@ def _recognize(mask: torch.Tensor) -> MaskPlan | None:
     if not torch.equal(keep, key_ok.unsqueeze(-2) & structure):
         return None
     causal, alignment, window = arguments
-    # Keys that no row of the structure sees need no key mask either (a window's lower
-    # bound hides the oldest keys from every row of a short query block): the call then
-    # stays maskless, as a decoder's is.
-    implied = bool(key_ok.all()) or bool((key_ok == structure.any(dim=-2)).all())
+    # No key mask where the structure alone keeps exactly key_ok's keys: every key
+    # (keep == structure then), or all but those no row of the structure sees (a window's
+    # lower bound hides the oldest keys from every row of a short query block), so that
+    # the call stays maskless, as a decoder's is. One comparison, one read back.
+    implied = bool((key_ok == structure.any(dim=-2)).all())
     key_mask = None if implied else key_ok.unsqueeze(-2)
     return MaskPlan(key_mask, causal, alignment, window)
 

@@ -337,7 +337,7 @@ def _outside_domain(
 
 
 def _note_original(why: str, query: Any, key: Any) -> None:
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return
     record(ORIGINAL)
     shapes = tuple(getattr(t, "shape", None) for t in (query, key))
@@ -462,7 +462,7 @@ def mask_arguments(
         or attn_mask.device.type not in STRUCTURED_MASK_DEVICES
         or attn_mask.dim() < 2
         or attn_mask.shape[-2:] != (query.shape[-2], key.shape[-2])
-        or torch.compiler.is_compiling()
+        or _is_compiling()
     ):
         return attn_mask, {"causal": is_causal}
     plan = recognize(attn_mask)
