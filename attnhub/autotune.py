@@ -5,7 +5,15 @@ On CUDA, the first time :func:`attnhub.attention` runs a call signature (an
 the default selection, every eligible backend is timed on the call's own tensors as
 the model pays for it: the prepared runner, wall clock per call with host time
 included, after a warm-up call (which also compiles what needs compiling), forward
-and, for calls that need gradients, backward. The fastest is kept in
+and, for calls that need gradients, backward. The backends are timed in
+:data:`ROUNDS` interleaved rounds, in rotating order, and each keeps its best round:
+a slow spell of the host or the GPU (clocks, another process) then hits every
+backend alike instead of the one that happened to run in it. A round is at least
+:data:`MIN_CALLS` calls and, for short calls, as many more as fill about
+:data:`ROUND_MS` (a decode call of 25 us timed five times is a 0.1 ms sample, inside
+the host's jitter), so a first call spends a few milliseconds on small calls and
+about ``1 + ROUNDS * MIN_CALLS`` calls' time per backend on large ones. The times
+and the choice are kept in
 :mod:`attnhub.measured` (persisted per device, PyTorch and attnhub version), and the
 call runs on it, as does every later call of that signature, in this process and the
 next. ``explain()`` says what was measured, when, and in which file.
@@ -59,7 +67,10 @@ from .request import AttentionParams
 
 log = logging.getLogger("attnhub")
 
-REPEATS = 5  # timed calls per backend, after one warm-up call
+ROUNDS = 3  # interleaved timed rounds per backend, after one warm-up call each
+MIN_CALLS = 2  # calls per round, at least
+MAX_CALLS = 64  # and at most (a 3 us call: 0.2 ms)
+ROUND_MS = 0.2  # a round of short calls repeats them to about this long
 _lock = threading.Lock()
 
 
@@ -117,16 +128,63 @@ def _call(runner: Callable[..., Any], tensors: tuple[Any, ...], backward: bool) 
     torch.autograd.grad(out, inputs, out.detach())
 
 
-def _time_ms(
-    runner: Callable[..., Any], tensors: tuple[Any, ...], backward: bool, device: torch.device
+def _reason(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _loop_ms(
+    runner: Callable[..., Any],
+    tensors: tuple[Any, ...],
+    backward: bool,
+    device: torch.device,
+    calls: int,
 ) -> float:
-    _call(runner, tensors, backward)  # warm-up: compilation, caches, allocator
+    """Milliseconds per call of ``calls`` calls in a row, synchronized at both ends."""
     _sync(device)
     start = time.perf_counter()
-    for _ in range(REPEATS):
+    for _ in range(calls):
         _call(runner, tensors, backward)
     _sync(device)
-    return (time.perf_counter() - start) / REPEATS * 1e3
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def _calls_per_round(first_ms: float) -> int:
+    """Calls in a round after the first, from the first round's time per call."""
+    wanted = int(ROUND_MS / first_ms) if first_ms > 0 else MAX_CALLS
+    return max(MIN_CALLS, min(MAX_CALLS, wanted))
+
+
+def _time_all(
+    runners: dict[str, Callable[..., Any]],
+    tensors: tuple[Any, ...],
+    backward: bool,
+    device: torch.device,
+    failed: dict[str, str],
+) -> dict[str, float]:
+    """Each runner's best round, in milliseconds per call (module docstring). A runner
+    that raises (out of memory, a failing kernel) is not a candidate: it goes into
+    ``failed`` with the reason, and out of the times."""
+    best: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    order = list(runners)
+    for round_index in range(ROUNDS + 1):  # round 0: the warm-up call
+        shift = round_index % len(order) if order else 0
+        for name in order[shift:] + order[:shift]:
+            if name in failed:
+                continue
+            try:
+                if round_index == 0:
+                    _call(runners[name], tensors, backward)
+                    continue
+                ms = _loop_ms(runners[name], tensors, backward, device, calls.get(name, MIN_CALLS))
+            except Exception as exc:
+                _sync(device)
+                failed[name] = _reason(exc)
+                best.pop(name, None)
+                continue
+            calls.setdefault(name, _calls_per_round(ms))
+            best[name] = min(best.get(name, ms), ms)
+    return best
 
 
 def measure(
@@ -146,19 +204,16 @@ def measure(
         found = store.get(decision.request)
         if found is not None:  # another thread measured it meanwhile
             return found
-        ms: dict[str, float] = {}
         failed = _untimed(decision)
+        runners: dict[str, Callable[..., Any]] = {}
         for candidate in decision.candidates:
             if not candidate.eligible or candidate.name in failed:
                 continue
             try:
-                runner = prepare_candidate(candidate.name, decision.request, params)
-                ms[candidate.name] = _time_ms(runner, tensors, backward, device)
-            except Exception as exc:  # out of memory, a failing kernel: not a candidate
-                _sync(device)
-                failed[candidate.name] = (
-                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                )
+                runners[candidate.name] = prepare_candidate(candidate.name, decision.request, params)
+            except Exception as exc:  # a backend whose prepare fails is not a candidate
+                failed[candidate.name] = _reason(exc)
+        ms = _time_all(runners, tensors, backward, device, failed)
         result = measured.Measurement(ms, measured.now(), failed)
         store.put(decision.request, result)
     log.info(

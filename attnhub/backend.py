@@ -65,6 +65,10 @@ class Backend:
                            does not time it (a user's first call would pay that), it is
                            ranked by the policies beneath the measurement; the cost
                            model ranks it after its memory class's other backends
+    ``stock``              this backend is what an unpatched model runs
+                           (``F.scaled_dot_product_attention``): where measured times
+                           tie (:data:`attnhub.measured.TIE`), it is ranked first, so a
+                           tie never costs a user the stock speed
     ``copies_strided``     non-contiguous inputs are copied (True) or read through
                            their strides (False)
     ``layouts``            subset of :data:`LAYOUTS`: the calls served. "dense" (the
@@ -98,6 +102,7 @@ class Backend:
     memory: ClassVar[str] = "quadratic"
     compile_safe: ClassVar[bool] = False
     compiles_per_shape: ClassVar[bool] = False
+    stock: ClassVar[bool] = False
     copies_strided: ClassVar[bool] = True
     layouts: ClassVar[frozenset[str]] = frozenset({"dense"})
 

@@ -337,9 +337,11 @@ def run_workloads(
     output: Path | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Time every workload in every dtype; the results JSON (rewritten as it goes)."""
+    """Time every workload in every dtype; the results JSON (rewritten as it goes).
+    ``only``: comma-separated parts of names; the workloads whose name holds any."""
     data: dict[str, Any] = {"kind": "workloads", "env": environment(device), "results": []}
-    chosen = [w for w in workloads() if only is None or only in w.name]
+    parts = None if only is None else [p.strip() for p in only.split(",") if p.strip()]
+    chosen = [w for w in workloads() if parts is None or any(p in w.name for p in parts)]
     for dtype_text in dtypes:
         dtype = parse_dtype(dtype_text)
         for w in chosen:
@@ -417,7 +419,7 @@ def markdown(data: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workloads (--workloads)")
     g.add_argument("--workloads", action="store_true", help="time the calls real models make (see attnhub.bench_workloads) instead of the grid")  # fmt: skip
-    g.add_argument("--only", help="with --workloads: only workloads whose name contains this")
+    g.add_argument("--only", help="with --workloads: only workloads whose name contains this (or any of these, comma-separated)")
     g.add_argument("--budget", type=float, default=0.15, help="with --workloads: seconds of timed calls per competitor (default 0.15)")  # fmt: skip
 
 

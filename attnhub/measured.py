@@ -45,6 +45,12 @@ from .request import AttentionRequest, dtype_name, seqlen_bucket
 log = logging.getLogger("attnhub")
 
 FORMAT = "attnhub-measured/1"
+# Two measured times within this fraction of each other are a tie: wall clock per call
+# of one process's first call, best of autotune's rounds, moves by a few per cent from
+# process to process (seen on the H200: one backend's 4K decode 0.0233 and 0.0241 ms in
+# two timings). A tie goes to the stock backend (Backend.stock, F.sdpa's own path):
+# the measurement cannot tell them apart, and stock is what the user would have had.
+TIE = 0.03
 
 
 def request_key(request: AttentionRequest) -> str:
@@ -246,6 +252,10 @@ class MeasuredPolicy:
             (b for b in eligible if b.name in measurement.ms),
             key=lambda b: (b.memory_class(request) != "linear", measurement.ms[b.name], b.name),
         )
+        tie = _stock_at_a_tie(request, timed, measurement)
+        if tie is not None:
+            timed.remove(tie)
+            timed.insert(0, tie)
         ranked: list[tuple[Backend, str]] = []
         for i, b in enumerate(timed):
             ms = measurement.ms[b.name]
@@ -254,6 +264,11 @@ class MeasuredPolicy:
                 why = (
                     f"{ms:.4g} ms vs {measurement.ms[other.name]:.4g} ms for {other.name}, {where}"
                 )
+                if b is tie:
+                    why += (
+                        f"; within {TIE:.0%}, a tie, which goes to the stock path "
+                        "(what F.scaled_dot_product_attention runs)"
+                    )
             else:
                 why = f"{ms:.4g} ms, {where}"
             ranked.append((b, why))
@@ -264,12 +279,32 @@ class MeasuredPolicy:
         return ranked
 
 
+def _stock_at_a_tie(
+    request: AttentionRequest, timed: Sequence[Backend], measurement: Measurement
+) -> Backend | None:
+    """The stock backend, where it is timed, in the fastest one's memory class, and
+    within :data:`TIE` of it but not already first; else None."""
+    if len(timed) < 2 or timed[0].stock:
+        return None
+    fastest = measurement.ms[timed[0].name]
+    memory = timed[0].memory_class(request)
+    for b in timed[1:]:
+        if (
+            b.stock
+            and b.memory_class(request) == memory
+            and measurement.ms[b.name] <= fastest * (1 + TIE)
+        ):
+            return b
+    return None
+
+
 def over(inner: RankingPolicy) -> RankingPolicy:
     """``inner`` with this machine's measurements on top."""
     return MeasuredPolicy(inner)
 
 
 __all__ = [
+    "TIE",
     "MeasuredPolicy",
     "Measurement",
     "MeasurementStore",

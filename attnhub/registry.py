@@ -159,6 +159,7 @@ def _is_float_dtype(value: Any) -> bool:
 _FLAG_DECLARATIONS = (
     "value_head_dim", "mask_grad", "window", "softcap", "dropout", "gqa", "block_sparse",
     "lse", "backward", "deterministic", "compile_safe", "compiles_per_shape", "copies_strided",
+    "stock",
 )  # fmt: skip
 _METHODS = (
     "unavailable_reason", "extra_reasons", "memory_class", "prepare", "forward", "capabilities",

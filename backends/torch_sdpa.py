@@ -291,6 +291,7 @@ class TorchSDPA(Backend):
     memory = "linear"
     compile_safe = True
     copies_strided = False
+    stock = True
 
     def extra_reasons(self, request: AttentionRequest) -> list[str]:
         if request.mask_rounded:

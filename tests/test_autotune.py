@@ -69,6 +69,11 @@ def tuned(monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
     dispatch.clear_cache()
 
 
+# The slow backend's 4 ms a call exceeds autotune.ROUND_MS: each of its rounds is
+# MIN_CALLS calls, after its warm-up call.
+SLOW_TIMED_CALLS = 1 + autotune.ROUNDS * autotune.MIN_CALLS
+
+
 def _qkv(n: int = 16, requires_grad: bool = False) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(1, 2, n, 8, requires_grad=requires_grad) for _ in range(3))
 
@@ -81,7 +86,7 @@ def test_the_first_call_measures_and_the_fastest_serves(tuned):
     out = attnhub.attention(q, k, v)
     torch.testing.assert_close(out, reference_attention(q, k, v, None, _params(q))[0])
     assert attnhub.stats() == {"fast": 1}
-    assert slow.calls == 1 + autotune.REPEATS  # timed (warm-up and repeats), never served
+    assert slow.calls == SLOW_TIMED_CALLS  # timed (warm-up and rounds), never served
     decision = attnhub.explain(q, k, v)
     assert decision.chosen == "fast"
     assert "measured here on first use" in decision.why and "for slow" in decision.why
@@ -277,7 +282,7 @@ def test_one_timed_backend_beside_untimed_ones_is_measured_and_serves(tuned, mon
     attnhub.reset_stats()
     attnhub.attention(q, k, v)
     assert attnhub.stats() == {"fast": 1}
-    assert compiling.calls == 0 and fast.calls == 1 + autotune.REPEATS + 1
+    assert compiling.calls == 0 and fast.calls > 1  # timed, then served
     decision = attnhub.explain(q, k, v)
     assert decision.chosen == "fast"
     assert "measured here on first use" in decision.why
@@ -312,5 +317,92 @@ def test_quadratic_backends_are_timed_where_no_linear_one_is_eligible(tuned):
         type(timed).memory = "quadratic"
     q, k, v = _qkv()
     attnhub.attention(q, k, v)
-    assert slow.calls == 1 + autotune.REPEATS
+    assert slow.calls == SLOW_TIMED_CALLS
     assert attnhub.explain(q, k, v).chosen == "fast"
+
+
+class _Spelled(_Timed):
+    """Takes ``delay`` a call, except calls ``spell`` (counted from 1), which take 20 ms:
+    a slow spell of the machine that hits whichever backend is running then."""
+
+    spell: tuple[int, ...] = ()
+    log: list[str] = []
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        type(self).log.append(self.name)
+        if self.calls + 1 in self.spell:
+            time.sleep(0.02)
+        return super().forward(query, key, value, attn_mask, params)
+
+
+def test_rounds_interleave_and_each_backend_keeps_its_best_round(tuned, monkeypatch):
+    """A slow spell during one backend's round does not decide the ranking: its best
+    round does. Five calls timed back to back (the old way) read the spelled backend at
+    (3 * 1 + 2 * 20) / 5 = 8.6 ms against the other's 3 ms, and ranked it last."""
+    fresh = BackendRegistry()
+    monkeypatch.setattr(registry_module, "_registry", fresh)
+    dispatch.clear_cache()
+    log: list[str] = []
+    spelled = type("Spelled", (_Spelled,), {"name": "spelled", "priority": 1, "delay": 0.001,
+                                            "spell": (2, 3), "log": log})()  # fmt: skip
+    steady = type("Steady", (_Spelled,), {"name": "steady", "priority": 2, "delay": 0.003,
+                                          "log": log})()  # fmt: skip
+    fresh.add(spelled)
+    fresh.add(steady)
+    q, k, v = _qkv()
+    attnhub.reset_stats()
+    attnhub.attention(q, k, v)
+    assert attnhub.stats() == {"spelled": 1}
+    decision = attnhub.explain(q, k, v)
+    assert decision.chosen == "spelled" and "for steady" in decision.why
+    # Warm-up calls first, then rounds of MIN_CALLS calls (both take more than
+    # ROUND_MS) in rotating order: the backends alternate round by round.
+    timed = log[2:-1]  # after the warm-ups, before the served call
+    rounds = [timed[i : i + autotune.MIN_CALLS] for i in range(0, len(timed), autotune.MIN_CALLS)]
+    assert len(rounds) == 2 * autotune.ROUNDS
+    assert all(len(set(r)) == 1 for r in rounds)
+    firsts = [rounds[2 * i][0] for i in range(autotune.ROUNDS)]
+    assert len(set(firsts)) == 2  # the order rotates
+
+
+def test_short_calls_repeat_to_fill_a_round(tuned, monkeypatch):
+    monkeypatch.setattr(autotune, "ROUND_MS", 1000.0)  # every call is short beside it
+    slow, fast, _ = tuned
+    q, k, v = _qkv()
+    attnhub.attention(q, k, v)
+    # Round 1 is MIN_CALLS calls; rounds 2.. are as many as fill ROUND_MS, capped.
+    assert fast.calls == 1 + autotune.MIN_CALLS + (autotune.ROUNDS - 1) * autotune.MAX_CALLS + 1
+
+
+def _measured_as(tuned, ms: dict[str, float], stock: str):  # type: ignore[no-untyped-def]
+    """explain() for a call whose measurement is ``ms``, ``stock`` declared stock."""
+    monkeypatch = pytest.MonkeyPatch()
+    for backend in tuned[:2]:
+        monkeypatch.setattr(type(backend), "stock", backend.name == stock)
+    q, k, v = _qkv()
+    request = attnhub.explain(q, k, v).request
+    measured.store_for(q.device).put(request, measured.Measurement(ms, measured.now()))
+    dispatch.clear_cache()
+    try:
+        return attnhub.explain(q, k, v)
+    finally:
+        monkeypatch.undo()
+
+
+def test_a_tie_goes_to_the_stock_backend(tuned):
+    """Within measured.TIE of the fastest, the stock backend (F.sdpa's path) ranks first:
+    the measurement cannot tell them apart, and stock is what the user would have had."""
+    within = 1.0 * (1 + measured.TIE * 0.9)
+    decision = _measured_as(tuned, {"fast": 1.0, "slow": within}, stock="slow")
+    assert decision.chosen == "slow"
+    assert "a tie, which goes to the stock path" in decision.why
+    beyond = 1.0 * (1 + measured.TIE * 1.1)
+    decision = _measured_as(tuned, {"fast": 1.0, "slow": beyond}, stock="slow")
+    assert decision.chosen == "fast" and "tie" not in decision.why
+
+
+def test_a_tie_never_crosses_memory_classes(tuned, monkeypatch):
+    slow = tuned[0]
+    monkeypatch.setattr(type(slow), "memory", "quadratic")
+    decision = _measured_as(tuned, {"fast": 1.0, "slow": 1.0}, stock="slow")
+    assert decision.chosen == "fast"

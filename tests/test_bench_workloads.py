@@ -89,6 +89,13 @@ def test_cli(tmp_path, monkeypatch, no_interpreted_kernels):
     assert "| decode | float32 | fwd |" in output.with_suffix(".md").read_text()
 
 
+def test_only_takes_comma_separated_parts_of_names(monkeypatch, no_interpreted_kernels):
+    monkeypatch.setattr(bw, "workloads", lambda: SMALL)
+    data = bw.run_workloads(("float32",), torch.device("cpu"), only="spec, prefill",
+                            budget_s=0.005, progress=False)  # fmt: skip
+    assert {r["name"] for r in data["results"]} == {"prefill", "spec-decode"}
+
+
 def test_competitors_are_timed_in_interleaved_rounds_and_a_failing_one_is_dropped():
     """Round r times every competitor once, starting from the r-th (drift falls on all
     alike); one that raises is left out with its error and the others keep their
