@@ -210,7 +210,9 @@ def measure(
             if not candidate.eligible or candidate.name in failed:
                 continue
             try:
-                runners[candidate.name] = prepare_candidate(candidate.name, decision.request, params)
+                runners[candidate.name] = prepare_candidate(
+                    candidate.name, decision.request, params
+                )
             except Exception as exc:  # a backend whose prepare fails is not a candidate
                 failed[candidate.name] = _reason(exc)
         ms = _time_all(runners, tensors, backward, device, failed)

@@ -419,7 +419,10 @@ def markdown(data: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workloads (--workloads)")
     g.add_argument("--workloads", action="store_true", help="time the calls real models make (see attnhub.bench_workloads) instead of the grid")  # fmt: skip
-    g.add_argument("--only", help="with --workloads: only workloads whose name contains this (or any of these, comma-separated)")
+    g.add_argument(
+        "--only",
+        help="with --workloads: only workloads whose name contains this (or any of these, comma-separated)",
+    )
     g.add_argument("--budget", type=float, default=0.15, help="with --workloads: seconds of timed calls per competitor (default 0.15)")  # fmt: skip
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import ClassVar
 
 import pytest
 import torch
@@ -326,7 +327,7 @@ class _Spelled(_Timed):
     a slow spell of the machine that hits whichever backend is running then."""
 
     spell: tuple[int, ...] = ()
-    log: list[str] = []
+    log: ClassVar[list[str]] = []
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         type(self).log.append(self.name)
@@ -342,7 +343,7 @@ def test_rounds_interleave_and_each_backend_keeps_its_best_round(tuned, monkeypa
     fresh = BackendRegistry()
     monkeypatch.setattr(registry_module, "_registry", fresh)
     dispatch.clear_cache()
-    log: list[str] = []
+    log: ClassVar[list[str]] = []
     spelled = type("Spelled", (_Spelled,), {"name": "spelled", "priority": 1, "delay": 0.001,
                                             "spell": (2, 3), "log": log})()  # fmt: skip
     steady = type("Steady", (_Spelled,), {"name": "steady", "priority": 2, "delay": 0.003,
@@ -367,7 +368,7 @@ def test_rounds_interleave_and_each_backend_keeps_its_best_round(tuned, monkeypa
 
 def test_short_calls_repeat_to_fill_a_round(tuned, monkeypatch):
     monkeypatch.setattr(autotune, "ROUND_MS", 1000.0)  # every call is short beside it
-    slow, fast, _ = tuned
+    fast = tuned[1]
     q, k, v = _qkv()
     attnhub.attention(q, k, v)
     # Round 1 is MIN_CALLS calls; rounds 2.. are as many as fill ROUND_MS, capped.
