@@ -12,11 +12,12 @@ backend alike instead of the one that happened to run in it. A round is at least
 :data:`MIN_CALLS` calls and, for short calls, as many more as fill about
 :data:`ROUND_MS` (a decode call of 25 us timed five times is a 0.1 ms sample, inside
 the host's jitter), so a first call spends a few milliseconds on small calls and
-about ``1 + ROUNDS * MIN_CALLS`` calls' time per backend on large ones. The times
-and the choice are kept in
-:mod:`attnhub.measured` (persisted per device, PyTorch and attnhub version), and the
-call runs on it, as does every later call of that signature, in this process and the
-next. ``explain()`` says what was measured, when, and in which file.
+about ``1 + ROUNDS * MIN_CALLS`` calls' time per backend on large ones. Each
+backend's best round and the spread of its rounds (the measurement's own noise) are
+kept in :mod:`attnhub.measured` (persisted per device, PyTorch and attnhub version),
+which ranks by them (a difference within the noise is a tie, and goes to the stock
+backend), and the call runs on the first, as does every later call of that
+signature, in this process and the next. ``explain()`` says what was measured, when, and in which file.
 
 It does not measure (and the shipped cost table or the declared priority ranks) where
 it cannot or must not:
@@ -69,8 +70,8 @@ log = logging.getLogger("attnhub")
 
 ROUNDS = 3  # interleaved timed rounds per backend, after one warm-up call each
 MIN_CALLS = 2  # calls per round, at least
-MAX_CALLS = 64  # and at most (a 3 us call: 0.2 ms)
-ROUND_MS = 0.2  # a round of short calls repeats them to about this long
+MAX_CALLS = 64  # and at most (a 3 us call: 0.2 ms a round)
+ROUND_MS = 0.3  # a round of short calls repeats them to about this long
 _lock = threading.Lock()
 
 
@@ -160,11 +161,13 @@ def _time_all(
     backward: bool,
     device: torch.device,
     failed: dict[str, str],
-) -> dict[str, float]:
-    """Each runner's best round, in milliseconds per call (module docstring). A runner
+) -> dict[str, tuple[float, float]]:
+    """Each runner's best round, in milliseconds per call (module docstring), and the
+    spread of its rounds ((slowest - best) / best). A runner
     that raises (out of memory, a failing kernel) is not a candidate: it goes into
     ``failed`` with the reason, and out of the times."""
     best: dict[str, float] = {}
+    worst: dict[str, float] = {}
     calls: dict[str, int] = {}
     order = list(runners)
     for round_index in range(ROUNDS + 1):  # round 0: the warm-up call
@@ -184,7 +187,8 @@ def _time_all(
                 continue
             calls.setdefault(name, _calls_per_round(ms))
             best[name] = min(best.get(name, ms), ms)
-    return best
+            worst[name] = max(worst.get(name, ms), ms)
+    return {name: (ms, worst[name] / ms - 1.0) for name, ms in best.items()}
 
 
 def measure(
@@ -215,8 +219,10 @@ def measure(
                 )
             except Exception as exc:  # a backend whose prepare fails is not a candidate
                 failed[candidate.name] = _reason(exc)
-        ms = _time_all(runners, tensors, backward, device, failed)
-        result = measured.Measurement(ms, measured.now(), failed)
+        timed = _time_all(runners, tensors, backward, device, failed)
+        ms = {name: best for name, (best, _) in timed.items()}
+        spread = {name: spread for name, (_, spread) in timed.items()}
+        result = measured.Measurement(ms, measured.now(), failed, spread)
         store.put(decision.request, result)
     log.info(
         "attnhub: measured %s: %s",

@@ -45,11 +45,13 @@ from .request import AttentionRequest, dtype_name, seqlen_bucket
 log = logging.getLogger("attnhub")
 
 FORMAT = "attnhub-measured/1"
-# Two measured times within this fraction of each other are a tie: wall clock per call
-# of one process's first call, best of autotune's rounds, moves by a few per cent from
-# process to process (seen on the H200: one backend's 4K decode 0.0233 and 0.0241 ms in
-# two timings). A tie goes to the stock backend (Backend.stock, F.sdpa's own path):
-# the measurement cannot tell them apart, and stock is what the user would have had.
+# Two measured times closer than this fraction, or than the spread of either one's
+# rounds, are a tie: a first call's wall clock, best of autotune's rounds, moves by a few
+# per cent from process to process, and far more for calls of a few tens of us that the
+# host bounds (seen on the H200, 4K decodes: torch_sdpa 0.0233 and 0.0301 ms, and cuDNN's
+# op measured faster than torch_sdpa in the process whose steady loops read it 7% slower).
+# A tie goes to the stock backend (Backend.stock, F.sdpa's own path): the measurement
+# cannot tell the two apart, and stock is what the user would have had.
 TIE = 0.03
 
 
@@ -71,6 +73,8 @@ class Measurement:
     ms: Mapping[str, float]
     when: str
     failed: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # Per backend, (slowest round - best round) / best round: the measurement's own noise.
+    spread: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 @functools.cache
@@ -124,8 +128,11 @@ class MeasurementStore:
                 ms = {str(b): float(t) for b, t in entry["ms"].items()}
                 if not all(t > 0 and t == t and t != float("inf") for t in ms.values()):
                     raise ValueError(f"entry {key}: times must be finite and > 0")
+                spread = {str(b): float(x) for b, x in entry.get("spread", {}).items()}
+                if not all(0 <= x < float("inf") for x in spread.values()):
+                    raise ValueError(f"entry {key}: spreads must be finite and >= 0")
                 self._entries[key] = Measurement(
-                    ms, str(entry["when"]), dict(entry.get("failed", {}))
+                    ms, str(entry["when"]), dict(entry.get("failed", {})), spread
                 )
         except Exception as exc:  # a broken file must not break dispatch: measure again
             log.warning(
@@ -146,7 +153,12 @@ class MeasurementStore:
             data = {
                 "format": FORMAT,
                 "entries": {
-                    key: {"ms": dict(m.ms), "when": m.when, "failed": dict(m.failed)}
+                    key: {
+                        "ms": dict(m.ms),
+                        "when": m.when,
+                        "failed": dict(m.failed),
+                        "spread": dict(m.spread),
+                    }
                     for key, m in sorted(self._entries.items())
                 },
             }
@@ -266,8 +278,8 @@ class MeasuredPolicy:
                 )
                 if b is tie:
                     why += (
-                        f"; within {TIE:.0%}, a tie, which goes to the stock path "
-                        "(what F.scaled_dot_product_attention runs)"
+                        "; within the measurement's noise, a tie, which goes to the stock "
+                        "path (what F.scaled_dot_product_attention runs)"
                     )
             else:
                 why = f"{ms:.4g} ms, {where}"
@@ -283,17 +295,20 @@ def _stock_at_a_tie(
     request: AttentionRequest, timed: Sequence[Backend], measurement: Measurement
 ) -> Backend | None:
     """The stock backend, where it is timed, in the fastest one's memory class, and
-    within :data:`TIE` of it but not already first; else None."""
+    within :data:`TIE` of it, or within the spread of either one's rounds, but not
+    already first; else None."""
     if len(timed) < 2 or timed[0].stock:
         return None
-    fastest = measurement.ms[timed[0].name]
-    memory = timed[0].memory_class(request)
+    first = timed[0]
+    fastest = measurement.ms[first.name]
+    memory = first.memory_class(request)
     for b in timed[1:]:
-        if (
-            b.stock
-            and b.memory_class(request) == memory
-            and measurement.ms[b.name] <= fastest * (1 + TIE)
-        ):
+        if not b.stock or b.memory_class(request) != memory:
+            continue
+        noise = max(
+            TIE, measurement.spread.get(first.name, 0.0), measurement.spread.get(b.name, 0.0)
+        )
+        if measurement.ms[b.name] <= fastest * (1 + noise):
             return b
     return None
 

@@ -19,7 +19,8 @@
 #               a model step per way (PROFILE_MODELS, default Gemma 2; PROFILE_TASK: train;
 #               PROFILE_HOST_TOP: also a cProfile of one run per way, this many functions)
 #   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16;
-#               WORKLOADS_ONLY: only the workloads whose name contains it)
+#               WORKLOADS_ONLY: only the workloads whose name contains it, or any of a
+#               comma-separated list; WORKLOADS_BUDGET: seconds per competitor, default 0.04)
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
 #   SWEEP_S     sweep.json/log: benchmarks/triton_flash_gpu.py's launch-config sweep (B4 H8,
 #               causal and not; SWEEP_DIMS head dims, default 256; SWEEP_SEQLENS, default
@@ -89,7 +90,7 @@ step "${PROFILE_S:-0}" profile python3 benchmarks/model_profile.py \
     --json "$OUT/model-profile.json" > "$OUT/model-profile.md" 2> "$OUT/model-profile.err"
 head -40 "$OUT/model-profile.md" 2>/dev/null; tail -5 "$OUT/model-profile.err" 2>/dev/null
 step "${WORKLOADS_S:-0}" workloads python3 -m attnhub bench --workloads --device cuda \
-    --dtypes "${DTYPES:-bfloat16}" --budget 0.04 ${WORKLOADS_ONLY:+--only "$WORKLOADS_ONLY"} \
+    --dtypes "${DTYPES:-bfloat16}" --budget "${WORKLOADS_BUDGET:-0.04}" ${WORKLOADS_ONLY:+--only "$WORKLOADS_ONLY"} \
     -o "$OUT/workloads.json" > /dev/null 2> "$OUT/workloads.err"
 step "${GRID_S:-0}" grid python3 -m attnhub bench --quick --no-plots --no-progress \
     -o "$OUT/grid-quick.json" > /dev/null 2> "$OUT/grid-quick.err"

@@ -375,14 +375,16 @@ def test_short_calls_repeat_to_fill_a_round(tuned, monkeypatch):
     assert fast.calls == 1 + autotune.MIN_CALLS + (autotune.ROUNDS - 1) * autotune.MAX_CALLS + 1
 
 
-def _measured_as(tuned, ms: dict[str, float], stock: str):  # type: ignore[no-untyped-def]
-    """explain() for a call whose measurement is ``ms``, ``stock`` declared stock."""
+def _measured_as(tuned, ms: dict[str, float], stock: str, spread=None):  # type: ignore[no-untyped-def]
+    """explain() for a call whose measurement is ``ms`` (and ``spread``), ``stock``
+    declared stock."""
     monkeypatch = pytest.MonkeyPatch()
     for backend in tuned[:2]:
         monkeypatch.setattr(type(backend), "stock", backend.name == stock)
     q, k, v = _qkv()
     request = attnhub.explain(q, k, v).request
-    measured.store_for(q.device).put(request, measured.Measurement(ms, measured.now()))
+    found = measured.Measurement(ms, measured.now(), spread=spread or {})
+    measured.store_for(q.device).put(request, found)
     dispatch.clear_cache()
     try:
         return attnhub.explain(q, k, v)
@@ -400,6 +402,29 @@ def test_a_tie_goes_to_the_stock_backend(tuned):
     beyond = 1.0 * (1 + measured.TIE * 1.1)
     decision = _measured_as(tuned, {"fast": 1.0, "slow": beyond}, stock="slow")
     assert decision.chosen == "fast" and "tie" not in decision.why
+
+
+@pytest.mark.parametrize("noisy", ["fast", "slow"])
+def test_a_difference_within_the_rounds_spread_is_a_tie(tuned, noisy):
+    """Beyond TIE, but within the spread of either backend's rounds: not resolved by the
+    measurement, so a tie; and the spread persists with the times."""
+    ms = {"fast": 1.0, "slow": 1.1}
+    decision = _measured_as(tuned, ms, stock="slow", spread={noisy: 0.12})
+    assert decision.chosen == "slow" and "tie" in decision.why
+    decision = _measured_as(tuned, ms, stock="slow", spread={noisy: 0.08})
+    assert decision.chosen == "fast"
+    measured.forget_stores()  # as a new process
+    q, k, v = _qkv()
+    found = measured.store_for(q.device).get(attnhub.explain(q, k, v).request)
+    assert found is not None and dict(found.spread) == {noisy: 0.08}
+
+
+def test_autotune_records_the_spread_of_its_rounds(tuned):
+    q, k, v = _qkv()
+    attnhub.attention(q, k, v)
+    found = measured.store_for(q.device).get(attnhub.explain(q, k, v).request)
+    assert found is not None and set(found.spread) == {"slow", "fast"}
+    assert all(0 <= x < 10 for x in found.spread.values())
 
 
 def test_a_tie_never_crosses_memory_classes(tuned, monkeypatch):
