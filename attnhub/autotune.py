@@ -163,11 +163,10 @@ def _time_all(
     failed: dict[str, str],
 ) -> dict[str, tuple[float, float]]:
     """Each runner's best round, in milliseconds per call (module docstring), and the
-    spread of its rounds ((slowest - best) / best). A runner
+    spread of its rounds (:func:`_best_and_spread`). A runner
     that raises (out of memory, a failing kernel) is not a candidate: it goes into
     ``failed`` with the reason, and out of the times."""
-    best: dict[str, float] = {}
-    worst: dict[str, float] = {}
+    rounds: dict[str, list[float]] = {}
     calls: dict[str, int] = {}
     order = list(runners)
     for round_index in range(ROUNDS + 1):  # round 0: the warm-up call
@@ -183,12 +182,20 @@ def _time_all(
             except Exception as exc:
                 _sync(device)
                 failed[name] = _reason(exc)
-                best.pop(name, None)
+                rounds.pop(name, None)
                 continue
             calls.setdefault(name, _calls_per_round(ms))
-            best[name] = min(best.get(name, ms), ms)
-            worst[name] = max(worst.get(name, ms), ms)
-    return {name: (ms, worst[name] / ms - 1.0) for name, ms in best.items()}
+            rounds.setdefault(name, []).append(ms)
+    return {name: _best_and_spread(times) for name, times in rounds.items()}
+
+
+def _best_and_spread(times: list[float]) -> tuple[float, float]:
+    """The best round, and the median round's excess over it: how far the measurement
+    moves between rounds, without the one outlier round (a slow spell, a first round
+    still paying for a cold cache) that the slowest would make the noise of."""
+    ordered = sorted(times)
+    best = ordered[0]
+    return best, ordered[len(ordered) // 2] / best - 1.0
 
 
 def measure(

@@ -73,7 +73,7 @@ class Measurement:
     ms: Mapping[str, float]
     when: str
     failed: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    # Per backend, (slowest round - best round) / best round: the measurement's own noise.
+    # Per backend, (median round - best round) / best round: the measurement's own noise.
     spread: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
