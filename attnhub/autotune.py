@@ -11,8 +11,8 @@ a slow spell of the host or the GPU (clocks, another process) then hits every
 backend alike instead of the one that happened to run in it. A round is at least
 :data:`MIN_CALLS` calls and, for short calls, as many more as fill about
 :data:`ROUND_MS` (a decode call of 25 us timed five times is a 0.1 ms sample, inside
-the host's jitter), so a first call spends a few milliseconds on small calls and
-about ``1 + ROUNDS * MIN_CALLS`` calls' time per backend on large ones. Each
+the host's jitter), so a first call spends about ``ROUNDS * ROUND_MS`` (3 ms) per
+backend on small calls and ``1 + ROUNDS * MIN_CALLS`` calls' time on large ones. Each
 backend's best round and the spread of its rounds (the measurement's own noise) are
 kept in :mod:`attnhub.measured` (persisted per device, PyTorch and attnhub version),
 which ranks by them (a difference within the noise is a tie, and goes to the stock
@@ -71,7 +71,11 @@ log = logging.getLogger("attnhub")
 ROUNDS = 3  # interleaved timed rounds per backend, after one warm-up call each
 MIN_CALLS = 2  # calls per round, at least
 MAX_CALLS = 64  # and at most (a 3 us call: 0.2 ms a round)
-ROUND_MS = 0.3  # a round of short calls repeats them to about this long
+# A round of short calls repeats them to about this long. 0.2-0.3 ms rounds left the
+# H200's host-bound decodes ranked by noise (a 32K decode's cuDNN read 8% faster than
+# triton_flash, 8% slower in steady loops): 1 ms costs ROUNDS ms a backend, once per
+# signature and machine (the measurement persists).
+ROUND_MS = 1.0
 _lock = threading.Lock()
 
 
