@@ -16,8 +16,9 @@ backend on small calls and ``1 + ROUNDS * MIN_CALLS`` calls' time on large ones.
 backend's best round and the spread of its rounds (the measurement's own noise) are
 kept in :mod:`attnhub.measured` (persisted per device, PyTorch and attnhub version),
 which ranks by them (a difference within the noise is a tie, and goes to the stock
-backend), and the call runs on the first, as does every later call of that
-signature, in this process and the next. ``explain()`` says what was measured, when, and in which file.
+backend); the call runs on the first, as does every later call of that signature, in
+this process and the next. ``explain()`` says what was measured, when, and in which
+file.
 
 It does not measure (and the shipped cost table or the declared priority ranks) where
 it cannot or must not:
@@ -167,9 +168,9 @@ def _time_all(
     failed: dict[str, str],
 ) -> dict[str, tuple[float, float]]:
     """Each runner's best round, in milliseconds per call (module docstring), and the
-    spread of its rounds (:func:`_best_and_spread`). A runner
-    that raises (out of memory, a failing kernel) is not a candidate: it goes into
-    ``failed`` with the reason, and out of the times."""
+    spread of its rounds (:func:`_best_and_spread`). A runner that raises (out of
+    memory, a failing kernel) is not a candidate: it goes into ``failed`` with the
+    reason, and out of the times."""
     rounds: dict[str, list[float]] = {}
     calls: dict[str, int] = {}
     order = list(runners)

@@ -67,8 +67,9 @@ class Backend:
                            model ranks it after its memory class's other backends
     ``stock``              this backend is what an unpatched model runs
                            (``F.scaled_dot_product_attention``): where measured times
-                           tie (:data:`attnhub.measured.TIE`), it is ranked first, so a
-                           tie never costs a user the stock speed
+                           tie (within :data:`attnhub.measured.TIE` or the spread of
+                           autotune's rounds), it is ranked first, so a tie never costs
+                           a user the stock speed
     ``copies_strided``     non-contiguous inputs are copied (True) or read through
                            their strides (False)
     ``layouts``            subset of :data:`LAYOUTS`: the calls served. "dense" (the

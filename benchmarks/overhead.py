@@ -10,9 +10,11 @@ op called as that backend calls it, through PyTorch's generated binding
 shows the same op called through ``torch.ops.aten`` (the baseline issue 16's +2.72 us
 was measured over), whose Python ``__call__`` and schema matching cost about 11,000
 instructions more (counted on the CPU op of the same schema). With cuDNN, it times
-``attnhub.attention(..., backend="torch_sdpa_cudnn")`` against cuDNN's op the same way,
+``attnhub.attention(..., backend="torch_sdpa_cudnn")`` against cuDNN's op the same way
+(and ``torch_sdpa_efficient`` against the memory-efficient op),
 and last, ``attnhub.attention()`` over the direct call of the kernel it dispatched to
-(on the H200, cuDNN's, once its first call has measured the candidates).
+(on the H200, cuDNN's or the memory-efficient one, once its first call has measured
+the candidates).
 
     python benchmarks/overhead.py [--device cuda] [--repeat 2000] [--rounds 200]
     python benchmarks/overhead.py --instructions    # needs valgrind and a C compiler
@@ -91,6 +93,14 @@ def _calls(args: argparse.Namespace) -> tuple[dict[str, Callable[[], object]], s
         calls["flash_direct"] = lambda: flash(q, k, v, 0.0, False, False)
         calls["flash_ops"] = lambda: flash_ops(q, k, v, 0.0, False, False)
         calls["flash_named"] = lambda: attnhub.attention(q, k, v, backend="torch_sdpa_flash")
+    if device.type == "cuda":
+        # The memory-efficient op (built into every CUDA build), as torch_sdpa_efficient calls it (no mask, no lse
+        # without grad): what auto serves the tiny call with on the H200 (seen 13:28).
+        efficient = torch._scaled_dot_product_efficient_attention
+        calls["efficient_direct"] = lambda: efficient(q, k, v, None, False, 0.0, False)
+        calls["efficient_named"] = lambda: attnhub.attention(
+            q, k, v, backend="torch_sdpa_efficient"
+        )
     if device.type == "cuda" and torch.backends.cudnn.is_available():
         # cuDNN's op, as torch_sdpa_cudnn calls it (no mask, no lse without grad): what
         # auto serves the tiny call with on the H200 (seen 2026-12-02).
@@ -116,12 +126,15 @@ _LABELS = (
     ("flash_direct", "torch._scaled_dot_product_flash_attention", None),
     ("flash_ops", "torch.ops.aten._scaled_dot_product_flash_attention", None),
     ("flash_named", "attnhub.attention(backend='torch_sdpa_flash')", "flash_direct"),
+    ("efficient_direct", "torch._scaled_dot_product_efficient_attention", None),
+    ("efficient_named", "attnhub.attention(backend='torch_sdpa_efficient')", "efficient_direct"),
     ("cudnn_direct", "torch._scaled_dot_product_cudnn_attention", None),
     ("cudnn_named", "attnhub.attention(backend='torch_sdpa_cudnn')", "cudnn_direct"),
 )
 # The direct call of each backend's own kernel: auto's overhead over what it dispatched
 # to (issue 16's "dispatch to a PyTorch kernel costs <= 2 us over calling that kernel").
 _KERNEL_CALL = {"torch_sdpa": "direct", "torch_sdpa_flash": "flash_direct",
+                "torch_sdpa_efficient": "efficient_direct",
                 "torch_sdpa_cudnn": "cudnn_direct"}  # fmt: skip
 
 
