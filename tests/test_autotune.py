@@ -343,7 +343,7 @@ def test_rounds_interleave_and_each_backend_keeps_its_best_round(tuned, monkeypa
     fresh = BackendRegistry()
     monkeypatch.setattr(registry_module, "_registry", fresh)
     dispatch.clear_cache()
-    log: ClassVar[list[str]] = []
+    log: list[str] = []
     spelled = type("Spelled", (_Spelled,), {"name": "spelled", "priority": 1, "delay": 0.001,
                                             "spell": (2, 3), "log": log})()  # fmt: skip
     steady = type("Steady", (_Spelled,), {"name": "steady", "priority": 2, "delay": 0.003,
