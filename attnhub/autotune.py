@@ -64,8 +64,10 @@ import torch
 
 from . import env, measured
 from .dispatch import REFERENCE, Decision, prepare_candidate
+from .errors import error_line
 from .registry import get_registry
 from .request import AttentionParams
+from .timing import rotated, synchronize
 
 log = logging.getLogger("attnhub")
 
@@ -116,11 +118,6 @@ def wanted(decision: Decision, params: AttentionParams, device: torch.device) ->
     return eligible >= 2 and eligible - len(_untimed(decision)) >= 1
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _call(runner: Callable[..., Any], tensors: tuple[Any, ...], backward: bool) -> None:
     query, key, value, attn_mask = tensors
     if not backward:
@@ -134,10 +131,6 @@ def _call(runner: Callable[..., Any], tensors: tuple[Any, ...], backward: bool) 
     torch.autograd.grad(out, inputs, out.detach())
 
 
-def _reason(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-
-
 def _loop_ms(
     runner: Callable[..., Any],
     tensors: tuple[Any, ...],
@@ -146,11 +139,11 @@ def _loop_ms(
     calls: int,
 ) -> float:
     """Milliseconds per call of ``calls`` calls in a row, synchronized at both ends."""
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(calls):
         _call(runner, tensors, backward)
-    _sync(device)
+    synchronize(device)
     return (time.perf_counter() - start) / calls * 1e3
 
 
@@ -173,10 +166,8 @@ def _time_all(
     reason, and out of the times."""
     rounds: dict[str, list[float]] = {}
     calls: dict[str, int] = {}
-    order = list(runners)
     for round_index in range(ROUNDS + 1):  # round 0: the warm-up call
-        shift = round_index % len(order) if order else 0
-        for name in order[shift:] + order[:shift]:
+        for name in rotated(list(runners), round_index):
             if name in failed:
                 continue
             try:
@@ -185,8 +176,8 @@ def _time_all(
                     continue
                 ms = _loop_ms(runners[name], tensors, backward, device, calls.get(name, MIN_CALLS))
             except Exception as exc:
-                _sync(device)
-                failed[name] = _reason(exc)
+                synchronize(device)
+                failed[name] = error_line(exc)
                 rounds.pop(name, None)
                 continue
             calls.setdefault(name, _calls_per_round(ms))
@@ -230,7 +221,7 @@ def measure(
                     candidate.name, decision.request, params
                 )
             except Exception as exc:  # a backend whose prepare fails is not a candidate
-                failed[candidate.name] = _reason(exc)
+                failed[candidate.name] = error_line(exc)
         timed = _time_all(runners, tensors, backward, device, failed)
         ms = {name: best for name, (best, _) in timed.items()}
         spread = {name: spread for name, (_, spread) in timed.items()}

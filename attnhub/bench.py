@@ -301,21 +301,6 @@ class BenchConfig:
 # -- timing --------------------------------------------------------------------
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA); nothing elsewhere."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def rotated(names: Sequence[str], repeat: int) -> tuple[str, ...]:
-    """``names`` starting from the ``repeat``-th (modulo their number): timed in this
-    order round by round, each competitor runs in each position equally often over a
-    multiple of ``len(names)`` rounds, so that a host or clock that drifts during a run
-    favours none of them."""
-    start = repeat % len(names) if names else 0
-    return (*names[start:], *names[:start])
-
-
 def time_ms(
     fn: Callable[[], Any],
     device: torch.device,

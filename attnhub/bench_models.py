@@ -35,9 +35,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .bench import environment, rotated, synchronize, write_json
+from .bench import environment, write_json
 from .call_stats import reset_stats, stats
 from .patching import patch
+from .timing import rotated, synchronize
 
 WAYS = ("sdpa", "patch", "attnhub")
 

@@ -37,9 +37,11 @@ import torch
 import torch.nn.functional as F
 
 from .api import attention, explain
-from .bench import environment, parse_dtype, rotated, synchronize, write_json
+from .bench import environment, parse_dtype, write_json
+from .errors import error_line
 from .patching import patch
 from .request import AttentionParams, dtype_name
+from .timing import rotated, synchronize
 
 SDPA = "sdpa"
 PATCHED = "patched"
@@ -210,7 +212,7 @@ def interleaved_ms(
             with context(name) if context is not None else contextlib.nullcontext():
                 return measure()
         except Exception as exc:
-            errors[name] = _error(exc)
+            errors[name] = error_line(exc)
             with contextlib.suppress(Exception):  # a sticky CUDA error raises here again
                 synchronize(device)
             return None
@@ -273,10 +275,6 @@ def _patched_if(name: str) -> Any:
     return patch(aliases=False) if name == PATCHED else contextlib.nullcontext()
 
 
-def _error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-
-
 def _served_by(name: str, call: Callable[..., Any], x: _Inputs) -> str | None:
     """Which backend ``auto`` or ``patched`` ran (from attnhub.stats())."""
     if name not in (AUTO, PATCHED):
@@ -312,7 +310,7 @@ def _rows(
                 timed[name] = _runner(call, x, mode)
             except Exception as exc:  # one failing competitor must not end the run
                 row["ms"] = None
-                row["error"] = _error(exc)
+                row["error"] = error_line(exc)
         ms, errors = interleaved_ms(
             timed, device, budget_s=budget_s, repeats=repeats, context=_patched_if
         )

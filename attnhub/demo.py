@@ -41,10 +41,10 @@ import torch.nn.functional as F
 
 from . import patching as _patch_module
 from .api import explain
-from .bench import synchronize
 from .call_stats import ORIGINAL, reset_stats, stats
 from .mask_structure import MaskPlan
 from .patching import patch
+from .timing import synchronize
 
 REFERENCE = "torch_reference"
 

@@ -9,6 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def error_line(exc: BaseException) -> str:
+    """``exc`` in one line: its type and its message's first line (a backend that failed
+    while timed, a competitor that raised)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 class NoBackendError(RuntimeError):
     """No registered backend can serve a call, or the backend asked for cannot.
 

@@ -83,7 +83,7 @@ def prewarm(args: argparse.Namespace) -> int:
     import torch
 
     from . import bench_models, bench_workloads, measured
-    from .bench import synchronize
+    from .timing import synchronize
 
     device = torch.device(args.device)
     if device.type not in measured.DEVICES:

@@ -22,6 +22,7 @@ RUNTIME_LAYERS: tuple[frozenset[str], ...] = (
             "jsonfile",
             "hookspecs",
             "tensor_memo",
+            "timing",
         }
     ),
     frozenset({"backend", "block_sparse", "mask_structure"}),
