@@ -22,7 +22,7 @@ from attnhub.backend import Backend, declared_reasons
 from attnhub.request import AttentionRequest, device_capability
 from attnhub.validation import build_request, make_params
 
-MASK_CHOICES = ("none", "bool", "float")
+MASK_CHOICES = ("none", "bool", "float", "float32")
 
 _DTYPE_TAGS = {
     torch.float16: "fp16",
@@ -42,7 +42,11 @@ class Case:
 
     ``dropout_p``: None leaves the argument out; 0.0 passes it (p = 0 must be exact).
     ``mask``: ``"none"``; ``"bool"``: a (B, 1, Nq, Nk) bool mask (True = attend) with
-    fully masked rows; ``"float"``: a (Hq, Nq, Nk) float mask broadcast over the batch.
+    fully masked rows; ``"float"``: a (Hq, Nq, Nk) float mask broadcast over the batch;
+    ``"float32"``: the same in float32 whatever the query's dtype, around -1000 (a
+    position bias far from 0, as ALiBi's slopes reach at long range), where rounding it
+    to a half-precision query's dtype moves it by 0.25 (float16) to 4 (bfloat16): the
+    contract adds a float mask to float32 scores, in its own precision.
     ``mask_grad``: the float mask requires grad. ``strided``: q, k and v are
     transposed views of (B, N, H, D) tensors. ``backward``: gradients are checked too.
     """
@@ -171,6 +175,9 @@ def make_inputs(case: Case, device: torch.device | str) -> Inputs:
     elif case.mask == "float":
         mask = (2.0 * _randn(gen, case.Hq, case.Nq, case.Nk)).to(device, case.dtype)
         mask.requires_grad_(case.backward and case.mask_grad)
+    elif case.mask == "float32":
+        mask = (2.0 * _randn(gen, case.Hq, case.Nq, case.Nk) - 1000.0).to(device)
+        mask.requires_grad_(case.backward and case.mask_grad)
     grad_out = None
     if case.backward:
         grad_out = _randn(gen, case.B, case.Hq, case.Nq, case.Dv).to(device, case.dtype)
@@ -218,6 +225,12 @@ _EVERY_DTYPE: tuple[tuple[int, dict[str, Any]], ...] = (
     (2, {"causal": True, "alignment": "bottom_right"}),
     (0, {"mask": "bool"}),
     (1, {"backward": True}),
+)
+# For each declared half-precision dtype: a float32 mask, which must not be rounded to
+# the query's dtype (PyTorch's kernels would: torch_sdpa declines such calls).
+_HALF_PRECISION: tuple[tuple[int, dict[str, Any]], ...] = (
+    (0, {"mask": "float32"}),
+    (1, {"mask": "float32", "causal": True, "alignment": "bottom_right", "backward": True}),
 )
 _ROTATING: tuple[tuple[int, dict[str, Any]], ...] = (
     (0, {"causal": True}),
@@ -325,8 +338,9 @@ def make_inputs_meta(case: Case) -> Inputs:
     mask = None
     if case.mask == "bool":
         mask = torch.empty(case.B, 1, case.Nq, case.Nk, device="meta", dtype=torch.bool)
-    elif case.mask == "float":
-        mask = torch.empty(case.Hq, case.Nq, case.Nk, device="meta", dtype=case.dtype)
+    elif case.mask in ("float", "float32"):
+        dtype = case.dtype if case.mask == "float" else torch.float32
+        mask = torch.empty(case.Hq, case.Nq, case.Nk, device="meta", dtype=dtype)
         mask.requires_grad_(case.backward and case.mask_grad)
     return Inputs(
         tensor(case.Nq, case.Hq, case.D),
@@ -375,6 +389,12 @@ def cases_for(
     dtypes = [d for d in _DTYPE_ORDER if d in backend.dtypes]
     planned: list[tuple[torch.dtype, int, dict[str, Any]]] = [
         (dtype, i, o) for dtype in dtypes for i, o in _EVERY_DTYPE
+    ]
+    planned += [
+        (dtype, i, o)
+        for dtype in dtypes
+        if dtype in (torch.float16, torch.bfloat16)
+        for i, o in _HALF_PRECISION
     ]
     if dtypes:
         planned += [(dtypes[n % len(dtypes)], i, o) for n, (i, o) in enumerate(_ROTATING)]

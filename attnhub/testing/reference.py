@@ -81,6 +81,11 @@ def plain_attention(
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         keep = attn_mask if keep is None else keep & attn_mask
     elif attn_mask is not None:
+        if torch.promote_types(scores.dtype, attn_mask.dtype) != scores.dtype:
+            # A float32 mask on half-precision scores: the contract adds it to float32
+            # scores, so it is added unrounded and the softmax runs in float32 (a
+            # rounded mask is an error no implementation may make, not a width).
+            scores = scores.to(attn_mask.dtype)
         scores = scores + attn_mask.to(scores.dtype)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
@@ -91,7 +96,7 @@ def plain_attention(
     empty = total == 0
     safe_total = total.masked_fill(empty, 1.0)
     lse = (torch.log(safe_total) + row_max).masked_fill(empty, float("-inf"))
-    return (weights / safe_total) @ value, lse.squeeze(-1).float()
+    return (weights / safe_total).to(value.dtype) @ value, lse.squeeze(-1).float()
 
 
 def _reference_attention_64(

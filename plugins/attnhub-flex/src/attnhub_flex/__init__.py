@@ -121,6 +121,12 @@ def _mods(
         fsizes = None if fm is None else fm.shape
 
         def score_mod(score: Any, b: Any, h: Any, q: Any, k: Any) -> Any:
+            # At least float32, as the contract computes scores: the compiled kernel
+            # hands score_mod float32 scores, but the CPU's eager path those of a
+            # half-precision query in its dtype, and a float32 mask cast to it was
+            # rounded (-1e5 became -inf in float16, emptying rows that keep keys).
+            if score.dtype in (torch.float16, torch.bfloat16):
+                score = score.float()
             if cap is not None:
                 score = cap * torch.tanh(score / cap)
             if fm is not None:
@@ -351,6 +357,14 @@ class FlexAttention(Backend):
         if request.device_type == "cpu" and request.needs_grad:
             # FlexAttention's own words: "FlexAttention does not support backward on CPU".
             return ["FlexAttention has no backward on CPU"]
+        if request.device_type == "cuda" and request.needs_grad and request.mask_rounded:
+            # Seen on the H200 (torch 2.11; the kit's float32-mask backward case, fp16
+            # and bf16, D=64): Inductor finds no forward configuration within shared
+            # memory ("No valid triton configs", 245760 bytes of 232448) when the
+            # captured mask is float32 and the query half precision. Forward only, it
+            # compiles and is exact (D=128).
+            return ["a float32 mask with a half-precision query and a backward on CUDA: "
+                    "the compiled kernel has no configuration that fits in shared memory"]
         if request.device_type == "cuda" and request.head_dim & (request.head_dim - 1):
             # The compiled kernel pads D to a power of two in recent releases only.
             return [f"head_dim={request.head_dim} is not a power of two (compiled kernel)"]
