@@ -24,7 +24,12 @@ import pytest
 import torch
 
 import attnhub
-from attnhub.backends.torch_reference import TorchReference, keep_mask, reference_attention
+from attnhub.backends.torch_reference import (
+    TorchReference,
+    contract_attention,
+    keep_mask,
+    reference_attention,
+)
 from attnhub.dispatch import clear_cache
 from attnhub.testing import (
     Case,
@@ -141,7 +146,7 @@ class WrongLseBase(Correct):
     name = "kit_lse_base2"
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
-        out, lse = reference_attention(query, key, value, attn_mask, params)
+        out, lse = contract_attention(query, key, value, attn_mask, params)
         return (out, lse / math.log(2)) if params.return_lse else out
 
 
@@ -152,7 +157,7 @@ class DropoutWithoutRescale(Correct):
     dtypes = frozenset({torch.float32})
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
-        out, lse = reference_attention(query, key, value, attn_mask, params)
+        out, lse = contract_attention(query, key, value, attn_mask, params)
         if params.dropout_p:
             out = out * (1.0 - params.dropout_p)
         return (out, lse) if params.return_lse else out
@@ -678,7 +683,7 @@ class BadReturn(Correct):
     name = "kit_bad_return"
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
-        out, lse = reference_attention(query, key, value, attn_mask, params)
+        out, lse = contract_attention(query, key, value, attn_mask, params)
         return self.mangle(out, lse, query, key, value)
 
     @staticmethod
@@ -765,7 +770,7 @@ class ReusesOutputBuffer(Correct):
         buffers: list[torch.Tensor] = []
 
         def run(query, key, value, attn_mask):  # type: ignore[no-untyped-def]
-            out, lse = reference_attention(query, key, value, attn_mask, params)
+            out, lse = contract_attention(query, key, value, attn_mask, params)
             if not buffers:
                 buffers.append(torch.empty_like(out))
             buffers[0].copy_(out)
