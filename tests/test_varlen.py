@@ -114,8 +114,8 @@ def _cpu_varlen_backends() -> list[str]:
 def _cpu_varlen_backward_backends() -> list[str]:
     """Those of :func:`_cpu_varlen_backends` that serve a packed call with a backward on
     the CPU (flex_attention, where the plugin is installed, declares a backward but has
-    none on the CPU, and says so)."""
-    q = torch.zeros(3, 2, 8, requires_grad=True)
+    none on the CPU, and says so). The probe call has the tests' head dim (16)."""
+    q = torch.zeros(3, 2, 16, requires_grad=True)
     cu = torch.tensor([0, 3], dtype=torch.int32)
     return [
         name

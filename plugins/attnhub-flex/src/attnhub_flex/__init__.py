@@ -363,8 +363,10 @@ class FlexAttention(Backend):
             # memory ("No valid triton configs", 245760 bytes of 232448) when the
             # captured mask is float32 and the query half precision. Forward only, it
             # compiles and is exact (D=128).
-            return ["a float32 mask with a half-precision query and a backward on CUDA: "
-                    "the compiled kernel has no configuration that fits in shared memory"]
+            return [
+                "a float32 mask with a half-precision query and a backward on CUDA: "
+                "the compiled kernel has no configuration that fits in shared memory"
+            ]
         if request.device_type == "cuda" and request.head_dim & (request.head_dim - 1):
             # The compiled kernel pads D to a power of two in recent releases only.
             return [f"head_dim={request.head_dim} is not a power of two (compiled kernel)"]
