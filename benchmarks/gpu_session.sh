@@ -4,6 +4,10 @@
 # the call ends inside the device's 10 minutes; a step cut short leaves what it wrote.
 #   TESTS_S     gpu-tests.log: the GPU suite (pytest -m gpu -n 6; cut by SIGINT, so the
 #               failures so far are still summarized); TESTS: the paths (default tests)
+#   NOTGPU_S    notgpu-tests.log: the tests not marked gpu, run on the device (NOTGPU: the
+#               paths, default tests; NOTGPU_K: a -k expression). There the flex plugin is
+#               installed and the Triton interpreter off, so CPU calls take other backends
+#               than on the dev machine, and tests that pick CUDA when present run on it
 #   PROBE_S     sdpa-mask-probe.txt/json: benchmarks/sdpa_mask_probe.py
 #   DEMO_S      demo.log: `attnhub demo` (the large model, stock vs patched, judged)
 #   OVERHEAD_S  overhead.json/txt: dispatch overhead over PyTorch's own calls
@@ -56,6 +60,10 @@ step "${TESTS_S:-0}" tests python3 -m pytest -m gpu -n "${TESTS_N:-6}" -v -rfE -
     --continue-on-collection-errors ${TESTS:-tests} > "$OUT/gpu-tests.log" 2>&1
 grep -E "FAILED|ERROR" "$OUT/gpu-tests.log" 2>/dev/null | grep -v "^FAILED\|^ERROR" | head -20
 tail -3 "$OUT/gpu-tests.log" 2>/dev/null
+step "${NOTGPU_S:-0}" notgpu python3 -m pytest -m "not gpu" -n "${TESTS_N:-6}" -v -rfE --tb=short \
+    -p no:cacheprovider --timeout 120 ${NOTGPU_K:+-k "$NOTGPU_K"} ${NOTGPU:-tests} \
+    > "$OUT/notgpu-tests.log" 2>&1
+tail -3 "$OUT/notgpu-tests.log" 2>/dev/null
 step "${PROBE_S:-0}" probe python3 benchmarks/sdpa_mask_probe.py --json "$OUT/sdpa-mask-probe.json" \
     > "$OUT/sdpa-mask-probe.txt" 2>&1
 cat "$OUT/sdpa-mask-probe.txt" 2>/dev/null
