@@ -209,42 +209,26 @@ def _fused_bwd_kernel(
         k_hi = k
     dk = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
+    # Two segments of query blocks: causal, the blocks that cross the diagonal (masked:
+    # those before the key block's first key see none of it and are not visited), then
+    # the ones below it; otherwise no first segment. STAGGER rotates the walk.
     if CAUSAL:
-        # Query blocks before the key block's first key see none of it; the blocks that
-        # reach below start_n + BLOCK_N cross the diagonal and are masked.
         lo = start_n // BLOCK_M * BLOCK_M
         mid = tl.minimum((start_n + BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M, N)
-        for start_m in range(lo, mid, BLOCK_M):
-            dk, dv = _fused_bwd_tile(
-                dk, dv, k, v, k_lo, k_hi, Q, DO, LSE, DELTA, DQ_ACC, DQ_DESC,
-                bh, row0, start_m, offs_n, offs_d, offs_h, N, qk_scale,
-                HEAD_D=HEAD_D, BLOCK_M=BLOCK_M, MASK=True, REDUCE=REDUCE, SPLIT_D=SPLIT_D,
-                DESC_3D=DESC_3D, INPUT_PRECISION=INPUT_PRECISION,
-            )  # fmt: skip
-        for start_m in range(mid, N, BLOCK_M):
-            dk, dv = _fused_bwd_tile(
-                dk, dv, k, v, k_lo, k_hi, Q, DO, LSE, DELTA, DQ_ACC, DQ_DESC,
-                bh, row0, start_m, offs_n, offs_d, offs_h, N, qk_scale,
-                HEAD_D=HEAD_D, BLOCK_M=BLOCK_M, MASK=False, REDUCE=REDUCE, SPLIT_D=SPLIT_D,
-                DESC_3D=DESC_3D, INPUT_PRECISION=INPUT_PRECISION,
-            )  # fmt: skip
-    elif STAGGER:
-        rot = start_n // BLOCK_M * BLOCK_M
-        for i in range(0, N, BLOCK_M):
-            start_m = (i + rot) % N
-            dk, dv = _fused_bwd_tile(
-                dk, dv, k, v, k_lo, k_hi, Q, DO, LSE, DELTA, DQ_ACC, DQ_DESC,
-                bh, row0, start_m, offs_n, offs_d, offs_h, N, qk_scale,
-                HEAD_D=HEAD_D, BLOCK_M=BLOCK_M, MASK=False, REDUCE=REDUCE, SPLIT_D=SPLIT_D,
-                DESC_3D=DESC_3D, INPUT_PRECISION=INPUT_PRECISION,
-            )  # fmt: skip
     else:
-        for start_m in range(0, N, BLOCK_M):
+        lo = 0
+        mid = 0
+    rot = start_n // BLOCK_M * BLOCK_M if STAGGER else 0
+    for seg in tl.static_range(2):
+        s0 = lo if seg == 0 else mid
+        s1 = mid if seg == 0 else N
+        for i in range(s0, s1, BLOCK_M):
+            start_m = (i + rot) % N if STAGGER else i
             dk, dv = _fused_bwd_tile(
                 dk, dv, k, v, k_lo, k_hi, Q, DO, LSE, DELTA, DQ_ACC, DQ_DESC,
                 bh, row0, start_m, offs_n, offs_d, offs_h, N, qk_scale,
-                HEAD_D=HEAD_D, BLOCK_M=BLOCK_M, MASK=False, REDUCE=REDUCE, SPLIT_D=SPLIT_D,
-                DESC_3D=DESC_3D, INPUT_PRECISION=INPUT_PRECISION,
+                HEAD_D=HEAD_D, BLOCK_M=BLOCK_M, MASK=CAUSAL and seg == 0, REDUCE=REDUCE,
+                SPLIT_D=SPLIT_D, DESC_3D=DESC_3D, INPUT_PRECISION=INPUT_PRECISION,
             )  # fmt: skip
     out_offs = kv_rows[:, None] * HEAD_D + offs_d[None, :]
     tl.store(DK + out_offs, (dk * sm_scale).to(DK.dtype.element_ty))
