@@ -54,9 +54,9 @@ failed, with the reason, and left out.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -67,7 +67,7 @@ from .dispatch import REFERENCE, Decision, prepare_candidate
 from .errors import error_line
 from .registry import get_registry
 from .request import AttentionParams
-from .timing import rotated, synchronize
+from .timing import loop_ms, rotated, synchronize
 
 log = logging.getLogger("attnhub")
 
@@ -131,22 +131,6 @@ def _call(runner: Callable[..., Any], tensors: tuple[Any, ...], backward: bool) 
     torch.autograd.grad(out, inputs, out.detach())
 
 
-def _loop_ms(
-    runner: Callable[..., Any],
-    tensors: tuple[Any, ...],
-    backward: bool,
-    device: torch.device,
-    calls: int,
-) -> float:
-    """Milliseconds per call of ``calls`` calls in a row, synchronized at both ends."""
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        _call(runner, tensors, backward)
-    synchronize(device)
-    return (time.perf_counter() - start) / calls * 1e3
-
-
 def _calls_per_round(first_ms: float) -> int:
     """Calls in a round after the first, from the first round's time per call."""
     wanted = int(ROUND_MS / first_ms) if first_ms > 0 else MAX_CALLS
@@ -174,7 +158,8 @@ def _time_all(
                 if round_index == 0:
                     _call(runners[name], tensors, backward)
                     continue
-                ms = _loop_ms(runners[name], tensors, backward, device, calls.get(name, MIN_CALLS))
+                call = functools.partial(_call, runners[name], tensors, backward)
+                ms = loop_ms(call, device, calls.get(name, MIN_CALLS))
             except Exception as exc:
                 synchronize(device)
                 failed[name] = error_line(exc)

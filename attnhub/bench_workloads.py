@@ -27,7 +27,6 @@ import contextlib
 import functools
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ from .bench import environment, parse_dtype, write_json
 from .errors import error_line
 from .patching import patch
 from .request import AttentionParams, dtype_name
-from .timing import rotated, synchronize
+from .timing import loop_ms, rotated, synchronize
 
 SDPA = "sdpa"
 PATCHED = "patched"
@@ -173,18 +172,8 @@ def _iterations(fn: Callable[[], Any], device: torch.device, budget_s: float, re
     ``repeats`` loops fill about ``budget_s``."""
     for _ in range(2):
         fn()
-    once = max(_loop_ms(fn, device, 1) / 1e3, 1e-6)
+    once = max(loop_ms(fn, device, 1) / 1e3, 1e-6)
     return max(3, min(1000, int(budget_s / repeats / once)))
-
-
-def _loop_ms(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
-    """Wall-clock ms per call over one loop of ``iters`` calls, host time included."""
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    synchronize(device)
-    return (time.perf_counter() - start) / iters * 1e3
 
 
 def interleaved_ms(
@@ -223,7 +212,7 @@ def interleaved_ms(
             iters[name], times[name] = found, []
     for r in range(repeats):
         for name in rotated([n for n in iters if n not in errors], r):
-            ms = attempt(name, functools.partial(_loop_ms, fns[name], device, iters[name]))
+            ms = attempt(name, functools.partial(loop_ms, fns[name], device, iters[name]))
             if ms is not None:
                 times[name].append(ms)
     medians = {n: statistics.median(t) for n, t in times.items() if n not in errors and t}

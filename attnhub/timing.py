@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -11,6 +13,17 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (CUDA); nothing elsewhere."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def loop_ms(fn: Callable[[], Any], device: torch.device, calls: int) -> float:
+    """Wall-clock milliseconds per call of ``calls`` calls of ``fn`` in a row, host time
+    included, the device synchronized at both ends."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) / calls * 1e3
 
 
 def rotated(names: Sequence[str], repeat: int) -> tuple[str, ...]:

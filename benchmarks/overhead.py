@@ -94,8 +94,9 @@ def _calls(args: argparse.Namespace) -> tuple[dict[str, Callable[[], object]], s
         calls["flash_ops"] = lambda: flash_ops(q, k, v, 0.0, False, False)
         calls["flash_named"] = lambda: attnhub.attention(q, k, v, backend="torch_sdpa_flash")
     if device.type == "cuda":
-        # The memory-efficient op (built into every CUDA build), as torch_sdpa_efficient calls it (no mask, no lse
-        # without grad): what auto serves the tiny call with on the H200 (seen 13:28).
+        # The memory-efficient op (in every CUDA build), as torch_sdpa_efficient calls it
+        # (no mask, no lse without grad): what auto serves the tiny call with on the H200
+        # (seen 2026-12-02).
         efficient = torch._scaled_dot_product_efficient_attention
         calls["efficient_direct"] = lambda: efficient(q, k, v, None, False, 0.0, False)
         calls["efficient_named"] = lambda: attnhub.attention(
