@@ -46,7 +46,7 @@ from typing import Any
 import pluggy
 import torch
 
-from . import env, hookspecs
+from . import env, hookspecs, mkl_vml
 from .backend import FLOAT_DTYPES, LAYOUTS, MEMORY_CLASSES, Backend
 from .request import ALIGNMENTS, MASK_KINDS
 
@@ -647,6 +647,8 @@ def _load_process_registry() -> BackendRegistry:
             return _registry
         registry = BackendRegistry()
         _loading = _Loading(registry, me, frozenset(t.ident for t in threading.enumerate()))
+    # Before any backend can run: see mkl_vml (a race in MKL's first parallel call).
+    mkl_vml.resolve_dispatch()
     loaded = False
     try:
         registry.load()

@@ -23,6 +23,7 @@ RUNTIME_LAYERS: tuple[frozenset[str], ...] = (
             "hookspecs",
             "tensor_memo",
             "timing",
+            "mkl_vml",
         }
     ),
     frozenset({"backend", "block_sparse", "mask_structure"}),
