@@ -52,3 +52,25 @@ def test_each_function_is_called_once_per_dtype_on_one_element(
     assert resolved is torch.backends.mkl.is_available()
     expected = [(n, d, 1) for d in (torch.float32, torch.float64) for n in ("exp", "tanh")]
     assert calls == (expected if resolved else [])
+
+
+def test_the_kits_references_settle_vml_dispatch_before_computing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The kit computes its references before any backend runs, so they may be a
+    # process's first exp; settling dispatch is the first thing they do.
+    from attnhub.testing import reference
+    from attnhub.testing.cases import Case, make_inputs
+
+    order: list[str] = []
+    results = reference._results
+
+    def recording_results(*args: object) -> object:
+        order.append("compute")
+        return results(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mkl_vml, "resolve_dispatch", lambda: order.append("resolve"))
+    monkeypatch.setattr(reference, "_results", recording_results)
+    case = Case(torch.float32, 1, 2, 2, 5, 7, 16, 16, seed=1)
+    reference.references(make_inputs(case, "cpu"), case)
+    assert order == ["resolve", "compute", "compute"]

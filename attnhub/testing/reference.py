@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from .. import mkl_vml
 from .cases import Case, Inputs
 
 # Gradient names in the order of Inputs.differentiable().
@@ -158,4 +159,7 @@ def references(
             f"case {case.id}: dropout_p={case.dropout_p} has no deterministic reference; "
             "dropout is checked by attnhub.testing.dropout_problems"
         )
+    # The references may be a process's first exp, log or tanh, before any attnhub call
+    # has loaded the registry: settle MKL's dispatch first (attnhub.mkl_vml).
+    mkl_vml.resolve_dispatch()
     return _results(inputs, case, None), _results(inputs, case, torch.float64)
