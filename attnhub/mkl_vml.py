@@ -9,8 +9,8 @@ high accuracy was asked for (pytorch/pytorch#188792; its proposed fix, #188791, 
 the same one-element calls inside ATen). Later calls are exact, so a rerun hides it.
 
 Seen in attnhub: FlexAttention's eager CPU path computes the lse with
-``torch.logsumexp``, whose ``exp_`` was the process's first parallel exp. In about a
-quarter of fresh processes on two threads, the chunk of one thread came out with
+``torch.logsumexp``, whose ``exp_`` was the process's first parallel exp. In about one
+fresh process in ten on two threads (10 of 76), the chunk of one thread came out with
 errors up to 1.5e-4 relative, an lse 4.5e-5 off in float32, beyond the contract's
 bound; the output, computed by softmax's own kernel, was exact.
 
@@ -26,8 +26,8 @@ import functools
 import torch
 
 # Unary ops that ATen's CPU kernels route to VML (aten/src/ATen/cpu/vml.h) and that
-# attention's math or a backend's reference may call: softmax and logsumexp, softcap's
-# tanh, scale and norm square roots.
+# attention's CPU math may call: the exp and log of logsumexp and of the references'
+# spelled-out softmax, softcap's tanh, and the square roots of scales and norms.
 _FUNCTIONS = (
     torch.exp,
     torch.expm1,

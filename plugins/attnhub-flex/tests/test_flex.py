@@ -73,8 +73,8 @@ def test_window_and_softcap_compose_with_masks() -> None:
 # 4.5e-5 off, out exact). FlexAttention's eager CPU path computes it with
 # torch.logsumexp, whose exp_ was the process's first parallel exp, and MKL's VML can
 # run a low-accuracy kernel on one thread's chunk of that call (attnhub.mkl_vml). The
-# race is per process: before the registry resolved VML's dispatch, 5 of 44 fresh
-# processes failed here (A/B on the dev machine, 0 of 44 with it), so several run.
+# race is per process: before the registry resolved VML's dispatch, this script failed
+# in 2 of 20 fresh processes on the dev machine (0 of 24 after), so several run.
 _FIRST_LSE = """
 import json, torch
 import attnhub
