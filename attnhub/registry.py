@@ -628,6 +628,9 @@ def get_registry() -> BackendRegistry:
 
 def _load_process_registry() -> BackendRegistry:
     global _registry, _loading
+    # Before any backend can run: see mkl_vml (a race in MKL's first parallel call).
+    # Ahead of the loading state, so that nothing here can leave a load half begun.
+    mkl_vml.resolve_dispatch()
     me = threading.get_ident()
     with _loaded:
         deadline = time.monotonic() + LOAD_WAIT_S
@@ -647,8 +650,6 @@ def _load_process_registry() -> BackendRegistry:
             return _registry
         registry = BackendRegistry()
         _loading = _Loading(registry, me, frozenset(t.ident for t in threading.enumerate()))
-    # Before any backend can run: see mkl_vml (a race in MKL's first parallel call).
-    mkl_vml.resolve_dispatch()
     loaded = False
     try:
         registry.load()
