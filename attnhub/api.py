@@ -226,12 +226,47 @@ def attention(
             among it; empty B, H, Nq or Nk are served).
         NoBackendError: no backend (or none of those asked for) can serve the call.
     """
-    global _last
     if _is_compiling():
         return _attention_traced(
             query, key, value, attn_mask, causal, alignment, window, softcap, scale,
             dropout_p, block_sparse, return_lse, backend,
         )  # fmt: skip
+    entry = _entry_for(
+        query, key, value, attn_mask, causal, alignment, window, softcap, scale,
+        dropout_p, block_sparse, return_lse, backend,
+    )  # fmt: skip
+    name = entry[0]
+    # attnhub.stats(): call_stats.record(name), inlined (the call alone is a tenth of
+    # the per-call cost): a per-thread dict, no lock.
+    try:
+        counts = _stats_local.counts
+    except AttributeError:
+        counts = _new_stats_counts()
+    counts[name] = counts.get(name, 0) + 1
+    return entry[1](query, key, value, attn_mask)
+
+
+def _entry_for(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any,
+    causal: Any,
+    alignment: Any,
+    window: Any,
+    softcap: Any,
+    scale: Any,
+    dropout_p: Any,
+    block_sparse: Any,
+    return_lse: Any,
+    backend: Any,
+) -> _Entry:
+    """The decided entry of an :func:`attention` call (not while tracing), not run.
+
+    Raises what validation and dispatch raise for the call (``ValueError``,
+    ``TypeError``, :class:`attnhub.NoBackendError`).
+    """
+    global _last
     # The fast path: the per-call cost (benchmarks/overhead.py). Everything that
     # validation and dispatch read is compared with what a decided call had, and
     # nothing more: first with the entry the last call used (its tensors' metadata
@@ -303,21 +338,36 @@ def attention(
             (causal, alignment, window, softcap, scale, dropout_p, block_sparse, return_lse),
             backend,
         )  # fmt: skip
-    name = entry[0]
-    # attnhub.stats(): call_stats.record(name), inlined (the call alone is a tenth of
-    # the per-call cost): a per-thread dict, no lock.
-    try:
-        counts = _stats_local.counts
-    except AttributeError:
-        counts = _new_stats_counts()
-    counts[name] = counts.get(name, 0) + 1
-    return entry[1](query, key, value, attn_mask)
+    return entry
 
 
 # The default objects themselves: the fast path compares options to them with ``is``.
 _DEFAULTS: dict[str, Any] = attention.__kwdefaults__ or {}
 _NO_DROPOUT = _DEFAULTS["dropout_p"]
 _TOP_LEFT = _DEFAULTS["alignment"]
+
+
+def sdpa_entry(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any,
+    is_causal: Any,
+    scale: Any,
+    dropout_p: Any,
+    backend: Any,
+) -> _Entry:
+    """The decided entry of ``attention(query, key, value, attn_mask, causal=is_causal,
+    scale=scale, dropout_p=dropout_p, backend=backend)``, not run (not while tracing).
+
+    :func:`attnhub.patch`'s call: its replacement keeps the entry to reuse for calls
+    that match it (``entry[2].check``, ``entry[4]``; see :class:`_Guards`). An entry
+    that must not be reused has guards that never match.
+    """
+    return _entry_for(
+        query, key, value, attn_mask, is_causal, _TOP_LEFT, None, None, scale, dropout_p,
+        None, False, backend,
+    )  # fmt: skip
 
 
 def _options_key(

@@ -86,13 +86,20 @@ import torch.nn.functional as F
 from torch.overrides import handle_torch_function
 
 from . import dispatch
-from .api import attention
+from .api import attention, sdpa_entry
 from .call_stats import ORIGINAL, record
 from .dispatch import normalize_backend_arg
 from .errors import NoBackendError
 from .mask_structure import recognize
+from .registry import on_invalidate
 
 _is_compiling = torch.compiler.is_compiling
+# Bound once, as in attnhub.api: the memo's context reads them on every call.
+_grad_enabled = torch.is_grad_enabled
+_deterministic = torch.are_deterministic_algorithms_enabled
+_context_get = dispatch._context_selection.get
+_env_get = dispatch.environment_get
+_ENV_BACKEND, _ENV_STRICT = dispatch.ENVIRONMENT_KEYS
 
 log = logging.getLogger("attnhub")
 
@@ -360,10 +367,41 @@ def _enter_strict(reference_named: bool) -> Any:
     return dispatch._context_selection.set(strict)
 
 
+class _Memo:
+    """One replacement's last reusable decision: ``(context, api entry)``.
+
+    A model calls attention with one signature many times in a row (every layer of a
+    step), so a patched call that has the last one's options, selection in force and
+    tensor metadata (checked by the entry's guards, in one C call) runs the runner
+    that call was decided to, skipping the domain checks, the strict context and
+    :func:`attnhub.attention`'s keyword call (about 15,000 instructions,
+    ``benchmarks/overhead.py``'s ``model_patched`` row). Only calls decided without
+    reading a mask's values are kept: the decision then depends on the tensors'
+    metadata alone. Cleared on any registry, policy or cost-table change.
+    """
+
+    __slots__ = ("__weakref__", "value")
+
+    def __init__(self) -> None:
+        self.value: tuple[Any, Any] = (_NO_MEMO, None)
+
+
+_NO_MEMO = object()  # a context no call has
+_memos: weakref.WeakSet[_Memo] = weakref.WeakSet()
+
+
+@on_invalidate
+def _clear_memos() -> None:
+    for memo in list(_memos):
+        memo.value = (_NO_MEMO, None)
+
+
 def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
     backend = handle.backend
     strict = handle.strict
     reference_named = backend is not None and dispatch.REFERENCE in backend
+    memo = _Memo()
+    _memos.add(memo)
 
     def scaled_dot_product_attention(
         query: torch.Tensor,
@@ -395,6 +433,41 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
             # A backend's own call to F.scaled_dot_product_attention.
             return original(query, key, value, attn_mask, dropout_p, is_causal,
                             scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+        compiling = _is_compiling()
+        context: Any = None  # None: not a call the memo keeps
+        if (
+            not compiling
+            and (is_causal is True or is_causal is False)
+            and (enable_gqa is True or enable_gqa is False)
+            and dropout_p.__class__ is float
+            and (scale is None or scale.__class__ is float)
+        ):
+            # Exact types, so that equal values of other types (dropout_p=0, an int;
+            # scale=numpy.float64), which may be decided otherwise, never match.
+            context = (
+                is_causal, enable_gqa, dropout_p, scale, attn_mask is None, _grad_enabled(),
+                _context_get(), _env_get(_ENV_BACKEND), _env_get(_ENV_STRICT),
+            )  # fmt: skip
+            last_context, entry = memo.value  # an api entry: (name, runner, guards, ...)
+            if (
+                last_context == context
+                and (
+                    entry[2].check(query, key, value)
+                    if attn_mask is None
+                    else entry[2].check(query, key, value, attn_mask)
+                )
+                and (entry[4] is None or entry[4] is _deterministic())
+            ):
+                _inside.active = True
+                try:
+                    record(entry[0])
+                    return entry[1](query, key, value, attn_mask)
+                except (ValueError, TypeError) as exc:
+                    _note_original(f"attnhub rejects it ({type(exc).__name__}: {exc})", query, key)
+                    return original(query, key, value, attn_mask, dropout_p, is_causal,
+                                    scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+                finally:
+                    _inside.active = False
         why = _outside_domain(query, key, value, attn_mask, is_causal, enable_gqa)
         if why is None:
             _inside.active = True
@@ -403,13 +476,17 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
             # patching; a patch must never make a model much slower.
             # (Under torch.compile the choice is made at trace time, with the selection
             # in force then; context variables cannot be traced.)
-            token = None if _is_compiling() else _enter_strict(reference_named)
+            token = None if compiling else _enter_strict(reference_named)
             try:
-                if attn_mask is None:  # nothing to read (mask_arguments' first case)
-                    return attention(
-                        query, key, value, None,
-                        causal=is_causal, scale=scale, dropout_p=dropout_p, backend=backend,
-                    )  # fmt: skip
+                if not compiling and not _reads_mask(query, key, attn_mask):
+                    # Decided from metadata alone: kept for the next call.
+                    decided: Any = sdpa_entry(  # return_lse=False: its runner gives a tensor
+                        query, key, value, attn_mask, is_causal, scale, dropout_p, backend
+                    )
+                    if context is not None:
+                        memo.value = (context, decided)
+                    record(decided[0])
+                    return decided[1](query, key, value, attn_mask)
                 mask, structure = mask_arguments(query, key, attn_mask, is_causal)
                 return attention(
                     query, key, value, mask,
@@ -443,6 +520,16 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
 STRUCTURED_MASK_DEVICES = frozenset({"cuda"})
 
 
+def _reads_mask(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
+    """Whether :func:`mask_arguments` reads the mask's values (else: its metadata decides)."""
+    return (
+        attn_mask is not None
+        and attn_mask.device.type in STRUCTURED_MASK_DEVICES
+        and attn_mask.dim() >= 2
+        and attn_mask.shape[-2:] == (query.shape[-2], key.shape[-2])
+    )
+
+
 def mask_arguments(
     query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool
 ) -> tuple[torch.Tensor | None, dict[str, Any]]:
@@ -457,13 +544,7 @@ def mask_arguments(
     and a column per key is read (one broadcast over queries has no diagonal), and
     never while torch.compile traces (the structure depends on the values).
     """
-    if (
-        attn_mask is None
-        or attn_mask.device.type not in STRUCTURED_MASK_DEVICES
-        or attn_mask.dim() < 2
-        or attn_mask.shape[-2:] != (query.shape[-2], key.shape[-2])
-        or _is_compiling()
-    ):
+    if attn_mask is None or _is_compiling() or not _reads_mask(query, key, attn_mask):
         return attn_mask, {"causal": is_causal}
     plan = recognize(attn_mask)
     if plan is None:

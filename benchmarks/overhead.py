@@ -12,9 +12,12 @@ was measured over), whose Python ``__call__`` and schema matching cost about 11,
 instructions more (counted on the CPU op of the same schema). With cuDNN, it times
 ``attnhub.attention(..., backend="torch_sdpa_cudnn")`` against cuDNN's op the same way
 (and ``torch_sdpa_efficient`` against the memory-efficient op),
-and last, ``attnhub.attention()`` over the direct call of the kernel it dispatched to
+then ``attnhub.attention()`` over the direct call of the kernel it dispatched to
 (on the H200, cuDNN's or the memory-efficient one, once its first call has measured
-the candidates).
+the candidates). Last, a model's call (issue 16: measure the calls models make):
+Hugging Face's sdpa call (every option by name, its scale, ``is_causal=True``)
+direct, as its ``attn_implementation="attnhub"`` path calls ``attention()``, and under
+``attnhub.patch()`` (the ``model_*`` rows).
 
     python benchmarks/overhead.py [--device cuda] [--repeat 2000] [--rounds 200]
     python benchmarks/overhead.py --instructions    # needs valgrind and a C compiler
@@ -36,6 +39,12 @@ Measured (input (1, 1, 16, 64) float32; overhead = attnhub minus the direct call
     wall, the H200 host's quiet CPU, torch 2.11, Python 3.12 (3 runs each, us):
       5d3766f:  named +3.30 / +3.23 / +3.74   auto +3.33 / +3.18 / +3.65
       f226c4c:  named +1.89 / +1.85 / +1.79   auto +1.79 / +1.91 / +2.01
+
+The model rows, same machine, ``--shape 1,1,32,64`` (over ``model_direct``):
+
+      bdb9323:  model_attnhub +10,979   model_patched +27,921   (named +12,890)
+      this change (the patched function's memo, attnhub.patching._Memo):
+                model_attnhub +11,598   model_patched +12,129   (named +13,536)
 
 Since 1384c46 a CPU call with Nk <= 16 and no mask reaches PyTorch with an explicit
 mask (backends/torch_sdpa.py, ``_CPU_VECTOR_KEYS``), so on the CPU the default shape
@@ -80,11 +89,31 @@ def _calls(args: argparse.Namespace) -> tuple[dict[str, Callable[[], object]], s
     dtype = torch.float32 if device.type == "cpu" else torch.float16
     q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
     torch.set_num_threads(1)
+    sdpa = F.scaled_dot_product_attention  # PyTorch's own, bound before the patch below
+    # The patched function, in force for the rest of the process: every other call here
+    # reaches PyTorch's function through a name bound before it (aliases=False leaves
+    # them as they are), and attnhub's backends call PyTorch's own.
+    patched_sdpa = attnhub.patch(aliases=False).function
     calls: dict[str, Callable[[], object]] = {
-        "direct": lambda: F.scaled_dot_product_attention(q, k, v),
+        "direct": lambda: sdpa(q, k, v),
         "named": lambda: attnhub.attention(q, k, v, backend="torch_sdpa"),
         "auto": lambda: attnhub.attention(q, k, v),
     }
+    # A model's call (issue 16: "measure the calls models make"): Hugging Face's sdpa
+    # path passes every option by name, its scale among them, and is_causal=True for a
+    # prefill; its attn_implementation="attnhub" path (attnhub.integrations.transformers)
+    # passes attention() all of its options. The patched call is HF's, under patch().
+    scale = shape[-1] ** -0.5
+    calls["model_direct"] = lambda: sdpa(
+        q, k, v, attn_mask=None, dropout_p=0.0, scale=scale, is_causal=True
+    )
+    calls["model_attnhub"] = lambda: attnhub.attention(
+        q, k, v, None, causal=True, alignment="top_left", window=None, softcap=None,
+        scale=scale, dropout_p=0.0, backend=None,
+    )  # fmt: skip
+    calls["model_patched"] = lambda: patched_sdpa(
+        q, k, v, attn_mask=None, dropout_p=0.0, scale=scale, is_causal=True
+    )
     if device.type == "cuda" and torch.backends.cuda.is_flash_attention_available():
         # A pinned kernel against its own ATen op, called the way torch_sdpa_flash calls
         # it (the op's generated binding), and through torch.ops.aten (shown alone).
@@ -131,6 +160,9 @@ _LABELS = (
     ("efficient_named", "attnhub.attention(backend='torch_sdpa_efficient')", "efficient_direct"),
     ("cudnn_direct", "torch._scaled_dot_product_cudnn_attention", None),
     ("cudnn_named", "attnhub.attention(backend='torch_sdpa_cudnn')", "cudnn_direct"),
+    ("model_direct", "F.sdpa(..., scale=, is_causal=True) as HF calls it", None),
+    ("model_attnhub", "attention(...) as attn_implementation='attnhub' calls it", "model_direct"),
+    ("model_patched", "the HF call under attnhub.patch()", "model_direct"),
 )
 # The direct call of each backend's own kernel: auto's overhead over what it dispatched
 # to (issue 16's "dispatch to a PyTorch kernel costs <= 2 us over calling that kernel").

@@ -22,7 +22,15 @@ def structured_on_cpu(monkeypatch):  # type: ignore[no-untyped-def]
         seen.append({"mask": attn_mask, **options})
         return real(query, key, value, attn_mask, **options)
 
+    # Calls whose mask is not read are decided without attention()'s keyword call.
+    real_entry = patching.sdpa_entry
+
+    def entry_spy(query, key, value, attn_mask, is_causal, scale, dropout_p, backend):  # type: ignore[no-untyped-def]
+        seen.append({"mask": attn_mask, "causal": is_causal})
+        return real_entry(query, key, value, attn_mask, is_causal, scale, dropout_p, backend)
+
     monkeypatch.setattr(patching, "attention", spy)
+    monkeypatch.setattr(patching, "sdpa_entry", entry_spy)
     return seen
 
 

@@ -1,0 +1,140 @@
+"""Where a decode call's time goes: PyTorch's own call against attnhub's, one shape.
+
+``benchmarks/results/workloads-h200.md`` has ``decode 4K D128 GQA 32/8`` (B 8, Hq 32 /
+Hkv 8, Nq 1, Nk 4096, D 128) at 39.8 us a call through F.scaled_dot_product_attention
+and 45.1 us through ``attention(backend="torch_sdpa")``, which calls the same function:
+more than attnhub's per-call overhead (about 2 us, ``benchmarks/overhead.py``). This
+probe times each way of making that call three ways, interleaved over rounds (the
+fastest round of each is printed):
+
+- ``enqueue``: host time per call of a loop, the device not waited for (what the host
+  pays; the loop is short enough that the launch queue never fills);
+- ``wall``: the same loop with the device synchronized at both ends (what the bench
+  reports: the larger of host and device time, roughly);
+- ``device``: CUDA-event time per call of the loop (the kernels alone, once the host
+  keeps ahead);
+
+and lists the CUDA kernels one call launches (``torch.profiler``)::
+
+    python benchmarks/decode_gap_probe.py [--shape 8,32,8,4096,128] [--calls 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import attnhub
+
+
+def _ways(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    gqa = q.shape[1] != k.shape[1]
+    sdpa = F.scaled_dot_product_attention
+    ways: dict[str, Callable[[], Any]] = {
+        "F.sdpa(enable_gqa)": lambda: sdpa(q, k, v, enable_gqa=gqa),
+        # As attnhub bench --workloads calls it.
+        "F.sdpa(attn_mask=None, is_causal=False, enable_gqa)": lambda: sdpa(
+            q, k, v, attn_mask=None, is_causal=False, enable_gqa=gqa
+        ),
+    }
+    for backend in ("torch_sdpa", "torch_sdpa_flash", "torch_sdpa_cudnn", "triton_flash", None):
+        if backend is not None and attnhub.get_registry().unavailable_reason(backend):
+            continue
+        try:  # as the workloads bench calls it: decode is bottom-right causal
+            attnhub.attention(q, k, v, None, causal=True, alignment="bottom_right", backend=backend)
+        except attnhub.NoBackendError:
+            continue
+        ways[f"attention(causal, bottom_right, backend={backend})"] = (
+            lambda backend=backend: attnhub.attention(
+                q, k, v, None, causal=True, alignment="bottom_right", window=None, backend=backend
+            )
+        )  # fmt: skip
+    ways["attention(backend=torch_sdpa), defaults"] = lambda: attnhub.attention(
+        q, k, v, backend="torch_sdpa"
+    )
+    return ways
+
+
+def _enqueue_us(fn: Callable[[], Any], calls: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def _wall_and_device_us(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    begin.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / calls * 1e6
+    return wall, begin.elapsed_time(end) * 1e3 / calls
+
+
+def _kernels(fn: Callable[[], Any]) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [
+        f"{e.key[:90]} ({e.device_time_total / max(e.count, 1):.1f} us)"
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="8,32,8,4096,128", help="B,Hq,Hkv,Nk,D")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    b, hq, hkv, nk, d = (int(x) for x in args.shape.split(","))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (
+        torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        for _ in range(2)
+    )
+    ways = _ways(q, k, v)
+    for fn in ways.values():  # warm: autotune, caches, cuDNN plans
+        for _ in range(20):
+            fn()
+    best: dict[str, list[float]] = {name: [float("inf")] * 3 for name in ways}
+    for _ in range(args.rounds):
+        for name, fn in ways.items():
+            enqueue = _enqueue_us(fn, args.calls)
+            wall, device = _wall_and_device_us(fn, args.calls)
+            best[name] = [min(a, x) for a, x in zip(best[name], (enqueue, wall, device))]
+    print(f"q {tuple(q.shape)} k/v {tuple(k.shape)} bf16, {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}; per call, fastest of {args.rounds} rounds of {args.calls}")  # fmt: skip
+    print(f"{'way':<62} {'enqueue us':>10} {'wall us':>8} {'device us':>9}")
+    for name, (enqueue, wall, device) in best.items():
+        print(f"{name:<62} {enqueue:>10.1f} {wall:>8.1f} {device:>9.1f}")
+    kernels = {name: _kernels(fn) for name, fn in ways.items()}
+    for name, names in kernels.items():
+        print(f"{name}:\n  " + "\n  ".join(names))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": args.shape, "best_us": best, "kernels": kernels}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

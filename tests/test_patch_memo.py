@@ -1,0 +1,206 @@
+"""The patched function's memo: a repeated call reuses the last decision, and only then.
+
+Each case warms the memo with one call, changes one thing that decides a call (an
+option, the selection in force, grad mode, determinism, tensor metadata, the
+registry), and checks that the next call is decided again (``sdpa_entry`` is reached)
+and gives what PyTorch's own function gives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import attnhub
+from attnhub import patching
+from attnhub.registry import invalidate_caches
+
+ORIGINAL = F.scaled_dot_product_attention
+
+
+@pytest.fixture
+def decided(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """The calls the patch decided (rather than reused), as (is_causal, scale, dropout_p)."""
+    seen: list[tuple[Any, ...]] = []
+    real = patching.sdpa_entry
+
+    def spy(query, key, value, attn_mask, is_causal, scale, dropout_p, backend):  # type: ignore[no-untyped-def]
+        seen.append((is_causal, scale, dropout_p))
+        return real(query, key, value, attn_mask, is_causal, scale, dropout_p, backend)
+
+    monkeypatch.setattr(patching, "sdpa_entry", spy)
+    attnhub.reset_stats()
+    yield seen
+    for handle in reversed(patching.active_patches()):
+        handle.undo()
+
+
+def _qkv(requires_grad: bool = False, nk: int = 9, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((2, 4, 7, 16), (2, 4, nk, 16), (2, 4, nk, 16))
+    return [torch.randn(s, generator=g).requires_grad_(requires_grad) for s in shapes]
+
+
+def test_a_repeated_call_is_decided_once_and_runs_on_new_values(decided):
+    with attnhub.patch():
+        for seed in range(4):
+            q, k, v = _qkv(seed=seed)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, scale=0.3)
+            torch.testing.assert_close(out, ORIGINAL(q, k, v, scale=0.3))
+    assert len(decided) == 1
+    assert attnhub.stats() == {"torch_sdpa": 4}
+
+
+@contextlib.contextmanager
+def _env(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> Iterator[None]:
+    monkeypatch.setenv(name, value)
+    yield
+    monkeypatch.delenv(name)
+
+
+# name -> (the change, as a context manager factory; call options; served by)
+CHANGES: dict[str, tuple[Callable[[pytest.MonkeyPatch], Any], dict[str, Any], str]] = {
+    "is_causal": (lambda mp: contextlib.nullcontext(), {"is_causal": True}, "torch_sdpa"),
+    "scale": (lambda mp: contextlib.nullcontext(), {"scale": 0.5}, "torch_sdpa"),
+    "scale None": (lambda mp: contextlib.nullcontext(), {"scale": None}, "torch_sdpa"),
+    "use_backend": (
+        lambda mp: attnhub.use_backend("torch_reference"),
+        {},
+        "torch_reference",
+    ),
+    "ATTNHUB_BACKEND": (
+        lambda mp: _env(mp, "ATTNHUB_BACKEND", "torch_reference"),
+        {},
+        "torch_reference",
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_that_decides_a_call_is_decided_again(decided, monkeypatch, change):
+    make_context, options, served_by = CHANGES[change]
+    q, k, v = _qkv()
+    base = {"is_causal": False, "scale": 0.25}
+    with attnhub.patch():
+        F.scaled_dot_product_attention(q, k, v, **base)
+        attnhub.reset_stats()
+        with make_context(monkeypatch):
+            out = F.scaled_dot_product_attention(q, k, v, **{**base, **options})
+        torch.testing.assert_close(out, ORIGINAL(q, k, v, **{**base, **options}))
+        assert attnhub.stats() == {served_by: 1}
+        assert len(decided) == 2
+        # And back: the first call's decision again (decided anew: the memo holds one).
+        attnhub.reset_stats()
+        F.scaled_dot_product_attention(q, k, v, **base)
+        assert attnhub.stats() == {"torch_sdpa": 1}
+
+
+def test_new_metadata_is_decided_again(decided):
+    q, k, v = _qkv()
+    with attnhub.patch():
+        F.scaled_dot_product_attention(q, k, v)
+        q2, k2, v2 = _qkv(nk=12)  # a longer key sequence
+        torch.testing.assert_close(F.scaled_dot_product_attention(q2, k2, v2), ORIGINAL(q2, k2, v2))
+        qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # the same shape, other strides
+        torch.testing.assert_close(F.scaled_dot_product_attention(qt, k, v), ORIGINAL(qt, k, v))
+        q64, k64, v64 = (t.double() for t in (q, k, v))
+        torch.testing.assert_close(
+            F.scaled_dot_product_attention(q64, k64, v64), ORIGINAL(q64, k64, v64)
+        )
+    assert len(decided) == 4
+
+
+def test_grad_mode_and_determinism_are_part_of_the_decision(decided):
+    q, k, v = _qkv(requires_grad=True)
+    with attnhub.patch():
+        with torch.no_grad():
+            assert not F.scaled_dot_product_attention(q, k, v).requires_grad
+        out = F.scaled_dot_product_attention(q, k, v)  # grad mode on: decided again
+        assert len(decided) == 2
+        out.sum().backward()
+        expected_grads = torch.autograd.grad(ORIGINAL(q, k, v).sum(), (q, k, v))
+        for got, expected in zip((q.grad, k.grad, v.grad), expected_grads):
+            torch.testing.assert_close(got, expected)
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        try:
+            torch.use_deterministic_algorithms(True)
+            F.scaled_dot_product_attention(q, k, v)
+        finally:
+            torch.use_deterministic_algorithms(deterministic)
+        assert len(decided) == 3
+
+
+def test_registry_changes_clear_the_memo(decided):
+    q, k, v = _qkv()
+    with attnhub.patch():
+        F.scaled_dot_product_attention(q, k, v)
+        F.scaled_dot_product_attention(q, k, v)
+        assert len(decided) == 1
+        invalidate_caches()
+        F.scaled_dot_product_attention(q, k, v)
+    assert len(decided) == 2
+
+
+def test_options_of_other_types_are_not_taken_for_equal_values(decided):
+    """``dropout_p=0`` (an int) equals 0.0 and ``is_causal=1`` equals True: PyTorch's
+    answer for each, not the memo's for the value it equals."""
+    q, k, v = _qkv()
+    with attnhub.patch():
+        F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=True)
+        torch.testing.assert_close(
+            F.scaled_dot_product_attention(q, k, v, dropout_p=0, is_causal=True),
+            ORIGINAL(q, k, v, dropout_p=0, is_causal=True),
+        )
+        with pytest.raises(TypeError):
+            ORIGINAL(q, k, v, is_causal=1)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            F.scaled_dot_product_attention(q, k, v, is_causal=1)  # type: ignore[arg-type]
+    assert len(decided) <= 2  # dropout_p=0 may be decided; never reused
+
+
+def test_a_torch_function_mode_sees_calls_after_the_memo_is_warm(decided):
+    seen: list[Any] = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _qkv()
+    with attnhub.patch() as handle:
+        F.scaled_dot_product_attention(q, k, v)
+        with Spy():
+            F.scaled_dot_product_attention(q, k, v)
+        assert handle.function in seen
+
+
+def test_masks_whose_values_decide_are_read_at_every_call(decided, monkeypatch):
+    """A mask read for its structure (on the devices where it is) is not memoized: two
+    masks of one shape, one causal and one padding, each run as what they are."""
+    monkeypatch.setattr(patching, "STRUCTURED_MASK_DEVICES", frozenset({"cpu", "cuda"}))
+    q, k, v = _qkv(nk=7)
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    padding = torch.ones(7, 7, dtype=torch.bool)
+    padding[:, 5:] = False
+    with attnhub.patch():
+        for mask in (causal, padding, causal):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            torch.testing.assert_close(out, ORIGINAL(q, k, v, attn_mask=mask))
+    assert decided == []  # each went through the mask's reading and attention()
+
+
+def test_masks_decided_by_metadata_are_memoized_and_run_on_new_values(decided):
+    q, k, v = _qkv()
+    with attnhub.patch():
+        for seed in range(3):
+            mask = torch.rand(2, 1, 1, 9, generator=torch.Generator().manual_seed(seed)) > 0.3
+            mask[..., 0] = True
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+            torch.testing.assert_close(out, ORIGINAL(q, k, v, attn_mask=mask, scale=0.25))
+    assert len(decided) == 1
