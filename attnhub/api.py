@@ -231,42 +231,6 @@ def attention(
             query, key, value, attn_mask, causal, alignment, window, softcap, scale,
             dropout_p, block_sparse, return_lse, backend,
         )  # fmt: skip
-    entry = _entry_for(
-        query, key, value, attn_mask, causal, alignment, window, softcap, scale,
-        dropout_p, block_sparse, return_lse, backend,
-    )  # fmt: skip
-    name = entry[0]
-    # attnhub.stats(): call_stats.record(name), inlined (the call alone is a tenth of
-    # the per-call cost): a per-thread dict, no lock.
-    try:
-        counts = _stats_local.counts
-    except AttributeError:
-        counts = _new_stats_counts()
-    counts[name] = counts.get(name, 0) + 1
-    return entry[1](query, key, value, attn_mask)
-
-
-def _entry_for(
-    query: Any,
-    key: Any,
-    value: Any,
-    attn_mask: Any,
-    causal: Any,
-    alignment: Any,
-    window: Any,
-    softcap: Any,
-    scale: Any,
-    dropout_p: Any,
-    block_sparse: Any,
-    return_lse: Any,
-    backend: Any,
-) -> _Entry:
-    """The decided entry of an :func:`attention` call (not while tracing), not run.
-
-    Raises what validation and dispatch raise for the call (``ValueError``,
-    ``TypeError``, :class:`attnhub.NoBackendError`).
-    """
-    global _last
     # The fast path: the per-call cost (benchmarks/overhead.py). Everything that
     # validation and dispatch read is compared with what a decided call had, and
     # nothing more: first with the entry the last call used (its tensors' metadata
@@ -296,7 +260,7 @@ def _entry_for(
             options, backend, attn_mask is None, grad_mode,
             _context_get(), _env_get(_ENV_BACKEND), _env_get(_ENV_STRICT),
         )  # fmt: skip
-        entry = _last
+        entry: Any = _last  # None after a dict miss
         if not (
             entry[3] == context
             and (
@@ -306,30 +270,7 @@ def _entry_for(
             )
             and (entry[4] is None or entry[4] is _deterministic())
         ):
-            grad = grad_mode and (
-                query.requires_grad
-                or key.requires_grad
-                or value.requires_grad
-                or (attn_mask is not None and attn_mask.requires_grad)
-            )
-            # Of the strides, the request reads only stride(-1) == 1 or shape[-1] <= 1;
-            # with the shape, "contiguous or stride(-1) == 1" determines that for a
-            # non-empty tensor (calls with an empty one are not cached), and
-            # is_contiguous() costs half of stride().
-            call_key: _CallKey = (
-                query.shape, key.shape, value.shape,
-                query.dtype, key.dtype, value.dtype,
-                query.device, key.device, value.device,
-                query.is_contiguous() or query.stride(-1) == 1,
-                key.is_contiguous() or key.stride(-1) == 1,
-                value.is_contiguous() or value.stride(-1) == 1,
-                None if attn_mask is None
-                else (attn_mask.shape, attn_mask.dtype, attn_mask.device, attn_mask.requires_grad),
-                context, grad, grad and _deterministic(),
-            )  # fmt: skip
-            entry = _call_cache_get(call_key)  # type: ignore[assignment]
-            if entry is not None:
-                _last = entry
+            call_key, entry = _cached(query, key, value, attn_mask, context, grad_mode)
     except Exception:
         call_key, context, entry = (), _NO_CONTEXT, None
     if entry is None:
@@ -338,7 +279,47 @@ def _entry_for(
             (causal, alignment, window, softcap, scale, dropout_p, block_sparse, return_lse),
             backend,
         )  # fmt: skip
-    return entry
+    name = entry[0]
+    # attnhub.stats(): call_stats.record(name), inlined (the call alone is a tenth of
+    # the per-call cost): a per-thread dict, no lock.
+    try:
+        counts = _stats_local.counts
+    except AttributeError:
+        counts = _new_stats_counts()
+    counts[name] = counts.get(name, 0) + 1
+    return entry[1](query, key, value, attn_mask)
+
+
+def _cached(
+    query: Any, key: Any, value: Any, attn_mask: Any, context: Any, grad_mode: bool
+) -> tuple[_CallKey, _Entry | None]:
+    """A call's key, and its entry where one was decided (it becomes the memo's)."""
+    global _last
+    grad = grad_mode and (
+        query.requires_grad
+        or key.requires_grad
+        or value.requires_grad
+        or (attn_mask is not None and attn_mask.requires_grad)
+    )
+    # Of the strides, the request reads only stride(-1) == 1 or shape[-1] <= 1;
+    # with the shape, "contiguous or stride(-1) == 1" determines that for a
+    # non-empty tensor (calls with an empty one are not cached), and
+    # is_contiguous() costs half of stride().
+    call_key: _CallKey = (
+        query.shape, key.shape, value.shape,
+        query.dtype, key.dtype, value.dtype,
+        query.device, key.device, value.device,
+        query.is_contiguous() or query.stride(-1) == 1,
+        key.is_contiguous() or key.stride(-1) == 1,
+        value.is_contiguous() or value.stride(-1) == 1,
+        None if attn_mask is None
+        else (attn_mask.shape, attn_mask.dtype, attn_mask.device, attn_mask.requires_grad),
+        context, grad, grad and _deterministic(),
+    )  # fmt: skip
+    entry = _call_cache_get(call_key)
+    if entry is not None:
+        _last = entry
+    return call_key, entry
 
 
 # The default objects themselves: the fast path compares options to them with ``is``.
@@ -361,13 +342,23 @@ def sdpa_entry(
     scale=scale, dropout_p=dropout_p, backend=backend)``, not run (not while tracing).
 
     :func:`attnhub.patch`'s call: its replacement keeps the entry to reuse for calls
-    that match it (``entry[2].check``, ``entry[4]``; see :class:`_Guards`). An entry
-    that must not be reused has guards that never match.
+    that match it (``entry[2].check``, ``entry[4]``; see :class:`_Guards`), so this
+    runs only where that fails, and goes to the dict directly. An entry that must not
+    be reused has guards that never match.
     """
-    return _entry_for(
-        query, key, value, attn_mask, is_causal, _TOP_LEFT, None, None, scale, dropout_p,
-        None, False, backend,
-    )  # fmt: skip
+    options = (is_causal, _TOP_LEFT, None, None, scale, dropout_p, None, False)
+    try:
+        grad_mode = _grad_enabled()
+        context: Any = (
+            _options_key(*options), backend, attn_mask is None, grad_mode,
+            _context_get(), _env_get(_ENV_BACKEND), _env_get(_ENV_STRICT),
+        )  # fmt: skip
+        call_key, entry = _cached(query, key, value, attn_mask, context, grad_mode)
+    except Exception:  # as in attention(): the slow path raises what it should
+        call_key, context, entry = (), _NO_CONTEXT, None
+    if entry is None:
+        entry = _slow_path(call_key, context, query, key, value, attn_mask, options, backend)
+    return entry
 
 
 def _options_key(

@@ -43,8 +43,8 @@ Measured (input (1, 1, 16, 64) float32; overhead = attnhub minus the direct call
 The model rows, same machine, ``--shape 1,1,32,64`` (over ``model_direct``):
 
       bdb9323:  model_attnhub +10,979   model_patched +27,921   (named +12,890)
-      this change (the patched function's memo, attnhub.patching._Memo):
-                model_attnhub +11,598   model_patched +12,129   (named +13,536)
+      the patched function's memo (attnhub.patching._Memo):
+                model_attnhub +10,894   model_patched +12,227   (named +12,679)
 
 Since 1384c46 a CPU call with Nk <= 16 and no mask reaches PyTorch with an explicit
 mask (backends/torch_sdpa.py, ``_CPU_VECTOR_KEYS``), so on the CPU the default shape
