@@ -7,12 +7,12 @@ more than attnhub's per-call overhead (about 2 us, ``benchmarks/overhead.py``). 
 probe times each way of making that call three ways, interleaved over rounds (the
 fastest round of each is printed):
 
-- ``enqueue``: host time per call of a loop, the device not waited for (what the host
-  pays; the loop is short enough that the launch queue never fills);
-- ``wall``: the same loop with the device synchronized at both ends (what the bench
-  reports: the larger of host and device time, roughly);
-- ``device``: CUDA-event time per call of the loop (the kernels alone, once the host
-  keeps ahead);
+- ``enqueue``: host time per call of a loop, until its last call returns (what the
+  host pays; the loop is short enough that the launch queue never fills);
+- ``wall``: until the device has finished the loop (what the bench reports: the
+  larger of host and device time, roughly);
+- ``device``: CUDA-event time per call of the loop (the kernels, and the gaps between
+  them where the host falls behind);
 
 and lists the CUDA kernels one call launches (``torch.profiler``)::
 
@@ -61,27 +61,24 @@ def _ways(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callab
     return ways
 
 
-def _enqueue_us(fn: Callable[[], Any], calls: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
-
-def _wall_and_device_us(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
+def _loop_us(fn: Callable[[], Any], calls: int) -> tuple[float, float, float]:
+    """(enqueue, wall, device) microseconds per call of one loop of ``calls`` calls."""
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    start = time.perf_counter()
     begin.record()
+    start = time.perf_counter()
     for _ in range(calls):
         fn()
+    enqueued = time.perf_counter()
     end.record()
     torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / calls * 1e6
-    return wall, begin.elapsed_time(end) * 1e3 / calls
+    finished = time.perf_counter()
+    per_call = 1e6 / calls
+    return (
+        (enqueued - start) * per_call,
+        (finished - start) * per_call,
+        begin.elapsed_time(end) * 1e-3 * per_call,
+    )
 
 
 def _kernels(fn: Callable[[], Any]) -> list[str]:
@@ -120,9 +117,7 @@ def main() -> None:
     best: dict[str, list[float]] = {name: [float("inf")] * 3 for name in ways}
     for _ in range(args.rounds):
         for name, fn in ways.items():
-            enqueue = _enqueue_us(fn, args.calls)
-            wall, device = _wall_and_device_us(fn, args.calls)
-            best[name] = [min(a, x) for a, x in zip(best[name], (enqueue, wall, device))]
+            best[name] = [min(a, x) for a, x in zip(best[name], _loop_us(fn, args.calls))]
     print(f"q {tuple(q.shape)} k/v {tuple(k.shape)} bf16, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}; per call, fastest of {args.rounds} rounds of {args.calls}")  # fmt: skip
     print(f"{'way':<62} {'enqueue us':>10} {'wall us':>8} {'device us':>9}")
