@@ -204,3 +204,36 @@ def test_masks_decided_by_metadata_are_memoized_and_run_on_new_values(decided):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
             torch.testing.assert_close(out, ORIGINAL(q, k, v, attn_mask=mask, scale=0.25))
     assert len(decided) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_models_calls_on_cuda_match_pytorch_when_reused(decided, dtype):
+    """Hugging Face's calls, each repeated with new values as the layers of a step make
+    them: a prefill (is_causal, GQA through enable_gqa), a decode step with the query
+    heads packed into rows and a per-key bool mask, and the same without a mask."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, device="cuda", dtype=dtype, generator=g)
+
+    calls = {
+        "prefill": lambda: ((randn(2, 16, 256, 128), randn(2, 4, 256, 128), randn(2, 4, 256, 128)),
+                            {"is_causal": True, "enable_gqa": True}),
+        "decode, mask": lambda: ((randn(8, 4, 4, 128), randn(8, 4, 300, 128), randn(8, 4, 300, 128)),
+                                 {"attn_mask": torch.rand(8, 1, 1, 300, device="cuda", generator=g) > 0.1}),
+        "decode": lambda: ((randn(8, 16, 1, 128), randn(8, 4, 300, 128), randn(8, 4, 300, 128)),
+                           {"enable_gqa": True}),
+    }  # fmt: skip
+    with attnhub.patch():
+        for name, make in calls.items():
+            before = len(decided)
+            for _ in range(3):
+                (q, k, v), options = make()
+                options = {**options, "dropout_p": 0.0, "scale": 128**-0.5}
+                out = F.scaled_dot_product_attention(q, k, v, **options)
+                expected = ORIGINAL(q.double(), k.double(), v.double(), **options)
+                torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+            assert len(decided) - before == 1, name  # decided once, reused twice
