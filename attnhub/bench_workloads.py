@@ -264,15 +264,19 @@ def _patched_if(name: str) -> Any:
     return patch(aliases=False) if name == PATCHED else contextlib.nullcontext()
 
 
-def _served_by(name: str, call: Callable[..., Any], x: _Inputs) -> str | None:
-    """Which backend ``auto`` or ``patched`` ran (from attnhub.stats())."""
+def _served_by(name: str, call: Callable[..., Any], x: _Inputs, mode: str) -> str | None:
+    """Which backend ``auto`` or ``patched`` ran in ``mode`` (from attnhub.stats()).
+
+    One step of what is timed: a call that needs gradients is decided for them, and
+    may be served by another backend than its forward alone.
+    """
     if name not in (AUTO, PATCHED):
         return None
     from .call_stats import reset_stats, stats
 
     reset_stats()
-    with torch.no_grad(), _patched_if(name):
-        call(x.query, x.key, x.value)
+    with _patched_if(name):
+        _runner(call, x, mode)()
     served = stats()
     return ", ".join(sorted(served)) or None
 
@@ -295,7 +299,7 @@ def _rows(
             try:
                 with _patched_if(name), torch.no_grad():
                     row["max_abs_vs_sdpa"] = _max_diff(call(x.query, x.key, x.value), reference)
-                row["served_by"] = _served_by(name, call, x)
+                row["served_by"] = _served_by(name, call, x, mode)
                 timed[name] = _runner(call, x, mode)
             except Exception as exc:  # one failing competitor must not end the run
                 row["ms"] = None

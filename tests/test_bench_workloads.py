@@ -129,3 +129,20 @@ def test_competitors_are_timed_in_interleaved_rounds_and_a_failing_one_is_droppe
     # round 1 starting from the second of those left, round 2 from the first again.
     rounds = ["aaa" + "bb" + "ccc", "ccc" + "aaa", "aaa" + "ccc"]
     assert "".join(order) == "aaabbbccc" + "".join(rounds)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
+def test_served_by_reports_the_step_that_is_timed(mode):
+    """What served a fwd_bwd row is what its timed step ran: the call decided with
+    gradients (a backend without a backward serves the forward alone; before, the
+    column showed the forward's choice for every mode)."""
+    w = SMALL[0]
+    x = bw._inputs(w, torch.float32, torch.device("cpu"))
+    seen: list[tuple[bool, bool]] = []
+
+    def call(q, k, v):  # type: ignore[no-untyped-def]
+        seen.append((torch.is_grad_enabled(), q.requires_grad))
+        return bw._attnhub_call(w, x, "torch_reference")(q, k, v)
+
+    assert bw._served_by(bw.AUTO, call, x, mode) == "torch_reference"
+    assert seen == [(True, mode == "fwd_bwd")]
