@@ -21,8 +21,9 @@ import attnhub
 from attnhub import api, dispatch
 from attnhub import registry as registry_module
 from attnhub.backend import Backend
+from attnhub.backends.torch_reference import reference_attention
 from attnhub.registry import BackendRegistry
-from attnhub.request import AttentionRequest
+from attnhub.request import AttentionParams, AttentionRequest
 
 
 class _Fake(Backend):
@@ -202,6 +203,8 @@ def test_an_explicit_zero_dropout_is_the_default_call(fake_registry, monkeypatch
         ({}, {"dropout_p": False}),
         ({"return_lse": True}, {"return_lse": 1}),
         ({"scale": 1.0}, {"scale": True}),
+        ({"causal": True, "scale": 0.5}, {"causal": 1, "scale": 0.5}),
+        ({"scale": 0.5}, {"scale": 0.5, "dropout_p": False}),
         ({"softcap": 1.0}, {"softcap": True}),
         ({"window": (1, 1)}, {"window": (True, 1)}),
         ({"window": (1, 1)}, {"window": (1.0, 1)}),
@@ -217,6 +220,36 @@ def test_a_rejected_option_never_rides_on_an_equal_cached_one(fake_registry, val
         attnhub.attention(q, q, q, **valid)
     with pytest.raises(TypeError):
         attnhub.attention(q, q, q, **invalid)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"causal": False, "scale": 0.5},
+        {"causal": True, "scale": 0.25},
+        {"causal": True, "scale": 0.5, "alignment": "bottom_right"},
+        {"causal": True, "scale": 0.5, "window": (2, 0)},
+        {"causal": True, "scale": 0.5, "softcap": 1.5},
+        {"causal": True},
+        {"causal": True, "scale": 1},
+    ],
+    ids=repr,
+)
+def test_a_call_with_a_float_scale_is_reused_only_with_the_same_options(other):
+    """Hugging Face's call (causal and a float scale, every other option at its default)
+    has its own short key; any other option, or another scale, is another call."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 7, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    hf = {"causal": True, "scale": 0.5}
+    # Computed outside dispatch (whose cache is what is tested).
+    expected = [
+        reference_attention(q, k, v, None, AttentionParams(**{"scale": 8**-0.5, **options}))[0]
+        for options in (hf, other)
+    ]
+    # In a row: the memo of the last call, then the dict, serve the repeats.
+    for options, want in ((hf, 0), (hf, 0), (other, 1), (other, 1), (hf, 0)):
+        torch.testing.assert_close(attnhub.attention(q, k, v, **options), expected[want])
 
 
 def test_a_cached_call_does_not_let_a_different_bad_call_through(fake_registry):
