@@ -14,7 +14,6 @@ interleaved rounds of 200 steps (minimum and median per step), and says what ser
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,15 +21,13 @@ import torch
 import torch.nn.functional as F
 
 import attnhub
+from attnhub.timing import loop_ms
+
+_CUDA = torch.device("cuda")
 
 
 def _loop_us(step: Callable[[], Any], calls: int = 200) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return loop_ms(step, _CUDA, calls) * 1e3
 
 
 def main() -> None:
