@@ -237,7 +237,7 @@ def test_a_rejected_option_never_rides_on_an_equal_cached_one(fake_registry, val
 )
 def test_a_call_with_a_float_scale_is_reused_only_with_the_same_options(other):
     """Hugging Face's call (causal and a float scale, every other option at its default)
-    has its own short key; any other option, or another scale, is another call."""
+    is reused only for itself: any other option, or another scale, is another call."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(1, 2, 7, 8, generator=g, dtype=torch.float64) for _ in range(2))
