@@ -243,14 +243,17 @@ def attention(
             and alignment is _TOP_LEFT
             and window is None
             and softcap is None
-            and scale is None
             # 0.0 by value, as callers pass it (F.sdpa's own default, Hugging Face's
             # dropout=0.0 at inference): another module's 0.0 is another object.
             and (dropout_p is _NO_DROPOUT or (dropout_p.__class__ is float and dropout_p == 0.0))
             and block_sparse is None
             and return_lse is False
+            # Hugging Face passes scale=head_dim**-0.5 on every call: a float (exactly
+            # that type, so that 1 or True, which validation rejects, never match it).
+            and (scale is None or scale.__class__ is float)
         ):
-            options: Any = causal  # the defaults but for causal, a bool
+            # The defaults but for causal (a bool) and scale: a bool, or a pair.
+            options: Any = causal if scale is None else (causal, scale)
         else:
             options = _options_key(
                 causal, alignment, window, softcap, scale, dropout_p, block_sparse, return_lse

@@ -224,6 +224,17 @@ def run_model(
             }  # fmt: skip
 
 
+def paired_ratio(stock: list[float], mine: list[float]) -> float:
+    """The median over repeats of stock's time over mine in the same repeat.
+
+    A repeat runs every way back to back (:func:`run_model`), so a host whose speed
+    drifts over the run (on the H200, stock's generate moved from 728 to 1,181 tokens/s
+    between two runs minutes apart) moves both times of a pair alike, and their ratio
+    little; the ratio of the medians takes its two medians from different repeats.
+    """
+    return statistics.median(s / m for s, m in zip(stock, mine, strict=True))
+
+
 def markdown(data: dict[str, Any]) -> str:
     env = data["env"]
     lines = [
@@ -232,10 +243,11 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         "Tokens per second (training: tokens in the batch per forward+backward; generate: "
         "new tokens per second), the median of the repeats; `x sdpa` = speed relative to "
-        "stock `sdpa` (median / best: the ratio of the medians, and of the fastest repeats, "
-        "which a host that changes speed during the run disturbs least).",
+        "stock `sdpa` (median / best / paired: the ratio of the medians, of the fastest "
+        "repeats, and the median of each repeat's own ratio, its ways run back to back: "
+        "the two that a host changing speed during the run disturbs least).",
         "",
-        "| model | task | sdpa tok/s | patch tok/s | x sdpa median / best | attnhub tok/s | x sdpa median / best | peak MiB sdpa / patch / attnhub |",
+        "| model | task | sdpa tok/s | patch tok/s | x sdpa median / best / paired | attnhub tok/s | x sdpa median / best / paired | peak MiB sdpa / patch / attnhub |",
         "|---|---|---|---|---|---|---|---|",
     ]
     rows: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
@@ -250,9 +262,9 @@ def markdown(data: dict[str, Any]) -> str:
         def ratio(way: str, ways: Any = ways) -> str:
             median = cell(way, "vs_sdpa", ".2f", ways)
             stock, mine = (ways.get(w, {}).get("all_seconds") for w in ("sdpa", way))
-            if not (stock and mine):
+            if not (stock and mine and len(stock) == len(mine)):
                 return median
-            return f"{median} / {min(stock) / min(mine):.2f}"
+            return f"{median} / {min(stock) / min(mine):.2f} / {paired_ratio(stock, mine):.2f}"
 
         stock_impl = ways.get("sdpa", {}).get("implementation", "sdpa")
         label = name if stock_impl == "sdpa" else f"{name} (stock runs {stock_impl})"

@@ -12,6 +12,8 @@
 #   DEMO_S      demo.log: `attnhub demo` (the large model, stock vs patched, judged)
 #   OVERHEAD_S  overhead.json/txt: dispatch overhead over PyTorch's own calls
 #   CHURN_S     churn.json/txt: per-call cost with a new key length each call
+#   TINYBWD_S   tiny-backward.txt: benchmarks/tiny_backward_probe.py (auto's tiny fwd+bwd step)
+#   GAP_S       decode-gap.json/txt: benchmarks/decode_gap_probe.py (GAP_ARGS, e.g. --shape ...)
 #   DECODE_S    decode.json/md/-bandwidth.png: `attnhub bench --decode` (DECODE_ARGS, e.g. --no-sweep)
 #   HOST_S      host-time-tiny.json/md: benchmarks/host_time.py (the tiny call's host time)
 #   SERVING_S   serving.json/txt: `attnhub bench --serving` (SERVING_ARGS, e.g. --quick)
@@ -75,6 +77,12 @@ cat "$OUT/overhead.txt" 2>/dev/null
 step "${CHURN_S:-0}" churn python3 benchmarks/shape_churn_probe.py --json "$OUT/churn.json" \
     > "$OUT/churn.txt" 2>&1
 cat "$OUT/churn.txt" 2>/dev/null
+step "${TINYBWD_S:-0}" tiny-backward python3 benchmarks/tiny_backward_probe.py \
+    > "$OUT/tiny-backward.txt" 2>&1
+cat "$OUT/tiny-backward.txt" 2>/dev/null
+step "${GAP_S:-0}" decode-gap python3 benchmarks/decode_gap_probe.py --json "$OUT/decode-gap.json" \
+    ${GAP_ARGS:-} > "$OUT/decode-gap.txt" 2>&1
+head -12 "$OUT/decode-gap.txt" 2>/dev/null
 step "${DECODE_S:-0}" decode python3 -m attnhub bench --decode -o "$OUT/decode.json" ${DECODE_ARGS:-} \
     > "$OUT/decode.log" 2>&1
 tail -40 "$OUT/decode.md" 2>/dev/null

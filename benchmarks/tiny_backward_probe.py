@@ -6,7 +6,7 @@ on 2026-12-03). This times, on one (1, 1, 16, 64) bf16 input with gradients,
 F.scaled_dot_product_attention, ``attention()``, and ``attention()`` pinned to
 torch_sdpa_efficient and to torch_sdpa, each step a forward and ``backward``, in 15
 interleaved rounds of 200 steps (minimum and median per step), and says what served
-``attention()``'s steps (``attnhub.stats()``)::
+``attention()``'s steps (``attnhub.stats()``) and why (``attnhub.explain``)::
 
     python benchmarks/tiny_backward_probe.py
 """
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import attnhub
+from attnhub import measured
 from attnhub.timing import loop_ms
 
 _CUDA = torch.device("cuda")
@@ -58,6 +59,13 @@ def main() -> None:
             f"tiny fwd_bwd {name:22s} min {min(t):7.1f} us  median {statistics.median(t):7.1f} us"
         )
     print(f"auto's step served by: {served}")
+    # What ranked it: the measurement autotune took at the first call (times, spreads).
+    decision = attnhub.explain(q, k, v)
+    print(decision)
+    found = measured.store_for(_CUDA).get(decision.request)
+    if found is not None:
+        for name, ms in sorted(found.ms.items(), key=lambda item: item[1]):
+            print(f"measured {name:22s} {ms * 1e3:7.1f} us  spread {found.spread.get(name, 0):.1%}")
 
 
 if __name__ == "__main__":

@@ -269,6 +269,12 @@ def test_a_cached_call_does_not_let_a_different_bad_call_through(fake_registry):
         attnhub.attention(q, q, q.numpy())
     with pytest.raises(ValueError, match="does not broadcast"):
         attnhub.attention(q, q, q, torch.ones(3, 4, dtype=torch.bool))
+    for _ in range(2):  # Hugging Face's call, with its float scale
+        attnhub.attention(q, q, q, causal=True, scale=0.5)
+    with pytest.raises(ValueError, match="scale must be finite, got nan"):
+        attnhub.attention(q, q, q, causal=True, scale=float("nan"))
+    with pytest.raises(ValueError, match="scale must be at most"):
+        attnhub.attention(q, q, q, causal=True, scale=1e39)
 
 
 def test_a_cached_decision_is_only_reused_for_the_same_request(fake_registry):
