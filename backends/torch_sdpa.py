@@ -349,17 +349,15 @@ class TorchSDPA(Backend):
         if request.heads_q != request.heads_kv:
             static["enable_gqa"] = True
         sdpa = _SDPA
-        if request.mask == "none" and not static:  # the commonest call: nothing to add
-            return lambda query, key, value, attn_mask: sdpa(query, key, value)
-        if request.mask == "none":
-            return lambda query, key, value, attn_mask: sdpa(query, key, value, **static)
         if request.mask == "float":
             return lambda query, key, value, attn_mask: sdpa(
                 query, key, value, attn_mask=attn_mask.to(query.dtype), **static
             )
-        return lambda query, key, value, attn_mask: sdpa(
-            query, key, value, attn_mask=attn_mask, **static
-        )
+        # SDPA itself, or a partial of it, is the runner: its fourth positional
+        # argument is attn_mask (None, or the bool mask), and no Python frame runs
+        # between the call and PyTorch's (a lambda's frame cost 400-500 instructions a
+        # call: benchmarks/overhead.py --instructions, dev CPU).
+        return functools.partial(sdpa, **static) if static else sdpa
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         cached = _built_masks.get(query, key, attn_mask, params)
