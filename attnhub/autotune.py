@@ -79,9 +79,6 @@ MAX_CALLS = 64  # and at most (a 3 us call: 0.2 ms a round)
 # triton_flash, 8% slower in steady loops): 1 ms costs ROUNDS ms a backend, once per
 # signature and machine (the measurement persists).
 ROUND_MS = 1.0
-# Calls of an untimed round after the warm-up, which sizes the timed rounds; 0: the
-# first timed round sizes the rest (MIN_CALLS calls).
-SIZING_CALLS = 0
 _lock = threading.Lock()
 
 
@@ -153,10 +150,7 @@ def _time_all(
     reason, and out of the times."""
     rounds: dict[str, list[float]] = {}
     calls: dict[str, int] = {}
-    for round_index in range(ROUNDS + 2):  # round 0: the warm-up call; 1: sizing
-        sizing = round_index == 1
-        if sizing and not SIZING_CALLS:
-            continue
+    for round_index in range(ROUNDS + 1):  # round 0: the warm-up call
         for name in rotated(list(runners), round_index):
             if name in failed:
                 continue
@@ -165,15 +159,14 @@ def _time_all(
                     _call(runners[name], tensors, backward)
                     continue
                 call = functools.partial(_call, runners[name], tensors, backward)
-                ms = loop_ms(call, device, SIZING_CALLS if sizing else calls.get(name, MIN_CALLS))
+                ms = loop_ms(call, device, calls.get(name, MIN_CALLS))
             except Exception as exc:
                 synchronize(device)
                 failed[name] = error_line(exc)
                 rounds.pop(name, None)
                 continue
             calls.setdefault(name, _calls_per_round(ms))
-            if not sizing:
-                rounds.setdefault(name, []).append(ms)
+            rounds.setdefault(name, []).append(ms)
     return {name: _best_and_spread(times) for name, times in rounds.items()}
 
 

@@ -10,7 +10,7 @@ F.scaled_dot_product_attention, ``attention()`` and ``attention()`` pinned to ea
 PyTorch's kernels, each step a forward and ``backward``, in interleaved rounds of 200
 steps (minimum and median per step)::
 
-    python benchmarks/tiny_backward_probe.py [--rounds 3] [--sizing-calls 0] [--round-ms 1.0]
+    python benchmarks/tiny_backward_probe.py [--rounds 3] [--round-ms 1.0]
 """
 
 from __future__ import annotations
@@ -41,12 +41,10 @@ def _loop_us(step: Callable[[], Any], calls: int = 200) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=autotune.ROUNDS)
-    parser.add_argument("--sizing-calls", type=int, default=autotune.SIZING_CALLS)
     parser.add_argument("--round-ms", type=float, default=autotune.ROUND_MS)
     parser.add_argument("--steady-rounds", type=int, default=15)
     args = parser.parse_args()
-    autotune.ROUNDS, autotune.SIZING_CALLS = args.rounds, args.sizing_calls
-    autotune.ROUND_MS = args.round_ms
+    autotune.ROUNDS, autotune.ROUND_MS = args.rounds, args.round_ms
     scratch = tempfile.mkdtemp()
     os.environ["ATTNHUB_MEASUREMENTS"] = str(Path(scratch) / "measured.json")
     measured.forget_stores()
@@ -59,10 +57,7 @@ def main() -> None:
     attnhub.attention(q, k, v).backward(grad)  # the first call: autotune measures
     decision = attnhub.explain(q, k, v)
     found = measured.store_for(_CUDA).get(decision.request)
-    print(
-        f"autotune ROUNDS={args.rounds} SIZING_CALLS={args.sizing_calls} "
-        f"ROUND_MS={args.round_ms}: chose {decision.chosen}"
-    )
+    print(f"autotune ROUNDS={args.rounds} ROUND_MS={args.round_ms}: chose {decision.chosen}")
     if found is not None:
         for name, ms in sorted(found.ms.items(), key=lambda item: item[1]):
             print(f"measured {name:22s} {ms * 1e3:7.1f} us  spread {found.spread.get(name, 0):.1%}")
