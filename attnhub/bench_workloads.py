@@ -264,11 +264,11 @@ def _patched_if(name: str) -> Any:
     return patch(aliases=False) if name == PATCHED else contextlib.nullcontext()
 
 
-def _served_by(name: str, call: Callable[..., Any], x: _Inputs, mode: str) -> str | None:
-    """Which backend ``auto`` or ``patched`` ran in ``mode`` (from attnhub.stats()).
+def _served_by(name: str, step: Callable[[], Any]) -> str | None:
+    """Which backend ``auto`` or ``patched`` ran in one ``step`` (from attnhub.stats()).
 
-    One step of what is timed: a call that needs gradients is decided for them, and
-    may be served by another backend than its forward alone.
+    ``step`` is what is timed (:func:`_runner`): a call that needs gradients is decided
+    for them, and may be served by another backend than its forward alone.
     """
     if name not in (AUTO, PATCHED):
         return None
@@ -276,7 +276,7 @@ def _served_by(name: str, call: Callable[..., Any], x: _Inputs, mode: str) -> st
 
     reset_stats()
     with _patched_if(name):
-        _runner(call, x, mode)()
+        step()
     served = stats()
     return ", ".join(sorted(served)) or None
 
@@ -299,8 +299,9 @@ def _rows(
             try:
                 with _patched_if(name), torch.no_grad():
                     row["max_abs_vs_sdpa"] = _max_diff(call(x.query, x.key, x.value), reference)
-                row["served_by"] = _served_by(name, call, x, mode)
-                timed[name] = _runner(call, x, mode)
+                step = _runner(call, x, mode)
+                row["served_by"] = _served_by(name, step)
+                timed[name] = step
             except Exception as exc:  # one failing competitor must not end the run
                 row["ms"] = None
                 row["error"] = error_line(exc)
