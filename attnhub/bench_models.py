@@ -1,8 +1,8 @@
 """``attnhub bench --models``: Hugging Face models end to end, stock against attnhub.
 
-Llama-, Mistral-, Gemma2- and Qwen2-style causal language models built from configs
-(random weights, nothing downloaded), each run three ways on the same weights and
-tokens:
+Llama-, Mistral-, Gemma 2-, Gemma 3-, Qwen2-, Qwen3- and Phi-3-style causal language
+models built from configs (random weights, nothing downloaded), each run three ways on
+the same weights and tokens:
 
 - ``sdpa``: transformers' ``attn_implementation="sdpa"`` (PyTorch's function);
 - ``patch``: the same model under :func:`attnhub.patch`;
@@ -48,7 +48,7 @@ class ModelSpec:
     """A model family at one size, and the shapes it is run at."""
 
     name: str
-    family: str  # llama, mistral, gemma2, qwen2
+    family: str  # a key of FAMILIES
     layers: int = 8
     hidden: int = 2048
     heads: int = 16
@@ -67,29 +67,41 @@ MODELS = (
     ModelSpec("mistral-window1024", "mistral", window=1024, train_batch=1, train_seq=8192),
     ModelSpec("gemma2-window1024-softcap50", "gemma2", window=1024, softcap=50.0, train_batch=1, train_seq=8192),
     ModelSpec("qwen2", "qwen2"),
+    ModelSpec("qwen3", "qwen3"),
+    ModelSpec("phi3", "phi3"),
+    ModelSpec("gemma3-window1024", "gemma3", layers=12, window=1024, train_batch=1, train_seq=8192),
 )  # fmt: skip
+
+
+# Each family's transformers config class and what it adds to the common sizes.
+FAMILIES: dict[str, tuple[str, Callable[[ModelSpec], dict[str, Any]]]] = {
+    "llama": ("LlamaConfig", lambda spec: {}),
+    "qwen2": ("Qwen2Config", lambda spec: {}),
+    "qwen3": ("Qwen3Config", lambda spec: {"head_dim": spec.hidden // spec.heads}),
+    "phi3": ("Phi3Config", lambda spec: {"pad_token_id": 0}),
+    "mistral": ("MistralConfig", lambda spec: {"sliding_window": spec.window}),
+    "gemma2": ("Gemma2Config", lambda spec: {
+        "head_dim": spec.hidden // spec.heads, "sliding_window": spec.window,
+        "attn_logit_softcapping": spec.softcap, "final_logit_softcapping": None}),
+    # Gemma 3's own layer pattern: five sliding-window layers to one global.
+    "gemma3": ("Gemma3TextConfig", lambda spec: {
+        "head_dim": spec.hidden // spec.heads, "sliding_window": spec.window,
+        "final_logit_softcapping": None}),
+}  # fmt: skip
 
 
 def _config(spec: ModelSpec, vocab: int) -> Any:
     import transformers
 
+    if spec.family not in FAMILIES:
+        raise ValueError(f"unknown model family {spec.family!r}; known: {', '.join(FAMILIES)}")
+    config_class, extra = FAMILIES[spec.family]
     common: dict[str, Any] = dict(
         vocab_size=vocab, hidden_size=spec.hidden, intermediate_size=int(2.75 * spec.hidden),
         num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads, max_position_embeddings=max(spec.train_seq, spec.prompt + spec.new_tokens),
     )  # fmt: skip
-    if spec.family == "llama":
-        return transformers.LlamaConfig(**common)
-    if spec.family == "mistral":
-        return transformers.MistralConfig(**common, sliding_window=spec.window)
-    if spec.family == "qwen2":
-        return transformers.Qwen2Config(**common)
-    if spec.family == "gemma2":
-        return transformers.Gemma2Config(
-            **common, head_dim=spec.hidden // spec.heads, sliding_window=spec.window,
-            attn_logit_softcapping=spec.softcap, final_logit_softcapping=None,
-        )  # fmt: skip
-    raise ValueError(f"unknown model family {spec.family!r}")
+    return getattr(transformers, config_class)(**common, **extra(spec))
 
 
 def build(
