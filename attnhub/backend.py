@@ -38,6 +38,11 @@ Runner = Callable[
 ]
 
 
+# The contract features of capabilities()'s "features" line, in its order.
+_FEATURE_NAMES = ("window", "softcap", "dropout", "gqa", "block_sparse", "lse", "lse_grad",
+                  "mask_grad")  # fmt: skip
+
+
 class Backend:
     """Base class of every attention backend, built-in or plugin.
 
@@ -58,6 +63,10 @@ class Backend:
     ``window``, ``softcap``, ``dropout``, ``gqa``, ``block_sparse``, ``lse``
                            the contract features served (``lse`` = ``return_lse``)
     ``backward``           gradients flow to query, key and value
+    ``lse_grad``           with ``return_lse`` under autograd, a gradient on the returned
+                           lse flows back to query and key too (PyTorch's fused kernels,
+                           called through their ATen ops, return an lse without one, and
+                           ``varlen_attn``'s backward drops it: they do not declare it)
     ``deterministic``      the backward is bitwise reproducible
     ``memory``             "linear" (O(N) extra memory) or "quadratic" (O(N^2))
     ``compile_safe``       ``torch.compile(fullgraph=True)`` traces it without a break
@@ -99,6 +108,7 @@ class Backend:
     block_sparse: ClassVar[bool] = False
     lse: ClassVar[bool] = False
     backward: ClassVar[bool] = False
+    lse_grad: ClassVar[bool] = False
     deterministic: ClassVar[bool] = False
     memory: ClassVar[str] = "quadratic"
     compile_safe: ClassVar[bool] = False
@@ -203,11 +213,7 @@ class Backend:
     def capabilities(self) -> dict[str, str]:
         """The declarations as readable text, for ``attnhub info`` and the docs."""
         low, high = self.head_dims
-        features = [
-            name
-            for name in ("window", "softcap", "dropout", "gqa", "block_sparse", "lse", "mask_grad")
-            if getattr(self, name)
-        ]
+        features = [name for name in _FEATURE_NAMES if getattr(self, name)]
         return {
             "devices": ", ".join(sorted(self.devices)) or "-",
             "capability": ">= {}.{}".format(*self.min_capability) if self.min_capability else "any",
@@ -239,6 +245,7 @@ _FEATURE_ROWS: tuple[tuple[str, str, str], ...] = (
     ("block_sparse", "block_sparse", "block_sparse"),
     ("return_lse", "lse", "return_lse=True"),
     ("needs_grad", "backward", "backward (an input requires grad)"),
+    ("lse_needs_grad", "lse_grad", "a gradient through the returned lse"),
     ("mask_needs_grad", "mask_grad", "a gradient for attn_mask"),
 )
 

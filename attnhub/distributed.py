@@ -45,10 +45,11 @@ until they come home to their rank after R hops. Each step recomputes its partia
 
 where ``w_j = exp(lse_j - lse)`` is the step's weight in the merge (the lse term is
 exact: the merge depends on lse_j). So the backward's steps need a backend whose lse
-carries a gradient (torch_reference and triton_flash; PyTorch's fused kernels, called
-through their ATen ops, return one without): where dispatch chose one without, the
-step is served by the next eligible backend in dispatch's order that has one (and a
-RuntimeError says so when none has). The recompute costs one forward per step in the
+carries a gradient: a call that returns its lse under autograd is offered only the
+backends that declare ``lse_grad`` (torch_reference and triton_flash; not PyTorch's
+fused kernels, called through their ATen ops), so the forward may run on cuDNN and the
+backward's steps on triton_flash, and where none is eligible dispatch's NoBackendError
+says why. The recompute costs one forward per step in the
 backward, the price of calling any backend through its public interface (a kernel's
 backward fed the global output and lse would not need it). The gradients are first
 derivatives: differentiating them again raises.
@@ -545,59 +546,6 @@ def _step(
     return result
 
 
-# Step signatures whose backward needs a narrower backend selection than the caller's:
-# the backend dispatch chose returned an lse without a gradient (see _step_for_grad).
-_grad_selection: dict[tuple[Any, ...], tuple[str, ...]] = {}
-_GRAD_SELECTION_LIMIT = 1024  # entries, then cleared
-
-
-def _step_for_grad(
-    cfg: _Config, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_step` under autograd, by a backend whose lse carries a gradient.
-
-    The contract does not promise a differentiable lse, and PyTorch's fused kernels
-    (called through their ATen ops) return one without a gradient. When the chosen
-    backend's lse has none, the same call's eligible backends are tried in dispatch's
-    order, leaving out those seen without one; the selection that worked is remembered
-    for the step's signature, so the probe costs one extra forward per signature.
-    """
-    signature = (
-        cfg.backend, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device,
-        call.causal, call.window, cfg.softcap, cfg.scale,
-    )  # fmt: skip
-    selection: Any = _grad_selection.get(signature)
-    refused: list[str] = []
-    while True:
-        with torch.enable_grad():
-            out, lse = _step(cfg, call, q, k, v, selection)
-        if lse.requires_grad or not out.requires_grad:
-            if selection is not None:
-                if len(_grad_selection) >= _GRAD_SELECTION_LIMIT:
-                    _grad_selection.clear()
-                _grad_selection[signature] = selection
-            return out, lse
-        decision = api.explain(
-            q, k, v,
-            causal=call.causal, window=call.window, softcap=cfg.softcap, scale=cfg.scale,
-            return_lse=True, backend=cfg.backend if selection is None else selection,
-        )  # fmt: skip
-        refused.append(str(decision.chosen))
-        ranked = sorted(
-            (c for c in decision.candidates if c.eligible and c.name not in refused),
-            key=lambda c: c.rank or 0,
-        )
-        if not ranked:
-            raise RuntimeError(
-                "context_parallel_attention's backward differentiates each ring step "
-                "through its log-sum-exp, and no eligible backend returns one that carries "
-                f"a gradient (without one: {', '.join(refused)}; PyTorch's fused kernels, "
-                "called through their ATen ops, have none); select one whose lse does, "
-                "e.g. backend='triton_flash' or 'torch_reference'"
-            )
-        selection = tuple(c.name for c in ranked)
-
-
 def _merge(
     acc_out: torch.Tensor,
     acc_lse: torch.Tensor,
@@ -689,7 +637,10 @@ def _step_grads(
     qs = q[:, :, rows].detach().requires_grad_(True)
     ks = k_blk[:, :, call.k0 : call.k1].detach().requires_grad_(True)
     vs = v_blk[:, :, call.k0 : call.k1].detach().requires_grad_(True)
-    out_j, lse_j = _step_for_grad(cfg, call, qs, ks, vs)
+    # Recomputed under autograd, the call returns its lse with a gradient: dispatch
+    # offers it only backends that declare lse_grad (PyTorch's fused kernels do not).
+    with torch.enable_grad():
+        out_j, lse_j = _step(cfg, call, qs, ks, vs)
     acc = delta.dtype
     lse_rows = lse[:, :, rows].to(acc)
     finite = torch.isfinite(lse_rows)

@@ -111,6 +111,11 @@ class AttentionRequest:
     scale_positive: bool = True
 
     @property
+    def lse_needs_grad(self) -> bool:
+        """The call returns its lse under autograd: a loss may differentiate through it."""
+        return self.return_lse and self.needs_grad
+
+    @property
     def gqa_ratio(self) -> int:
         return self.heads_q // self.heads_kv if self.heads_kv else 1
 

@@ -145,7 +145,7 @@ class TorchReference(Backend):
     mask_grad = True
     causal_alignments = frozenset({"top_left", "bottom_right"})
     window = softcap = dropout = gqa = block_sparse = lse = True
-    backward = True
+    backward = lse_grad = True
     deterministic = True
     memory = "quadratic"
     compile_safe = True

@@ -124,6 +124,33 @@ def test_pinned_kernels_return_the_log_sum_exp_of_the_reference():
         torch.testing.assert_close(lse, ref, atol=2e-2, rtol=0, msg=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_loss_on_the_lse_differentiates_through_it_on_cuda():
+    """PyTorch's fused kernels return an lse without a gradient: dispatch leaves them out
+    of a call that returns its lse under autograd (before, cuDNN's kernel served it and
+    a loss on the lse was a constant), and the gradients match the float64 contract."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))  # fmt: skip
+    g_out = torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16)
+    g_lse = torch.randn(2, 4, 300, device="cuda")
+    decision = attnhub.explain(q, k, v, causal=True, return_lse=True)
+    for name in ("torch_sdpa_flash", "torch_sdpa_efficient", "torch_sdpa_cudnn"):
+        if not get_registry().unavailable_reason(name):
+            assert (
+                "a gradient through the returned lse is not supported" in decision.reasons()[name]
+            )
+    out, lse = attnhub.attention(q, k, v, causal=True, return_lse=True)
+    got = torch.autograd.grad((out, lse), (q, k, v), (g_out, g_lse))
+    r, rl, leaves = _float64_reference(q, k, v, causal=True)
+    expected = torch.autograd.grad((r, rl), leaves, (g_out.double(), g_lse.to(rl.dtype)))
+    for name, g, e in zip(("dq", "dk", "dv"), got, expected, strict=True):
+        torch.testing.assert_close(
+            g.double(), e, atol=2e-2 * float(e.abs().max()), rtol=0, msg=name
+        )
+
+
 def _float64_reference(q, k, v, **options):  # type: ignore[no-untyped-def]
     """The contract in float64 on upcast copies, with gradients (the oracle)."""
     from attnhub.validation import make_params

@@ -751,3 +751,45 @@ def test_a_key_padding_mask_and_a_mask_of_rows_are_different_requests():
     rows_keys = {measured.request_key(r) for r in rows}
     assert len(per_key_keys) == len(rows_keys) == 1 and per_key_keys.isdisjoint(rows_keys)
     assert "bool mask (per key)" in attnhub.explain(q, k, v, keys).signature
+
+
+def test_a_backend_whose_lse_has_no_gradient_never_serves_a_loss_on_the_lse(fake_registry):
+    """An lse without a gradient (PyTorch's fused kernels through their ATen ops) would
+    make a loss on it a constant: such a backend serves return_lse without autograd and
+    autograd without return_lse, and is declined, with the reason, where both meet."""
+
+    class DetachedLse(_Fake):
+        name = "detached_lse"
+        priority = 100
+        lse = True  # and lse_grad left undeclared
+
+        def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+            out = super().forward(query, key, value, attn_mask, params)
+            return (out[0], out[1].detach()) if params.return_lse else out
+
+    fast = DetachedLse()
+    fake_registry.add(fast)
+    fake_registry.add(fake("differentiable", lse=True, lse_grad=True))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    q, k, v = (t.float().requires_grad_() for t in (q, k, v))
+    with torch.no_grad():
+        assert attnhub.explain(q, k, v, causal=True, return_lse=True).chosen == "detached_lse"
+    assert attnhub.explain(q, k, v, causal=True).chosen == "detached_lse"
+    decision = attnhub.explain(q, k, v, causal=True, return_lse=True)
+    assert decision.chosen == "differentiable"
+    assert decision.reasons()["detached_lse"] == [
+        "a gradient through the returned lse is not supported"
+    ]
+    before = fast.calls
+    out, lse = attnhub.attention(q, k, v, causal=True, return_lse=True)
+    assert fast.calls == before and lse.requires_grad
+    got = torch.autograd.grad(lse.sum() + out.sum(), (q, k, v))
+    params = AttentionParams(causal=True, scale=8**-0.5)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    r, rl = reference_attention(q64, k64, v64, None, params)
+    expected = torch.autograd.grad(rl.sum() + r.sum(), (q64, k64, v64))
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g.double(), e, atol=1e-5, rtol=1e-4)
+    with pytest.raises(attnhub.NoBackendError, match="a gradient through the returned lse"):
+        attnhub.attention(q, k, v, causal=True, return_lse=True, backend="detached_lse")

@@ -367,9 +367,10 @@ def _error_cases(rank: int, world: int) -> list[str]:
 
 
 def _lse_fallback_case(rank: int, world: int) -> list[str]:
-    """A backend whose lse carries no gradient (as PyTorch's fused kernels): chosen by
-    dispatch, the backward's steps go to the next eligible backend (the gradients are
-    right); asked for by name alone, the backward raises a RuntimeError saying why."""
+    """A backend whose lse carries no gradient (as PyTorch's fused kernels, which do not
+    declare lse_grad): it serves the forward, dispatch leaves it out of the backward's
+    recomputed steps (the gradients are right); asked for by name alone, the backward
+    raises dispatch's NoBackendError, which says why."""
     import attnhub
     from attnhub.backends.torch_reference import TorchReference
     from attnhub.testing.tolerance import compare
@@ -378,6 +379,7 @@ def _lse_fallback_case(rank: int, world: int) -> list[str]:
         name = "cp_test_detached_lse"
         description = "torch_reference with an lse that carries no gradient"
         priority = 1000
+        lse_grad = False
 
         def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
             out, lse = super().forward(query, key, value, attn_mask, params)
@@ -388,7 +390,10 @@ def _lse_fallback_case(rank: int, world: int) -> list[str]:
     gen = torch.Generator().manual_seed(11)
     full = [torch.randn(1, 2, 8, 8, generator=gen, dtype=torch.float64) for _ in range(3)]
     q, k, v = (cp.shard(t, 2, world, rank).requires_grad_(True) for t in full)
-    seen.append(str(attnhub.explain(q, k, v, causal=True, return_lse=True).chosen))
+    with torch.no_grad():
+        seen.append(str(attnhub.explain(q, k, v, causal=True, return_lse=True).chosen))
+    declined = attnhub.explain(q, k, v, causal=True, return_lse=True).reasons()[DetachedLse.name]
+    seen.append("; ".join(declined))
     ref = _reference(*full, {"causal": True}, torch.ones(1, 2, 8, 8), torch.zeros(1, 2, 8))
     out = cp.context_parallel_attention(q, k, v, causal=True)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
@@ -400,8 +405,9 @@ def _lse_fallback_case(rank: int, world: int) -> list[str]:
     try:
         torch.autograd.grad(out.sum(), (q, k, v))
         seen.append("no error")
-    except RuntimeError as exc:
-        seen.append(str(exc).split(";")[0])
+    except attnhub.NoBackendError as exc:
+        seen.append(str(exc).splitlines()[0])
+        seen.append("; ".join(exc.reasons[DetachedLse.name]))
     attnhub.get_registry().remove("cp_test_detached_lse")
     out = cp.context_parallel_attention(q, k, v, causal=True, backend="torch_reference")
     seen.append(f"works after: {tuple(out.shape)}")
@@ -558,12 +564,13 @@ def test_matches_the_single_process_call(world, tmp_path):
         for result in results:
             assert result["lse_fallback"] == [
                 "cp_test_detached_lse",
+                "a gradient through the returned lse is not supported",
                 "ok",
                 "ok",
                 "ok",
-                "context_parallel_attention's backward differentiates each ring step "
-                "through its log-sum-exp, and no eligible backend returns one that carries "
-                "a gradient (without one: cp_test_detached_lse",
+                "no backend among those asked for (cp_test_detached_lse, via backend=) can "
+                "serve this call",
+                "a gradient through the returned lse is not supported",
                 "works after: (1, 2, 4, 8)",
             ], result["lse_fallback"]
 

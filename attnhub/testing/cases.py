@@ -136,6 +136,9 @@ class Inputs:
     value: torch.Tensor
     attn_mask: torch.Tensor | None
     grad_out: torch.Tensor | None
+    # A backward case that returns the lse also differentiates through it: its upstream
+    # gradient, float32 (B, Hq, Nq).
+    grad_lse: torch.Tensor | None = None
 
     def differentiable(self) -> list[tuple[str, torch.Tensor]]:
         names = [("dq", self.query), ("dk", self.key), ("dv", self.value)]
@@ -178,10 +181,12 @@ def make_inputs(case: Case, device: torch.device | str) -> Inputs:
     elif case.mask == "float32":
         mask = (2.0 * _randn(gen, case.Hq, case.Nq, case.Nk) - 1000.0).to(device)
         mask.requires_grad_(case.backward and case.mask_grad)
-    grad_out = None
+    grad_out = grad_lse = None
     if case.backward:
         grad_out = _randn(gen, case.B, case.Hq, case.Nq, case.Dv).to(device, case.dtype)
-    return Inputs(query, key, value, mask, grad_out)
+        if case.return_lse:
+            grad_lse = _randn(gen, case.B, case.Hq, case.Nq).to(device)
+    return Inputs(query, key, value, mask, grad_out, grad_lse)
 
 
 # -- generation -------------------------------------------------------------------
@@ -263,6 +268,9 @@ _ROTATING: tuple[tuple[int, dict[str, Any]], ...] = (
     (0, {"backward": True, "softcap": 3.0, "scale": 0.5}),
     (1, {"backward": True, "strided": True}),
     (5, {"backward": True, "dv": True, "causal": True}),
+    # A loss on the lse as well as the output (backends declaring lse_grad).
+    (2, {"backward": True, "return_lse": True, "causal": True, "alignment": "bottom_right"}),
+    (0, {"backward": True, "return_lse": True, "mask": "bool"}),
 )
 
 

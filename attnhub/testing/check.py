@@ -15,9 +15,9 @@ kit's report with the case id:
 - The result: a tensor, or with ``return_lse`` a tuple ``(out, lse)``, each of the
   contract's shape, dtype and device, sharing no memory with an input (a view of an
   input, or a tensor written over it, changes when the caller's tensor does).
-- The inputs (query, key, value, attn_mask, and grad_out in the backward): neither
-  their values nor their metadata (shape, strides, storage offset, dtype, device,
-  requires_grad, storage) change, and no in-place operation touches them (their
+- The inputs (query, key, value, attn_mask, and in the backward grad_out and, where the
+  lse is returned, grad_lse): neither their values nor their metadata (shape, strides,
+  storage offset, dtype, device, requires_grad, storage) change, and no in-place operation touches them (their
   version counter stays put: a bump breaks the caller's autograd graph even when the
   values come back), during the call or during the backward.
 - Process-wide settings (grad mode, default dtype, float32 matmul precision,
@@ -45,7 +45,7 @@ from .faults import describe_exception, passes_through
 from .reference import references
 from .tolerance import compare, fully_masked_problems, highest_float32_precision
 
-_INPUT_NAMES = ("query", "key", "value", "attn_mask", "grad_out")
+_INPUT_NAMES = ("query", "key", "value", "attn_mask", "grad_out", "grad_lse")
 
 # What "the tensor the caller passed" is besides its values; a backend may change none of it.
 _METADATA: tuple[tuple[str, Callable[[torch.Tensor], object]], ...] = (
@@ -252,18 +252,29 @@ def _unpack(
     return (out if out_ok else None), (lse if lse_ok else None)
 
 
-def _backward(result: CallResult, out: torch.Tensor, inputs: Inputs, backend_name: str) -> None:
+def _backward(
+    result: CallResult,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    inputs: Inputs,
+    backend_name: str,
+) -> None:
     leaves = inputs.differentiable()
     if not out.requires_grad:
         result.problems.append("bwd: the output does not require grad")
         return
+    outputs, upstream = [out], [inputs.grad_out]
+    if inputs.grad_lse is not None and lse is not None:
+        if not lse.requires_grad:  # a loss on it would silently treat it as a constant
+            result.problems.append("bwd: the lse does not require grad (declared lse_grad)")
+            return
+        outputs.append(lse)
+        upstream.append(inputs.grad_lse)
     grads = _watched(
         result,
         inputs,
         "backward",
-        lambda: torch.autograd.grad(
-            out, [t for _, t in leaves], inputs.grad_out, allow_unused=True
-        ),
+        lambda: torch.autograd.grad(outputs, [t for _, t in leaves], upstream, allow_unused=True),
         "backward ",
         backend_name,
     )
@@ -306,7 +317,7 @@ def run_call(
         returned, bool(options.get("return_lse", False)), case, inputs, result.problems
     )
     if backward and result.out is not None:
-        _backward(result, result.out, inputs, backend_name)
+        _backward(result, result.out, result.lse, inputs, backend_name)
     return result
 
 

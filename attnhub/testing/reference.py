@@ -140,7 +140,14 @@ def _results(inputs: Inputs, case: Case, dtype: torch.dtype | None) -> dict[str,
             grad_out = inputs.grad_out.detach().clone()
             grad_out = grad_out if dtype is None else grad_out.to(dtype)
             leaves = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
-            grads = torch.autograd.grad(out, leaves, grad_out)
+            outputs, upstream = [out], [grad_out]
+            if inputs.grad_lse is not None:  # the lse is float32 in r_lp, float64 in r64
+                outputs.append(lse)
+                upstream.append(inputs.grad_lse.detach().to(lse.dtype))
+            grads = torch.autograd.grad(outputs, leaves, upstream, allow_unused=True)
+            grads = tuple(
+                torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads, strict=True)
+            )
             result.update(zip(_GRAD_NAMES, grads, strict=False))
     return result
 

@@ -66,7 +66,7 @@ class TritonFlash(Backend):
     mask_grad = False
     causal_alignments = frozenset({"top_left", "bottom_right"})
     window = softcap = dropout = gqa = lse = True
-    backward = True
+    backward = lse_grad = True  # the backward takes the lse's gradient (ops.py)
     deterministic = True
     memory = "linear"
     # torch.compile(fullgraph=True) through attnhub.attention compiles with no graph break

@@ -336,7 +336,7 @@ class FlexAttention(Backend):
     mask_kinds = frozenset({"none", "bool", "float"})
     causal_alignments = frozenset({"top_left", "bottom_right"})
     window = softcap = gqa = lse = block_sparse = True
-    backward = True
+    backward = lse_grad = True  # flex_attention's backward takes the lse's gradient
     memory = "linear"
     compile_safe = True
     # On CUDA each new shape compiles (dynamic=False, see the module docstring): autotune

@@ -90,7 +90,7 @@ class TemplateChunked(Backend):
     causal_alignments = frozenset({"top_left", "bottom_right"})
     gqa = True
     lse = True
-    backward = True
+    backward = lse_grad = True  # plain PyTorch operations: autograd differentiates the lse
     memory = "quadratic"  # autograd keeps every chunk's weights for the backward
     copies_strided = True  # reshape copies non-contiguous query tensors
     chunk = 256
