@@ -219,6 +219,13 @@ def _served_by_attnhub(served: dict[str, int], name: str) -> None:
     assert served.get("pytorch_original", 0) == 0, served
 
 
+def _setup(name, s, padded):
+    """(arch, the models, input ids, attention mask, the mask as the rows compared)."""
+    arch, models = ARCHS[name], _models(name, s)
+    ids, mask = _batch(s, arch.decoder, padded)
+    return arch, models, ids, mask, mask.bool()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
     assert hf.register() == "attnhub"
@@ -230,10 +237,8 @@ def _registered():
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_cpu_outputs_and_decode_match_stock(name, padded):
-    arch, s = ARCHS[name], CPU
-    models = _models(name, s)
-    ids, mask = _batch(s, arch.decoder, padded)
-    keep = mask.bool()
+    s = CPU
+    arch, models, ids, mask, keep = _setup(name, s, padded)
     with torch.no_grad():
         ref = _hidden(models["reference"], ids, mask)
         steps = _decode(models["reference"], ids, mask, s.decode_steps) if arch.decoder else []
@@ -283,10 +288,8 @@ def _floor(ref: torch.Tensor) -> float:
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_bf16_outputs_and_decode_within_stock_error(name, padded):
-    arch, s = ARCHS[name], GPU
-    models = _models(name, s)
-    ids, mask = _batch(s, arch.decoder, padded)
-    keep = mask.bool()
+    s = GPU
+    arch, models, ids, mask, keep = _setup(name, s, padded)
     with torch.no_grad():
         ref = _hidden(models["reference"], ids, mask)[keep].float()
         stock = _error(_hidden(models["stock"], ids, mask)[keep], ref)
