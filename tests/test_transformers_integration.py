@@ -211,3 +211,64 @@ def test_torch_compile_patched_hf_model_no_graph_break_from_attnhub():
     assert not [r for r in reasons if "attnhub" in r or "scaled_dot_product" in r], reasons
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
     torch._dynamo.reset()
+
+
+# --- attention sinks (GPT-OSS's s_aux) ------------------------------------------------
+
+
+def _eager_with_sinks(q, k, v, keep, sinks, scale):
+    """GPT-OSS's eager attention written out in float64: the sink joins each row's
+    softmax as one more logit and is dropped before the values. keep: bool (B, 1, Nq, Nk)."""
+    q, k, v, sinks = (t.double() for t in (q, k, v, sinks))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
+    sink = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (p @ v).transpose(1, 2)
+
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+
+@pytest.mark.parametrize("how", ["causal", "padded_mask", "window"])
+def test_sinks_match_the_eager_formula_forward_and_backward(how):
+    g = torch.Generator().manual_seed(0)
+    b, hq, hkv, n, d, w = 2, 4, 2, 9, 16, 3
+    q, k, v = (torch.randn(b, h, n, d, generator=g) for h in (hq, hkv, hkv))
+    sinks = torch.randn(hq, generator=g) * 2  # large enough to take much of each row
+    for t in (q, k, v, sinks):
+        t.requires_grad_(True)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    keep = causal.expand(b, 1, n, n).clone()
+    mask, window = None, None
+    if how == "padded_mask":
+        keep[1, :, :, :4] = False  # row 1 left-padded by 4: its first 4 queries see nothing
+        mask = keep
+    if how == "window":
+        window = w
+        keep &= ~torch.ones(n, n, dtype=torch.bool).tril(-w)
+    out, _ = hf.attention_forward(
+        _Module(), q, k, v, mask, scaling=0.3, sliding_window=window, s_aux=sinks
+    )
+    ref = _eager_with_sinks(q, k, v, keep, sinks, 0.3)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    if how == "padded_mask":
+        assert torch.equal(out[1, :4], torch.zeros_like(out[1, :4]))  # as the eager sink
+    grad = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, (q, k, v, sinks), grad)
+    want = torch.autograd.grad(ref, (q, k, v, sinks), grad.double())
+    for name, a, e in zip(("dq", "dk", "dv", "dsinks"), got, want, strict=True):
+        # (The reference's gradients arrive in the leaves' float32.)
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_sinks_of_the_wrong_shape_are_refused():
+    q = k = v = torch.randn(1, 4, 5, 8)
+    with pytest.raises(
+        ValueError, match=r"s_aux must hold one sink logit per query head, shape \(4,\); got \(2,\)"
+    ):
+        hf.attention_forward(_Module(), q, k, v, None, s_aux=torch.zeros(2))
+    with pytest.raises(TypeError, match="s_aux must be a tensor or None, got list"):
+        hf.attention_forward(_Module(), q, k, v, None, s_aux=[0.0] * 4)

@@ -55,6 +55,10 @@ ARCHS = {
     "qwen3": Arch("Qwen3ForCausalLM", "Qwen3Config", {"num_key_value_heads": 2}),
     "mixtral": Arch("MixtralForCausalLM", "MixtralConfig", {
         "num_key_value_heads": 2, "num_local_experts": 2, "num_experts_per_tok": 1}),
+    # Attention sinks (s_aux) and alternating window / full layers; eager only as stock.
+    "gpt_oss": Arch("GptOssForCausalLM", "GptOssConfig", {
+        "num_key_value_heads": 2, "num_local_experts": 2, "num_experts_per_tok": 1,
+        "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}),
     "olmo2": Arch("Olmo2ForCausalLM", "Olmo2Config", {"num_key_value_heads": 2}),
     "cohere": Arch("CohereForCausalLM", "CohereConfig", {"num_key_value_heads": 2}),
     "starcoder2": Arch("Starcoder2ForCausalLM", "Starcoder2Config", {

@@ -25,7 +25,10 @@ What reaches attnhub
       caches, chunked prefill) the window is part of the boolean mask.
     - ``scaling`` as ``scale``, ``dropout`` as ``dropout_p``, ``softcap`` (Gemma 2)
       as ``softcap``, ``position_bias`` (T5-style) folded into a float mask.
-    - Attention sinks (``s_aux``) are not supported: such calls raise ``ValueError``.
+    - Attention sinks (``s_aux``, GPT-OSS: one learned logit per query head that joins
+      each row's softmax and carries no value) from the call's lse: the sink turns the
+      row's normalizer Z into Z + e^s, so the output is ``out * sigmoid(lse - s)``;
+      a fully masked row stays zeros, as with the eager sink (its weight all on the sink).
 """
 
 from __future__ import annotations
@@ -143,9 +146,13 @@ def attention_forward(
     Shapes: query (B, Hq, Nq, D), key/value (B, Hkv, Nk, D); returns
     ``(output (B, Nq, Hq, Dv), None)`` (attention weights are never materialized).
     """
-    if kwargs.get("s_aux") is not None:
+    sinks: torch.Tensor | None = kwargs.get("s_aux")
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"s_aux must be a tensor or None, got {type(sinks).__name__}")
+    if sinks is not None and sinks.shape != (query.shape[1],):
         raise ValueError(
-            "attnhub does not support attention sinks (s_aux); use 'eager' for this model"
+            f"s_aux must hold one sink logit per query head, shape ({query.shape[1]},); "
+            f"got {tuple(sinks.shape)}"
         )
     q_length = query.shape[2]
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -170,11 +177,16 @@ def attention_forward(
             attention_mask = position_bias + attention_mask
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(query.dtype)
-    out = attention(
-        query, key, value, attention_mask,
+    options: dict[str, Any] = dict(
         causal=causal, alignment=alignment, window=window, softcap=softcap, scale=scaling,
         dropout_p=dropout, backend=backend,
     )  # fmt: skip
+    if sinks is None:
+        out = attention(query, key, value, attention_mask, **options)
+    else:
+        out, lse = attention(query, key, value, attention_mask, return_lse=True, **options)
+        kept = torch.sigmoid(lse - sinks.float()[:, None])  # Z / (Z + e^s), (B, Hq, Nq)
+        out = (out.float() * kept[..., None]).to(out.dtype)  # in float32, as the lse is
     return out.transpose(1, 2).contiguous(), None
 
 
