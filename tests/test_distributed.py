@@ -777,10 +777,11 @@ def _cuda_worker(rank: int, world: int, tmp: str) -> None:
                 q, k, v, **options, seq_len=case.Nq, return_lse=True, backend=backend
             )
             # The kit's references differentiate (out, lse) against (grad_out, grad_lse).
-            upstream = [local(inputs.grad_out)]
+            outputs, upstream = [out], [local(inputs.grad_out)]
             if inputs.grad_lse is not None:
+                outputs.append(lse)
                 upstream.append(local(inputs.grad_lse))
-            grads = torch.autograd.grad((out, lse)[: len(upstream)], (q, k, v), upstream)
+            grads = torch.autograd.grad(outputs, (q, k, v), upstream)
             for what, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
                 problem = compare(
                     f"{case.id} backend={backend} {what}", x, local(r_lp[what]), local(r64[what])

@@ -43,8 +43,9 @@ def test_cuda_cases_are_generated_and_repeatable() -> None:
     # The kit's small CUDA set (26 cases on 2026-12-04); the lse's gradient is checked by
     # its large set, tests/test_conformance.py's flex_attention-cuda cases.
     assert len(_CUDA_CASES) >= 20
-    sample = [c for c in _CUDA_CASES if c.backward][:1]
-    assert sample, "no case runs the backward"
+    # The sample check_backend takes: the first case and the first backward case.
+    sample = _CUDA_CASES[:1] + [c for c in _CUDA_CASES if c.backward][:1]
+    assert len(sample) == 2, "no case runs the backward"
     problems = attnhub.testing.repeatability_problems("flex_attention", sample, "cuda")
     assert not problems, "; ".join(problems)
 
