@@ -261,6 +261,34 @@ def _scores(
 
 
 @triton.jit
+def _softmax_update(
+    s, l_i, m_i, acc, qk_scale, MAY_BE_EMPTY: tl.constexpr, FOLD_SCALE: tl.constexpr
+):  # fmt: skip
+    """The online softmax's step for one tile of scores ``s`` (log2 units; raw products
+    where FOLD_SCALE, see :func:`_fwd_step`): the tile's weights p, the rescaled row
+    sums and accumulator, and the new row max. MAY_BE_EMPTY: a row may have no kept
+    key so far (masked scores)."""
+    if FOLD_SCALE:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MAY_BE_EMPTY:
+        # A row with no kept key so far has m_new = -inf: shift by 0 instead, so
+        # that exp2(-inf - -inf) never makes a NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    if FOLD_SCALE:
+        p = tl.exp2(s * qk_scale - m_use[:, None])
+    else:
+        p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    return p, l_i, acc, m_new
+
+
+@triton.jit
 def _fwd_step(
     acc, l_i, m_i, q, k_ptrs, v_ptrs, tile_ptrs, mask_rows, drop_rows, seed,
     start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn,
@@ -290,23 +318,10 @@ def _fwd_step(
     )  # fmt: skip
     if HAS_TILE:
         s = tl.where(tl.load(tile_ptrs) != 0, s, float("-inf"))
-    if FOLD_SCALE:
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED or MASK_KIND != 0 or HAS_TILE:
-        # A row with no kept key so far has m_new = -inf: shift by 0 instead, so
-        # that exp2(-inf - -inf) never makes a NaN.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_use = m_new
-    alpha = tl.exp2(m_i - m_use)
-    if FOLD_SCALE:
-        p = tl.exp2(s * qk_scale - m_use[:, None])
-    else:
-        p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
+    p, l_i, acc, m_new = _softmax_update(
+        s, l_i, m_i, acc, qk_scale, MAY_BE_EMPTY=MASKED or MASK_KIND != 0 or HAS_TILE,
+        FOLD_SCALE=FOLD_SCALE,
+    )  # fmt: skip
     if HAS_DROPOUT:
         # The softmax sum uses every weight; only the output sees the dropped ones.
         rnd = tl.rand(seed, drop_rows[:, None] + offs_n[None, :])

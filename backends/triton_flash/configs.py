@@ -31,13 +31,18 @@ from . import tuning
 class LaunchConfig:
     """Tiles and launch options of one kernel launch. ``maxnreg``: a cap on registers
     per thread (ptxas' .maxnreg), or None for the compiler's choice; a cap of 128 with
-    8 warps lets two programs share an SM where shared memory allows it."""
+    8 warps lets two programs share an SM where shared memory allows it.
+
+    ``tma`` (forward only): the forward loads its tiles through tensor descriptors
+    (kernels_tma.attn_fwd_tma_kernel) where the call allows it (ops._tma_eligible),
+    else it runs the pointer kernel on the same tiles."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     maxnreg: int | None = None
+    tma: bool = False
 
     def options(self) -> dict[str, int]:
         """The launch options (num_warps, num_stages, and maxnreg where set)."""
@@ -178,6 +183,17 @@ _LEAN_2B: dict[tuple[str, int, bool, bool], LaunchConfig] = {
     # at N=16384 2.8% slower). Each program walks eight key tiles at N=1024, so one
     # program's prologue loads wait while the other computes.
     ("fwd", 128, False, True): LaunchConfig(128, 64, 8, 2, maxnreg=128),
+    # D=128 causal forward through TMA loads (kernels_tma; calls it cannot serve fall
+    # through to the rows below): (128, 64, 4, 2) read 442 / 504 / 293 TFLOP/s at N =
+    # 4096 / 16384 / 1024 against 413 / 455 / 282 for the pointer kernel's row in the same
+    # process, the best of ten candidates at 4096 and 16384 and within 1% of the best at
+    # 1024 (benchmarks/results/archive/tma-fwd-sweep-h200-2026-12-04.json, bf16, B =
+    # 16384 / N, H = 16). Not taken: non-causal D=128 (0.98 / 1.04 / 1.02 of the pointer
+    # rows) and D=64 (0.89-1.01). Warp specialization made these loops wrong, not faster
+    # (archive/tma-fwd-sweep-ws-h200-2026-12-04.json: errors of 0.1-0.6 and NaN at 4
+    # warps, no change at 8): not offered.
+    ("fwd", 128, True, False): LaunchConfig(128, 64, 4, 2, tma=True),
+    ("fwd", 128, True, True): LaunchConfig(128, 64, 4, 2, tma=True),
     # Not taken: D=128 causal at N <= 1024 with (128,32,8,3) capped at 128 registers,
     # 0.2317 ms against 0.2390 (same file): +3% does not reach the 1.3x bar there, and
     # the row would also take 1024-key sliding windows, where (128,64,8,3) is best.
@@ -232,6 +248,7 @@ def launch_config(
     interpret: bool,
     seqlen: int | None = None,
     lean: bool = False,
+    tma: bool = False,
 ) -> LaunchConfig:
     """The launch configuration for one kernel launch.
 
@@ -241,7 +258,9 @@ def launch_config(
     (``SHORT_N``) and the narrow ones (``NARROW_N``) where it is given: the most keys
     one row visits (ops passes the longer of Nq and Nk, or a sliding window's width
     where that is narrower). ``lean``: a dense call that streams no mask tile, which
-    may take the larger ``_LEAN_2B`` entries. Inside a ``tuning.override`` block that
+    may take the larger ``_LEAN_2B`` entries; ``tma``: a forward that the TMA kernel may
+    serve (ops._tma_eligible), which may take the entries that ask for it (the others
+    skip them). Inside a ``tuning.override`` block that
     forces ``direction``, the forced configuration (the interpreter's included).
     """
     tuned = tuning.current()
@@ -262,7 +281,7 @@ def launch_config(
     short_call = seqlen is not None and seqlen <= SHORT_N
     if lean and element_size == 2:
         entry = _LEAN_2B.get((direction, block_d, causal, short_call))
-        if entry is not None:
+        if entry is not None and (tma or not entry.tma):
             return entry
     if short_call and element_size == 2:
         short = _SHORT_2B.get((direction, block_d, causal))

@@ -68,20 +68,34 @@ class CachedLaunch:
         self._compiled = compiled
         self._device = torch.cuda.current_device()
         launcher = compiled.run  # loads the module on first use (done by the recorded call)
+        scratch = getattr(launcher, "global_scratch_size", None)
         if (
-            getattr(launcher, "global_scratch_size", 1) == 0
+            scratch is not None
             and getattr(launcher, "profile_scratch_size", 1) == 0
             and hasattr(launcher, "launch")
         ):
-            # CudaLauncher.__call__ only allocates scratch (none here) and forwards to its
-            # compiled ``launch`` with the cooperative-grid and PDL flags: call it directly.
-            fixed = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
-                     None, None, compiled.packed_metadata)  # fmt: skip
+            # CudaLauncher.__call__ only allocates scratch and forwards to its compiled
+            # ``launch`` with the cooperative-grid and PDL flags: call it directly.
+            head = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl)
             direct = launcher.launch
+            if scratch == 0:
+                fixed = (*head, None, None, compiled.packed_metadata)
 
-            def launch(stream: int, meta: Any, enter: Any, leave: Any, *tensors: Any) -> None:
-                direct(self._x, self._y, self._z, stream, *fixed, meta, enter, leave, *tensors,
-                       *self._rest)  # fmt: skip
+                def launch(stream: int, meta: Any, enter: Any, leave: Any, *tensors: Any) -> None:
+                    direct(self._x, self._y, self._z, stream, *fixed, meta, enter, leave,
+                           *tensors, *self._rest)  # fmt: skip
+            else:
+                # Global scratch (in-kernel tensor descriptors: kernels_tma), sized as
+                # CudaLauncher sizes it, from PyTorch's allocator on the plan's device
+                # (stream-ordered: the next launch may reuse it safely).
+                size = self._x * self._y * self._z * launcher.num_ctas * scratch
+                device = torch.device("cuda", self._device)
+
+                def launch(stream: int, meta: Any, enter: Any, leave: Any, *tensors: Any) -> None:
+                    buffer = torch.empty(size, dtype=torch.int8, device=device)
+                    direct(self._x, self._y, self._z, stream, *head, buffer, None,
+                           compiled.packed_metadata, meta, enter, leave, *tensors,
+                           *self._rest)  # fmt: skip
         else:
 
             def launch(stream: int, meta: Any, enter: Any, leave: Any, *tensors: Any) -> None:

@@ -26,9 +26,11 @@ tensors in Triton's interpreter.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +38,9 @@ import torch
 from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
 from torch.autograd import forward_ad
 from torch.library import triton_op, wrap_triton
+from triton.runtime import _allocation
 
-from . import kernels, tuning
+from . import kernels, kernels_tma, tuning
 from .common import interpreting
 from .configs import LaunchConfig, backward_configs, backward_launch, launch_config, merged_meta
 from .launch import CachedLaunch
@@ -551,9 +554,11 @@ def _forward(
         return out, lse
     c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
                scale, dropout_p, packed)  # fmt: skip
+    varlen = _varlen(packed, key_ranges)
+    tma_ok = _tma_eligible(c, varlen, q, k, v, out_view)
     cfg = launch_config(
         "fwd", max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"]), q.element_size(), causal,
-        _capability(q.device), interpreting(), c.walk, lean=mask is None,
+        _capability(q.device), interpreting(), c.walk, lean=mask is None, tma=tma_ok,
     )  # fmt: skip
     grid = (cdiv(rows, cfg.block_m), b * hq)
     args = (
@@ -561,17 +566,70 @@ def _forward(
         *_cu(packed, q, key_ranges), *q.stride(), *k.stride(), *v.stride(), *c.mask_strides,
         *out_view.stride(), hq, hq // hkv, nq, nk, d, dv, *c.scalars,
     )  # fmt: skip
-    varlen = _varlen(packed, key_ranges)
     meta = {
         **c.meta, **cfg.meta(), "FOLD_SCALE": c.fold_scale,
         **_edge_segments(True, nq, nk, cfg, causal, window_left, window_right, ragged=varlen > 0),
         **_row_strides(K=k, V=v), "STORE_LSE": store_lse, "VARLEN": varlen,
     }  # fmt: skip
-    compiled = _launcher(kernels.attn_fwd_kernel, q)[grid](*args, **meta)
+    tma = cfg.tma and tma_ok
+    kernel = kernels_tma.attn_fwd_tma_kernel if tma else kernels.attn_fwd_kernel
+    with _scratch_allocator() if tma else contextlib.nullcontext():
+        compiled = _launcher(kernel, q)[grid](*args, **meta)
     if key is not None and _is_compiled(compiled):
-        launch = CachedLaunch(kernels.attn_fwd_kernel, compiled, grid, args, meta, tensors=9)
+        launch = CachedLaunch(kernel, compiled, grid, args, meta, tensors=9)
         _remember(key, _ForwardPlan(launch, out, lse))
     return out, lse
+
+
+def _tma_eligible(c: _Setup, varlen: int, *tensors: torch.Tensor) -> bool:
+    """Whether a forward may run kernels_tma.attn_fwd_tma_kernel (where its launch row
+    asks for TMA loads, LaunchConfig.tma): a dense call with no attn_mask and no dropout,
+    2-byte dtypes, power-of-two head dims, not traced (the kernel builds its tensor
+    descriptors in global scratch, which the launch allocates: Inductor's launches of
+    traced kernels are not known to), on sm_90+ or in the interpreter, and ``tensors``
+    laid out as TMA requires: unit stride along the head dim, the base address and
+    every stride of a dim longer than 1 a multiple of 16 bytes."""
+    meta = c.meta
+    if (
+        varlen or meta["MASK_KIND"] or meta["HAS_DROPOUT"] or not meta["EVEN_D"]
+        or is_wrap_triton_enabled()
+    ):  # fmt: skip
+        return False
+    q = tensors[0]
+    if q.element_size() != 2 or max(meta["BLOCK_D"], meta["BLOCK_DV"]) > 128:
+        return False
+    if not (interpreting() or (_capability(q.device) or (0,)) >= (9, 0)):
+        return False
+    for t in tensors:
+        if t.stride(3) != 1 or t.data_ptr() % 16:
+            return False
+        es = t.element_size()
+        if any(size > 1 and stride * es % 16 for size, stride in zip(t.shape[:3], t.stride()[:3])):
+            return False
+    return True
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for a launch (Triton's allocator protocol): the in-kernel tensor
+    descriptors of kernels_tma, on the current CUDA device, from PyTorch's allocator
+    (stream-ordered, so reuse after the launch is safe; graph capture pools it)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+@contextlib.contextmanager
+def _scratch_allocator() -> Iterator[None]:
+    """Inside the block, Triton's launches allocate global scratch with
+    :func:`_tma_scratch` unless the caller set an allocator of its own. Triton's
+    allocator is a context variable (triton.set_allocator sets it for good): it is set
+    here for the launch only, so the caller's context is left as it was."""
+    if _allocation._allocator.get() is not _allocation._NULL_ALLOCATOR:
+        yield
+        return
+    token = _allocation._allocator.set(_tma_scratch)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
 
 
 def _is_compiled(kernel: Any) -> bool:

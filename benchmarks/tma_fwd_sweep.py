@@ -1,0 +1,100 @@
+"""Sweep triton_flash's TMA forward (kernels_tma) against its pointer forward and the
+competitors, on the grid's shapes (issue 19, item 1).
+
+For each point (bf16 by default, D 64/128, N 1K/4K/16K with B = 16384 / N and H = 2048 /
+D, causal and not) it times, in one process and on the same inputs: triton_flash as its
+launch table runs it, the TMA forward at each candidate configuration (forced with
+``tuning.override``), SDPA's flash (FA2) and cuDNN
+kernels, and FlexAttention (the flex plugin, where installed). Each candidate's output
+is compared with SDPA flash's first; a configuration that does not compile or run is a
+row with its error. Prints one line per row and writes JSON (rows plus the environment).
+
+    python benchmarks/tma_fwd_sweep.py OUT.json [--dtype bf16] [--head-dims 64,128]
+        [--seqlens 1024,4096,16384] [--causal both|yes|no] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+
+import attnhub
+from attnhub.backends.triton_flash import configs, tuning
+
+# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages); --quick keeps the first two.
+CANDIDATES = ((128, 64, 4, 2), (128, 64, 4, 3), (128, 32, 4, 2), (128, 32, 4, 3), (128, 32, 4, 4),
+              (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 32, 4, 3), (128, 128, 8, 3))  # fmt: skip
+COMPETITORS = ("triton_flash", "torch_sdpa_flash", "torch_sdpa_cudnn", "flex_attention")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _rows_for(dtype: torch.dtype, d: int, n: int, causal: bool, candidates) -> list[dict]:  # type: ignore[no-untyped-def]
+    b, h = 16384 // n, 2048 // d
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
+    flops = 4 * b * h * n * n * d // (2 if causal else 1)
+    point = {"dtype": str(dtype).removeprefix("torch."), "D": d, "N": n, "B": b, "H": h,
+             "causal": causal}  # fmt: skip
+    reference = attnhub.attention(q, k, v, causal=causal, backend="torch_sdpa_flash").float()
+    trials = {}
+    registry = attnhub.registry.get_registry()
+    for name in COMPETITORS:
+        if registry.unavailable_reason(name) is None:
+            trials[name] = (None, lambda name=name: attnhub.attention(q, k, v, causal=causal,
+                                                                       backend=name))  # fmt: skip
+    for bm, bn, warps, stages in candidates:
+        cfg = configs.LaunchConfig(bm, bn, warps, stages, tma=True)
+
+        def run(cfg=cfg):  # type: ignore[no-untyped-def]
+            with tuning.override(fwd=cfg):
+                return attnhub.attention(q, k, v, causal=causal, backend="triton_flash")
+
+        trials[f"tma-{bm}-{bn}-{warps}-{stages}"] = (cfg, run)
+    rows = []
+    for name, (cfg, fn) in trials.items():
+        row = {**point, "kernel": name.split("-")[0],
+               "config": None if cfg is None else [cfg.block_m, cfg.block_n, cfg.num_warps,
+                                                   cfg.num_stages]}  # fmt: skip
+        try:
+            t0 = time.perf_counter()
+            err = (fn().float() - reference).abs().max().item()
+            row["first_call_s"] = round(time.perf_counter() - t0, 2)
+            ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+            row.update(max_abs_diff_vs_sdpa_flash=err, ms=round(ms, 4),
+                       tflops=round(flops / ms / 1e9, 1))  # fmt: skip
+        except Exception as exc:  # a configuration that does not compile is a result too
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--head-dims", default="128,64")
+    parser.add_argument("--seqlens", default="4096,16384,1024")
+    parser.add_argument("--causal", default="both", choices=("both", "yes", "no"))
+    parser.add_argument("--quick", action="store_true", help="two candidate configurations")
+    args = parser.parse_args()
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    candidates = CANDIDATES[:2] if args.quick else CANDIDATES
+    rows = []
+    for d in (int(x) for x in args.head_dims.split(",")):
+        for causal in causals:
+            for n in (int(x) for x in args.seqlens.split(",")):
+                rows += _rows_for(DTYPES[args.dtype], d, n, causal, candidates)
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "attnhub": attnhub.__version__,
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip
+    with open(args.output, "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
