@@ -28,7 +28,7 @@
 #               WORKLOADS_ONLY: only the workloads whose name contains it, or any of a
 #               comma-separated list; WORKLOADS_BUDGET: seconds per competitor, default 0.04)
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
-#   TMA_S       tma-sweep.json/log: benchmarks/tma_fwd_sweep.py (TMA_ARGS, e.g. --head-dims 128)
+#   TMA_S       tma-sweep.json/log: benchmarks/tma_sweep.py (TMA_ARGS, e.g. --direction bwd --head-dims 128)
 #   SWEEP_S     sweep.json/log: benchmarks/triton_flash_gpu.py's launch-config sweep (B4 H8,
 #               causal and not; SWEEP_DIMS head dims, default 256; SWEEP_SEQLENS, default
 #               4096), SDPA flash and cuDNN timed beside it
@@ -111,7 +111,7 @@ step "${WORKLOADS_S:-0}" workloads python3 -m attnhub bench --workloads --device
     -o "$OUT/workloads.json" > /dev/null 2> "$OUT/workloads.err"
 step "${GRID_S:-0}" grid python3 -m attnhub bench --quick --no-plots --no-progress \
     -o "$OUT/grid-quick.json" > /dev/null 2> "$OUT/grid-quick.err"
-step "${TMA_S:-0}" tma-sweep python3 benchmarks/tma_fwd_sweep.py "$OUT/tma-sweep.json" ${TMA_ARGS:-} \
+step "${TMA_S:-0}" tma-sweep python3 benchmarks/tma_sweep.py "$OUT/tma-sweep.json" ${TMA_ARGS:-} \
     > "$OUT/tma-sweep.log" 2>&1
 grep -c '"kernel"' "$OUT/tma-sweep.log" 2>/dev/null; grep -m5 error "$OUT/tma-sweep.log" 2>/dev/null | cut -c1-300
 step "${SWEEP_S:-0}" sweep python3 benchmarks/triton_flash_gpu.py "$OUT/sweep.json" --only sweep \
