@@ -28,7 +28,7 @@
 #               WORKLOADS_ONLY: only the workloads whose name contains it, or any of a
 #               comma-separated list; WORKLOADS_BUDGET: seconds per competitor, default 0.04)
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
-#   TMA_S       tma-sweep.json/log: benchmarks/tma_sweep.py (TMA_ARGS, e.g. --direction bwd --head-dims 128)
+#   TMA_S       tma-sweep.json/log: benchmarks/tma_sweep.py (TMA_ARGS, e.g. --head-dims 128)
 #   SWEEP_S     sweep.json/log: benchmarks/triton_flash_gpu.py's launch-config sweep (B4 H8,
 #               causal and not; SWEEP_DIMS head dims, default 256; SWEEP_SEQLENS, default
 #               4096), SDPA flash and cuDNN timed beside it

@@ -1,21 +1,20 @@
-"""Sweep triton_flash's TMA loads against its pointer loads and the competitors, on the
-grid's shapes (issue 19): the forward (kernels_tma) or the backward (the TMA streams of
-the dK/dV and dQ kernels).
+"""Sweep triton_flash's TMA forward (kernels_tma) against its pointer forward and the
+competitors, on the grid's shapes (issue 19).
 
 For each point (bf16 by default, D 64/128, N 1K/4K/16K with B = 16384 / N and H = 2048 /
 D, causal and not) it times, in one process and on the same inputs: triton_flash as its
-launch table runs it, each candidate TMA configuration (forced with
+launch table runs it, the TMA forward at each candidate configuration (forced with
 ``tuning.override``), SDPA's flash (FA2) and cuDNN kernels, and FlexAttention (the flex
 plugin, where installed; its causal rows here build the block mask in every call, so
-they are not FlexAttention's speed: the grid bench's are). ``--direction bwd`` times the
-backward alone (the forward done once, ``backward(retain_graph=True)`` timed). Each
-candidate's output (gradients) is compared with SDPA flash's first; a configuration that
-does not compile or run is a row with its error. Prints one line per row and writes JSON
-(rows plus the environment). The forward runs of 2026-12-04 in results/archive came
-from this script's forward part under its first name, tma_fwd_sweep.py.
+they are not FlexAttention's speed: the grid bench's are). Each candidate's output is
+compared with SDPA flash's first; a configuration that does not compile or run is a row
+with its error. Prints one line per row and writes JSON (rows plus the environment).
+The forward runs of 2026-12-04 in results/archive came from this script under its
+first name, tma_fwd_sweep.py; the backward run from its ``--direction bwd`` at a136497,
+whose backward TMA streams did not pay and were taken out (benchmarks/NOTES.md).
 
-    python benchmarks/tma_sweep.py OUT.json [--direction fwd|bwd] [--dtype bf16]
-        [--head-dims 64,128] [--seqlens 1024,4096,16384] [--causal both|yes|no]
+    python benchmarks/tma_sweep.py OUT.json [--dtype bf16] [--head-dims 64,128]
+        [--seqlens 1024,4096,16384] [--causal both|yes|no]
 """
 
 from __future__ import annotations
@@ -31,27 +30,15 @@ import triton
 import attnhub
 from attnhub.backends.triton_flash import configs, tuning
 
-# Forward candidates: (BLOCK_M, BLOCK_N, num_warps, num_stages).
+# Candidates: (BLOCK_M, BLOCK_N, num_warps, num_stages).
 FWD_CANDIDATES = ((128, 64, 4, 2), (128, 64, 4, 3), (128, 32, 4, 2), (128, 32, 4, 3),
                   (128, 32, 4, 4), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2),
                   (64, 32, 4, 3), (128, 128, 8, 3))  # fmt: skip
-# Backward candidates: (dK/dV tiles and options, dQ tiles and options, launch mode); the
-# first is the lean D=128 rows as the table runs them.
-BWD_CANDIDATES = (
-    ((64, 128, 8, 3), (128, 64, 8, 3), "merged_heads"),
-    ((64, 128, 8, 3), (128, 64, 8, 3), "split"),
-    ((64, 128, 8, 2), (128, 64, 8, 2), "merged_heads"),
-    ((64, 64, 4, 3), (64, 64, 4, 3), "merged_heads"),
-    ((64, 128, 4, 2), (128, 64, 4, 2), "merged_heads"),
-    ((32, 128, 4, 3), (64, 64, 4, 3), "merged_heads"),
-    ((64, 128, 8, 3), (64, 64, 4, 3), "split"),
-    ((32, 64, 4, 3), (64, 32, 4, 3), "merged_heads"),
-)
 COMPETITORS = ("triton_flash", "torch_sdpa_flash", "torch_sdpa_cudnn", "flex_attention")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _fwd_trials(q, k, v, dout, causal: bool) -> dict[str, tuple[Any, Any]]:  # type: ignore[no-untyped-def]
+def _fwd_trials(q, k, v, causal: bool) -> dict[str, tuple[Any, Any]]:  # type: ignore[no-untyped-def]
     trials = {}
     for bm, bn, warps, stages in FWD_CANDIDATES:
         cfg = configs.LaunchConfig(bm, bn, warps, stages, tma=True)
@@ -64,51 +51,20 @@ def _fwd_trials(q, k, v, dout, causal: bool) -> dict[str, tuple[Any, Any]]:  # t
     return trials
 
 
-def _backward(q, k, v, dout, causal: bool, backend: str, override: dict | None = None):  # type: ignore[no-untyped-def]
-    """A function that runs the backward of one forward (made here, under ``override``)
-    with upstream gradient ``dout`` and returns the three gradients."""
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    with tuning.override(**(override or {})):
-        out = attnhub.attention(q, k, v, causal=causal, backend=backend)
-
-    def run():  # type: ignore[no-untyped-def]
-        q.grad = k.grad = v.grad = None
-        out.backward(dout, retain_graph=True)
-        return torch.cat([t.grad.flatten() for t in (q, k, v)])
-
-    return run
-
-
-def _bwd_trials(q, k, v, dout, causal: bool) -> dict[str, tuple[Any, Any]]:  # type: ignore[no-untyped-def]
-    trials = {}
-    for kv, dq, mode in BWD_CANDIDATES:
-        override = {"bwd_kv": configs.LaunchConfig(*kv, tma=True),
-                    "bwd_q": configs.LaunchConfig(*dq, tma=True), "backward_launch": mode}  # fmt: skip
-        name = f"tma-{'-'.join(map(str, kv))}-{'-'.join(map(str, dq))}-{mode}"
-        trials[name] = (
-            [list(kv), list(dq), mode],
-            _backward(q, k, v, dout, causal, "triton_flash", override),
-        )
-    return trials
-
-
-def _rows_for(dtype: torch.dtype, d: int, n: int, causal: bool, direction: str) -> list[dict]:
+def _rows_for(dtype: torch.dtype, d: int, n: int, causal: bool) -> list[dict]:
     b, h = 16384 // n, 2048 // d
     torch.manual_seed(0)
-    q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(4))
-    flops = 4 * b * h * n * n * d // (2 if causal else 1) * (2.5 if direction == "bwd" else 1)
-    point = {"direction": direction, "dtype": str(dtype).removeprefix("torch."), "D": d,
-             "N": n, "B": b, "H": h, "causal": causal}  # fmt: skip
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
+    flops = 4 * b * h * n * n * d // (2 if causal else 1)
+    point = {"dtype": str(dtype).removeprefix("torch."), "D": d, "N": n, "B": b, "H": h,
+             "causal": causal}  # fmt: skip
     registry = attnhub.registry.get_registry()
     names = [name for name in COMPETITORS if registry.unavailable_reason(name) is None]
     trials: dict[str, tuple[Any, Any]] = {}
     for name in names:
-        if direction == "fwd":
-            trials[name] = (None, lambda name=name: attnhub.attention(q, k, v, causal=causal,
-                                                                       backend=name))  # fmt: skip
-        else:
-            trials[name] = (None, _backward(q, k, v, dout, causal, name))
-    trials.update((_fwd_trials if direction == "fwd" else _bwd_trials)(q, k, v, dout, causal))
+        trials[name] = (None, lambda name=name: attnhub.attention(q, k, v, causal=causal,
+                                                                   backend=name))  # fmt: skip
+    trials.update(_fwd_trials(q, k, v, causal))
     reference = trials["torch_sdpa_flash"][1]().float()
     rows = []
     for name, (config, fn) in trials.items():
@@ -130,7 +86,6 @@ def _rows_for(dtype: torch.dtype, d: int, n: int, causal: bool, direction: str) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output")
-    parser.add_argument("--direction", default="fwd", choices=("fwd", "bwd"))
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--seqlens", default="4096,16384,1024")
@@ -141,7 +96,7 @@ def main() -> None:
     for d in (int(x) for x in args.head_dims.split(",")):
         for causal in causals:
             for n in (int(x) for x in args.seqlens.split(",")):
-                rows += _rows_for(DTYPES[args.dtype], d, n, causal, args.direction)
+                rows += _rows_for(DTYPES[args.dtype], d, n, causal)
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "attnhub": attnhub.__version__,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip

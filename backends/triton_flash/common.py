@@ -109,22 +109,6 @@ def _load_rows(ptrs, rows, nrows, cols, ncols, CHECK_ROWS: tl.constexpr, CHECK_C
 
 
 @triton.jit
-def _stream_rows(
-    src, start, rows, nrows, cols, ncols,
-    CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr, TMA: tl.constexpr,
-):  # fmt: skip
-    """A streamed (rows, cols) tile whose first row is ``start``: through pointers at
-    that row (``src``; :func:`_load_rows`), or with TMA through a tensor descriptor
-    ``src`` over the head's rows (rows past its extent read as zeros; no column
-    padding: TMA needs EVEN_D)."""
-    if TMA:
-        x = src.load([start, 0])
-    else:
-        x = _load_rows(src, rows, nrows, cols, ncols, CHECK_ROWS=CHECK_ROWS, CHECK_COLS=CHECK_COLS)
-    return x
-
-
-@triton.jit
 def _key_ranges(
     start_m, NK, offset, win_left, win_right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BAND: tl.constexpr,
@@ -392,17 +376,14 @@ def _bwd_kv_step(
     qk_scale, sm_scale, softcap, dropout_p,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, HAS_TILE: tl.constexpr, TMA: tl.constexpr = False,
+    INPUT_PRECISION: tl.constexpr, HAS_TILE: tl.constexpr,
 ):  # fmt: skip
     """One query tile (rows start_m .. start_m + BLOCK_M - 1, pointers at its first row)
     added to dK/dV. Works on transposed tiles (keys, rows), as Triton's fused-attention
-    tutorial. HAS_TILE: also apply a (keys, rows) token mask read at tile_ptrs. TMA:
-    q_ptrs and do_ptrs are tensor descriptors over the head's rows (_stream_rows)."""
+    tutorial. HAS_TILE: also apply a (keys, rows) token mask read at tile_ptrs."""
     offs_m = start_m + offs_m0
-    q = _stream_rows(q_ptrs, start_m, offs_m, NQ, offs_d, HEAD_D, CHECK_ROWS=MASKED,
-                     CHECK_COLS=not EVEN_D, TMA=TMA)  # fmt: skip
-    do = _stream_rows(do_ptrs, start_m, offs_m, NQ, offs_dv, HEAD_DV, CHECK_ROWS=MASKED,
-                      CHECK_COLS=not EVEN_D, TMA=TMA)  # fmt: skip
+    q = _load_rows(q_ptrs, offs_m, NQ, offs_d, HEAD_D, CHECK_ROWS=MASKED, CHECK_COLS=not EVEN_D)
+    do = _load_rows(do_ptrs, offs_m, NQ, offs_dv, HEAD_DV, CHECK_ROWS=MASKED, CHECK_COLS=not EVEN_D)
     lse2 = _load_lse2(lse_ptrs, offs_m, NQ, CHECK=MASKED)
     if MASKED:
         delta = tl.load(delta_ptrs, mask=offs_m < NQ, other=0.0)
@@ -444,10 +425,9 @@ def _bwd_kv_inner(
     qk_scale, sm_scale, softcap, dropout_p,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr = False,
+    HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # The row pointers point at query row `start`; advanced by BLOCK_M rows per step
-    # (q_ptrs and do_ptrs are descriptors with TMA: _bwd_kv_step).
+    # The row pointers point at query row `start`; advanced by BLOCK_M rows per step.
     for start_m in range(start, end, BLOCK_M):
         dk, dv = _bwd_kv_step(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, q_ptrs, mask_base, drop_base, seed,
@@ -455,11 +435,10 @@ def _bwd_kv_inner(
             HEAD_DV, offset, win_left, win_right, qk_scale, sm_scale, softcap, dropout_p,
             MASKED=MASKED, EVEN_D=EVEN_D, HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP,
             MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION,
-            HAS_TILE=False, TMA=TMA,
+            HAS_TILE=False,
         )  # fmt: skip
-        if not TMA:
-            q_ptrs += BLOCK_M * stride_qm
-            do_ptrs += BLOCK_M * stride_dom
+        q_ptrs += BLOCK_M * stride_qm
+        do_ptrs += BLOCK_M * stride_dom
         lse_ptrs += BLOCK_M
         delta_ptrs += BLOCK_M
     return dk, dv
@@ -473,16 +452,13 @@ def _bwd_q_step(
     qk_scale, sm_scale, softcap, dropout_p,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, HAS_TILE: tl.constexpr, TMA: tl.constexpr = False,
+    INPUT_PRECISION: tl.constexpr, HAS_TILE: tl.constexpr,
 ):  # fmt: skip
     """One key tile (pointers at its first row) added to dQ. HAS_TILE: also apply a
-    (rows, keys) token mask read at tile_ptrs. TMA: k_ptrs and v_ptrs are tensor
-    descriptors over the head's keys (_stream_rows)."""
+    (rows, keys) token mask read at tile_ptrs."""
     offs_n = start_n + offs_n0
-    k = _stream_rows(k_ptrs, start_n, offs_n, NK, offs_d, HEAD_D, CHECK_ROWS=MASKED,
-                     CHECK_COLS=not EVEN_D, TMA=TMA)  # fmt: skip
-    v = _stream_rows(v_ptrs, start_n, offs_n, NK, offs_dv, HEAD_DV, CHECK_ROWS=MASKED,
-                     CHECK_COLS=not EVEN_D, TMA=TMA)  # fmt: skip
+    k = _load_rows(k_ptrs, offs_n, NK, offs_d, HEAD_D, CHECK_ROWS=MASKED, CHECK_COLS=not EVEN_D)
+    v = _load_rows(v_ptrs, offs_n, NK, offs_dv, HEAD_DV, CHECK_ROWS=MASKED, CHECK_COLS=not EVEN_D)
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
     s, t = _scores(
         qk, offs_m, offs_n, NQ, NK, offset, win_left, win_right, mask_rows, stride_mn, qk_scale,
@@ -512,21 +488,19 @@ def _bwd_q_inner(
     qk_scale, sm_scale, softcap, dropout_p,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_BAND: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr = False,
+    HAS_DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # k_ptrs/v_ptrs point at key row `start`; advanced by BLOCK_N rows per step
-    # (descriptors with TMA: _bwd_q_step).
+    # k_ptrs/v_ptrs point at key row `start`; advanced by BLOCK_N rows per step.
     for start_n in range(start, end, BLOCK_N):
         dq = _bwd_q_step(
             dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_ptrs, mask_rows, drop_rows, seed, start_n,
             offs_m, offs_n0, offs_d, offs_dv, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left,
             win_right, qk_scale, sm_scale, softcap, dropout_p, MASKED=MASKED, EVEN_D=EVEN_D,
             HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND,
-            HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION, HAS_TILE=False, TMA=TMA,
+            HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION, HAS_TILE=False,
         )  # fmt: skip
-        if not TMA:
-            k_ptrs += BLOCK_N * stride_kn
-            v_ptrs += BLOCK_N * stride_vn
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
     return dq
 
 

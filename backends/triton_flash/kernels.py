@@ -100,10 +100,6 @@ STORE_LSE             forward only: write Lse (False where the caller wants neit
 VARLEN                0 dense; 1 packed sequences (above): CuQ, CuK are then the int32/int64
                       (B + 1,) cumulative lengths; 2 key ranges (above): CuK is the int32
                       (B, 2) ranges, CuQ never read (else any pointers, never read)
-TMA                   backward kernels: the streamed tensors (Q/dO in dK/dV, K/V in dQ)
-                      load through tensor descriptors built per head in the kernel
-                      (dense calls with EVEN_D only: ops._tma_eligible); the forward's
-                      TMA variant is its own kernel (kernels_tma.py)
 """
 
 from __future__ import annotations
@@ -332,16 +328,13 @@ def _bwd_dkdv_program(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
-    VARLEN: tl.constexpr, TMA: tl.constexpr = False,
+    VARLEN: tl.constexpr,
 ):  # fmt: skip
     """One dK/dV program: dK (B, HKV, NK, D) and dV (B, HKV, NK, DV) for key block
     ``pid_n`` (keys pid_n * BLOCK_N .. + BLOCK_N - 1) of ``pid_bh`` = b * HKV + hkv, summed
     over the GROUP query heads that read it (in a fixed order: deterministic). Whichever
     launch runs it (:func:`attn_bwd_dkdv_kernel`, or the dK/dV role of
-    :func:`attn_bwd_kernel`), a program computes the same values in the same order.
-    TMA (dense calls with EVEN_D, ops._tma_eligible): Q and dO stream through tensor
-    descriptors over each query head's rows."""
-    tl.static_assert(not TMA or (VARLEN == 0 and EVEN_D))
+    :func:`attn_bwd_kernel`), a program computes the same values in the same order."""
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
     start_n = pid_n * BLOCK_N
     pid_bh = pid_bh.to(tl.int64)
@@ -378,27 +371,12 @@ def _bwd_dkdv_program(
             offs_d, offs_dv, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh,
             stride_dom, stride_dod, stride_mb, stride_mh, nq, nk,
         )  # fmt: skip
-        if TMA:
-            q_desc = tl.make_tensor_descriptor(
-                Q + b * stride_qb + h * stride_qh, shape=[nq, BLOCK_D], strides=[stride_qm, 1],
-                block_shape=[BLOCK_M, BLOCK_D],
-            )  # fmt: skip
-            do_desc = tl.make_tensor_descriptor(
-                DO + b * stride_dob + h * stride_doh, shape=[nq, BLOCK_DV],
-                strides=[stride_dom, 1], block_shape=[BLOCK_M, BLOCK_DV],
-            )  # fmt: skip
         for seg in tl.static_range(3):
             s0, s1 = _segment(seg, lo, f_lo, f_hi, hi)
             if _compiled(seg=seg, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL):
                 s0_64 = s0.to(tl.int64)
-                if TMA:
-                    q_src = q_desc
-                    do_src = do_desc
-                else:
-                    q_src = q_base + s0_64 * stride_qm
-                    do_src = do_base + s0_64 * stride_dom
                 dk, dv = _bwd_kv_inner(
-                    dk, dv, k, v, q_src, do_src,
+                    dk, dv, k, v, q_base + s0_64 * stride_qm, do_base + s0_64 * stride_dom,
                     lse_base + s0_64, delta_base + s0_64, mask_base, drop_base, seed,
                     s0, s1, offs_n, offs_m0, offs_d, offs_dv,
                     stride_qm, stride_dom, stride_mm, stride_mn,
@@ -406,7 +384,7 @@ def _bwd_dkdv_program(
                     qk_scale, sm_scale, softcap, dropout_p,
                     BLOCK_M=BLOCK_M, MASKED=seg != 1, EVEN_D=EVEN_D, HAS_BAND=HAS_BAND,
                     HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
-                    INPUT_PRECISION=INPUT_PRECISION, TMA=TMA,
+                    INPUT_PRECISION=INPUT_PRECISION,
                 )  # fmt: skip
 
     _dkdv_finish(
@@ -433,7 +411,6 @@ def attn_bwd_dkdv_kernel(
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
     STRIDE_QM: tl.constexpr = 0, STRIDE_DOM: tl.constexpr = 0, VARLEN: tl.constexpr = False,
-    TMA: tl.constexpr = False,
 ):  # fmt: skip
     """dK and dV, one program per (key block, b * HKV + hkv) on grid axes (0, 1): the split
     backward's first launch (see :func:`_bwd_dkdv_program`)."""
@@ -454,7 +431,6 @@ def attn_bwd_dkdv_kernel(
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, EVEN_D=EVEN_D,
         HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
         INPUT_PRECISION=INPUT_PRECISION, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL, VARLEN=VARLEN,
-        TMA=TMA,
     )  # fmt: skip
 
 
@@ -474,14 +450,12 @@ def _bwd_dq_program(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_BAND: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
-    VARLEN: tl.constexpr, TMA: tl.constexpr = False,
+    VARLEN: tl.constexpr,
 ):  # fmt: skip
     """One dQ program: dQ (B, H, NQ, D) for row block ``pid_m`` (rows pid_m * BLOCK_M ..
     + BLOCK_M - 1) of ``pid_bh`` = b * H + h (its own pass over the keys: no atomics).
     Whichever launch runs it (:func:`attn_bwd_dq_kernel`, or the dQ role of
-    :func:`attn_bwd_kernel`), a program computes the same values in the same order.
-    TMA (as :func:`_bwd_dkdv_program`'s): K and V stream through tensor descriptors."""
-    tl.static_assert(not TMA or (VARLEN == 0 and EVEN_D))
+    :func:`attn_bwd_kernel`), a program computes the same values in the same order."""
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
     start_m = pid_m * BLOCK_M
     pid_bh = pid_bh.to(tl.int64)
@@ -519,33 +493,18 @@ def _bwd_dq_program(
         start_m, _walked(nk, start_m, nq, VARLEN=VARLEN), offset, win_left, win_right,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BAND=HAS_BAND,
     )  # fmt: skip
-    if TMA:
-        k_desc = tl.make_tensor_descriptor(
-            K + b * stride_kb + hk * stride_kh, shape=[nk, BLOCK_D], strides=[stride_kn, 1],
-            block_shape=[BLOCK_N, BLOCK_D],
-        )  # fmt: skip
-        v_desc = tl.make_tensor_descriptor(
-            V + b * stride_vb + hk * stride_vh, shape=[nk, BLOCK_DV], strides=[stride_vn, 1],
-            block_shape=[BLOCK_N, BLOCK_DV],
-        )  # fmt: skip
     for seg in tl.static_range(3):
         s0, s1 = _segment(seg, lo, f_lo, f_hi, hi)
         if _compiled(seg=seg, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL):
             s0_64 = s0.to(tl.int64)
-            if TMA:
-                k_src = k_desc
-                v_src = v_desc
-            else:
-                k_src = k_base + s0_64 * stride_kn
-                v_src = v_base + s0_64 * stride_vn
             dq = _bwd_q_inner(
-                dq, q, do, lse2, delta, k_src, v_src,
+                dq, q, do, lse2, delta, k_base + s0_64 * stride_kn, v_base + s0_64 * stride_vn,
                 mask_rows, drop_rows, seed, s0, s1, offs_m, offs_n0, offs_d, offs_dv,
                 stride_kn, stride_vn, stride_mn, nq, nk, HEAD_D, HEAD_DV, offset, win_left, win_right,
                 qk_scale, sm_scale, softcap, dropout_p,
                 BLOCK_N=BLOCK_N, MASKED=seg != 1, EVEN_D=EVEN_D, HAS_BAND=HAS_BAND,
                 HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
-                INPUT_PRECISION=INPUT_PRECISION, TMA=TMA,
+                INPUT_PRECISION=INPUT_PRECISION,
             )  # fmt: skip
 
     _dq_finish(
@@ -570,7 +529,6 @@ def attn_bwd_dq_kernel(
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
     STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0, VARLEN: tl.constexpr = False,
-    TMA: tl.constexpr = False,
 ):  # fmt: skip
     """dQ, one program per (row block, b * H + h) on grid axes (0, 1): the split
     backward's second launch (see :func:`_bwd_dq_program`)."""
@@ -590,7 +548,6 @@ def attn_bwd_dq_kernel(
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, EVEN_D=EVEN_D,
         HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
         INPUT_PRECISION=INPUT_PRECISION, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL, VARLEN=VARLEN,
-        TMA=TMA,
     )  # fmt: skip
 
 
@@ -616,7 +573,6 @@ def attn_bwd_kernel(
     Q_MASK_HEAD: tl.constexpr, Q_MASK_TAIL: tl.constexpr,
     STRIDE_QM: tl.constexpr = 0, STRIDE_DOM: tl.constexpr = 0,
     STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0, VARLEN: tl.constexpr = False,
-    TMA: tl.constexpr = False,
 ):  # fmt: skip
     """dQ, dK and dV in one launch (FlexAttention's backward structure): cdiv(MAXK, BLOCK_N1)
     dK/dV programs per b * HKV + hkv and cdiv(MAXQ, BLOCK_M2) dQ programs per b * H + h
@@ -682,7 +638,7 @@ def attn_bwd_kernel(
             BLOCK_M=BLOCK_M1, BLOCK_N=BLOCK_N1, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, EVEN_D=EVEN_D,
             HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
             INPUT_PRECISION=INPUT_PRECISION, MASK_HEAD=KV_MASK_HEAD, MASK_TAIL=KV_MASK_TAIL,
-            VARLEN=VARLEN, TMA=TMA,
+            VARLEN=VARLEN,
         )  # fmt: skip
     else:
         _bwd_dq_program(
@@ -699,5 +655,5 @@ def attn_bwd_kernel(
             BLOCK_M=BLOCK_M2, BLOCK_N=BLOCK_N2, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, EVEN_D=EVEN_D,
             HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
             INPUT_PRECISION=INPUT_PRECISION, MASK_HEAD=Q_MASK_HEAD, MASK_TAIL=Q_MASK_TAIL,
-            VARLEN=VARLEN, TMA=TMA,
+            VARLEN=VARLEN,
         )  # fmt: skip

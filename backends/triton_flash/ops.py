@@ -777,17 +777,12 @@ def _bwd_full(
     seed_t = q if seed is None else seed
     cu_q, cu_k = _cu(packed, q, key_ranges)
     esize, lean = q.element_size(), mask is None
-    varlen = _varlen(packed, key_ranges)
-    tma_ok = _tma_eligible(c, varlen, q, k, v, dout)
     kv_cfg, q_cfg = backward_configs(block_d, esize, causal, _capability(q.device),
-                                     interpreting(), c.walk, lean, tma_ok)  # fmt: skip
+                                     interpreting(), c.walk, lean)  # fmt: skip
     band = (causal, window_left, window_right)
+    varlen = _varlen(packed, key_ranges)
     ragged = varlen > 0
     mode = backward_launch(kv_cfg, q_cfg, block_d, esize, lean)
-    # Each launch streams through TMA where its row asks for it (one flag for the merged
-    # launch: both rows must ask) and the call allows it.
-    kv_tma, q_tma = tma_ok and kv_cfg.tma, tma_ok and q_cfg.tma
-    scratch = _scratch_allocator() if kv_tma or q_tma else contextlib.nullcontext()
     if mode != "split":
         # One launch; the kernel derives each program's role and tile from its ids alone
         # (grids in kernels.attn_bwd_kernel's docstring).
@@ -806,10 +801,9 @@ def _bwd_full(
             **c.meta, **merged_meta(kv_cfg, q_cfg, mode),
             **_edge_segments(False, nq, nk, kv_cfg, *band, prefix="KV_", ragged=ragged),
             **_edge_segments(True, nq, nk, q_cfg, *band, prefix="Q_", ragged=ragged),
-            **_row_strides(Q=q, DO=dout, K=k, V=v), "VARLEN": varlen, "TMA": kv_tma and q_tma,
+            **_row_strides(Q=q, DO=dout, K=k, V=v), "VARLEN": varlen,
         }  # fmt: skip
-        with scratch:
-            _launch(kernels.attn_bwd_kernel, q, grid, args, meta, 13, record)
+        _launch(kernels.attn_bwd_kernel, q, grid, args, meta, 13, record)
     else:
         args = (
             q, k, v, c.mask, seed_t, dout, lse, delta, views[1], views[2], cu_q, cu_k,
@@ -818,20 +812,18 @@ def _bwd_full(
             *c.scalars,
         )  # fmt: skip
         meta = {**c.meta, **kv_cfg.meta(), **_edge_segments(False, nq, nk, kv_cfg, *band, ragged=ragged),
-                **_row_strides(Q=q, DO=dout), "VARLEN": varlen, "TMA": kv_tma}  # fmt: skip
-        with scratch:
-            _launch(kernels.attn_bwd_dkdv_kernel, q, (cdiv(rows_k, kv_cfg.block_n), b * hkv),
-                    args, meta, 12, record)  # fmt: skip
+                **_row_strides(Q=q, DO=dout), "VARLEN": varlen}  # fmt: skip
+        _launch(kernels.attn_bwd_dkdv_kernel, q, (cdiv(rows_k, kv_cfg.block_n), b * hkv), args,
+                meta, 12, record)  # fmt: skip
         args = (
             q, k, v, c.mask, seed_t, dout, lse, delta, views[0], cu_q, cu_k,
             *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(),
             *views[0].stride(), hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
         )  # fmt: skip
         meta = {**c.meta, **q_cfg.meta(), **_edge_segments(True, nq, nk, q_cfg, *band, ragged=ragged),
-                **_row_strides(K=k, V=v), "VARLEN": varlen, "TMA": q_tma}  # fmt: skip
-        with _scratch_allocator() if q_tma else contextlib.nullcontext():
-            _launch(kernels.attn_bwd_dq_kernel, q, (cdiv(rows_q, q_cfg.block_m), b * hq), args,
-                    meta, 11, record)  # fmt: skip
+                **_row_strides(K=k, V=v), "VARLEN": varlen}  # fmt: skip
+        _launch(kernels.attn_bwd_dq_kernel, q, (cdiv(rows_q, q_cfg.block_m), b * hq), args, meta,
+                11, record)  # fmt: skip
     if key is not None and record and all(x is not None for x in record):
         _remember(key, _BackwardPlan(record, dq, dk, dv, delta.shape))
     return dq, dk, dv
