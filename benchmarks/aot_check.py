@@ -82,7 +82,9 @@ BWD_RECORDED = configs.BWD_MODES  # the backward launch modes recorded by defaul
 
 
 def record(
-    cases: list[tuple[torch.dtype, int, dict]], bwd_modes: tuple[str, ...] = BWD_RECORDED
+    cases: list[tuple[torch.dtype, int, dict]],
+    bwd_modes: tuple[str, ...] = BWD_RECORDED,
+    capability: int = 90,
 ) -> list:
     """Run forward+backward for each (dtype, head dim, options) on CPU, recording launches.
 
@@ -92,10 +94,13 @@ def record(
     contiguous grad_out, as in training and in the conformance tests. Each case runs
     once per backward launch mode in ``bwd_modes`` (``configs.BWD_MODES``; a mode that
     is not allowed for the case's configurations records the split launches again, and
-    :func:`compile_all` compiles each distinct launch once)."""
+    :func:`compile_all` compiles each distinct launch once). The ops see the CPU
+    tensors' device as one of compute capability ``capability``, so that the launches
+    are the ones that GPU would make (the TMA forward's included)."""
     launches: list = []
-    original = ops._launcher
+    original, original_capability = ops._launcher, ops._capability
     ops._launcher = lambda kernel, like: _Recorder(kernel, launches)  # type: ignore[assignment]
+    ops._capability = lambda device: divmod(capability, 10)  # type: ignore[assignment]
     try:
         for (dtype, d, options), mode in ((c, m) for c in cases for m in bwd_modes):
             options = dict(options)
@@ -111,7 +116,7 @@ def record(
                 out, _ = ops.flash_attention(q, k, k, mask, **options)
                 out.backward(torch.randn_like(out))
     finally:
-        ops._launcher = original
+        ops._launcher, ops._capability = original, original_capability
     return launches
 
 
@@ -324,7 +329,7 @@ def compile_all(
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _KV, _Q, _MERGED = "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel", "attn_bwd_kernel"
-_KERNELS = {"fwd": ("attn_fwd_kernel",), "bwd": (_KV, _Q, _MERGED), "bwd_kv": (_KV,),
+_KERNELS = {"fwd": ("attn_fwd_kernel", "attn_fwd_tma_kernel"), "bwd": (_KV, _Q, _MERGED), "bwd_kv": (_KV,),
             "bwd_q": (_Q,), "bwd_merged": (_MERGED,),
             "pre": ("attn_bwd_preprocess_kernel",)}  # fmt: skip
 
@@ -347,7 +352,7 @@ def bwd_table(capability: int) -> int:
     for d, n, causal, group in points:
         shape = (16384 // n, 2048 // d, 2048 // d // group, n, n)
         cases = [(torch.bfloat16, d, {"shape": shape, "causal": causal})]
-        launches = record(cases, configs.BWD_MODES)
+        launches = record(cases, configs.BWD_MODES, capability)
         for kernel, kargs, kwargs in _distinct(launches, _KERNELS["bwd"]):
             name = kernel.fn.__name__
             compiled = _try_compile(kernel, kargs, kwargs, capability, name)
@@ -481,7 +486,9 @@ def main(argv: list[str] | None = None) -> int:
             options["window"] = tuple(int(v) if v else None for v in args.window.split(","))
         cases = [(_DTYPES[args.dtype], args.head_dim, options)]
     with tuning.override(**dict(args.config)):
-        launches = record(cases, BWD_RECORDED if args.bwd == "all" else (args.bwd,))
+        launches = record(
+            cases, BWD_RECORDED if args.bwd == "all" else (args.bwd,), args.capability
+        )
     kernel_filter = _KERNELS[args.kernel] if args.kernel else None
     failures = compile_all(launches, args.capability, kernel_filter=kernel_filter,
                            registers=args.registers, sass_dir=args.sass_dir)  # fmt: skip

@@ -3,9 +3,9 @@
 :func:`attn_fwd_tma_kernel` computes what ``kernels.attn_fwd_kernel`` computes, for the
 calls the launch table sends here and ops._tma_eligible admits: dense (no attn_mask, no
 dropout, no packed sequences or key ranges), 2-byte dtypes, head dims that are powers
-of two up to 128, and tensors whose base, batch, head and row strides are multiples of 16 bytes
-with unit stride along the head dim (TMA's rules). Causal, sliding windows, softcap,
-GQA and any lengths are kept, as in the pointer kernel.
+of two up to 128, and tensors whose base, batch, head and row strides are multiples of
+16 bytes with unit stride along the head dim (TMA's rules). Causal, sliding windows,
+softcap, GQA and any lengths are kept, as in the pointer kernel.
 
 Why a second kernel: TMA copies whole tiles from global to shared memory with one
 instruction issued by one thread, where pointer loads spend every thread's registers
@@ -33,10 +33,12 @@ import triton.language as tl
 
 from .common import (
     _DYNAMIC,
+    _compiled,
     _fp32_scalars,
     _fwd_finish,
     _key_ranges,
     _scores,
+    _segment,
     _softmax_init,
     _softmax_update,
 )
@@ -113,26 +115,15 @@ def attn_fwd_tma_kernel(
         start_m, NK, offset, win_left, win_right,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BAND=HAS_BAND,
     )  # fmt: skip
-    if MASK_HEAD:
-        for start_n in range(lo, f_lo, BLOCK_N):
-            acc, l_i, m_i = _tma_step(
-                acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n0, NQ, NK, offset,
-                win_left, win_right, qk_scale, sm_scale, softcap, MASKED=True,
-                HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, FOLD_SCALE=FOLD_SCALE,
-            )  # fmt: skip
-    for start_n in range(f_lo, f_hi, BLOCK_N):
-        acc, l_i, m_i = _tma_step(
-            acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n0, NQ, NK, offset,
-            win_left, win_right, qk_scale, sm_scale, softcap, MASKED=False,
-            HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, FOLD_SCALE=FOLD_SCALE,
-        )  # fmt: skip
-    if MASK_TAIL:
-        for start_n in range(f_hi, hi, BLOCK_N):
-            acc, l_i, m_i = _tma_step(
-                acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n0, NQ, NK, offset,
-                win_left, win_right, qk_scale, sm_scale, softcap, MASKED=True,
-                HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, FOLD_SCALE=FOLD_SCALE,
-            )  # fmt: skip
+    for seg in tl.static_range(3):
+        s0, s1 = _segment(seg, lo, f_lo, f_hi, hi)
+        if _compiled(seg=seg, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL):
+            for start_n in range(s0, s1, BLOCK_N):
+                acc, l_i, m_i = _tma_step(
+                    acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n0, NQ, NK, offset,
+                    win_left, win_right, qk_scale, sm_scale, softcap, MASKED=seg != 1,
+                    HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, FOLD_SCALE=FOLD_SCALE,
+                )  # fmt: skip
     _fwd_finish(
         Out, Lse, acc, l_i, m_i, b, h, pid_bh * NQ, offs_m, offs_dv,
         stride_ob, stride_oh, stride_om, stride_od, NQ, HEAD_DV, dropout_p,

@@ -584,7 +584,7 @@ def _forward(
 def _tma_eligible(c: _Setup, varlen: int, *tensors: torch.Tensor) -> bool:
     """Whether a forward may run kernels_tma.attn_fwd_tma_kernel (where its launch row
     asks for TMA loads, LaunchConfig.tma): a dense call with no attn_mask and no dropout,
-    2-byte dtypes, power-of-two head dims, not traced (the kernel builds its tensor
+    2-byte dtypes, power-of-two head dims up to 128 (the sizes measured), not traced (the kernel builds its tensor
     descriptors in global scratch, which the launch allocates: Inductor's launches of
     traced kernels are not known to), on sm_90+ or in the interpreter, and ``tensors``
     laid out as TMA requires: unit stride along the head dim, the base address and
