@@ -160,13 +160,18 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict, capability: int) -> A
 def variants(quick: bool) -> list[tuple[torch.dtype, int, dict]]:
     full = {"causal": True, "bottom_right": True, "window": (30, None), "softcap": 5.0,
             "mask": "float", "dropout_p": 0.1}  # fmt: skip
+    # Rows walk more keys than a narrow window (configs.NARROW_N): the causal D=128
+    # forward then takes the TMA row (kernels_tma), with GQA.
+    tma = {"causal": True, "shape": (1, 4, 2, 400, 500)}
     if quick:
-        return [(torch.bfloat16, 128, {"causal": True}), (torch.float32, 40, full)]
+        return [(torch.bfloat16, 128, {"causal": True}), (torch.float32, 40, full),
+                (torch.bfloat16, 128, tma)]  # fmt: skip
     cases: list[tuple[torch.dtype, int, dict]] = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for d in (64, 128, 256, 96):
             cases += [(dtype, d, {}), (dtype, d, {"causal": True})]
-        cases += [(dtype, 40, full), (dtype, 128, {"mask": "bool", "window": (3, 4)})]
+        cases += [(dtype, 40, full), (dtype, 128, {"mask": "bool", "window": (3, 4)}),
+                  (dtype, 128, tma)]  # fmt: skip
     return cases
 
 
