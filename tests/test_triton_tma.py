@@ -100,8 +100,8 @@ DTYPE = torch.bfloat16 if HAS_CUDA else torch.float16
 
 @pytest.mark.parametrize(
     "what",
-    ["row stride not a multiple of 16 bytes", "head dim not a power of two", "bool mask",
-     "float32"],
+    ["row stride not a multiple of 16 bytes", "keys expanded along the sequence",
+     "head dim not a power of two", "bool mask", "float32"],
 )  # fmt: skip
 @pytest.mark.parametrize("marks", [pytest.param(None, marks=MARKS, id="")])
 def test_calls_tma_cannot_take_run_the_pointer_kernel(what: str, marks, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -109,6 +109,8 @@ def test_calls_tma_cannot_take_run_the_pointer_kernel(what: str, marks, monkeypa
     q, k, v = _qkv((2, 2, 40, d), torch.float32 if what == "float32" else DTYPE)
     if what == "row stride not a multiple of 16 bytes":  # rows of 36 elements, 32 used
         q, k, v = (torch.nn.functional.pad(t, (0, 4))[..., :32] for t in (q, k, v))
+    if what == "keys expanded along the sequence":  # one key row, stride 0, 40 times
+        k = k[:, :, :1].expand(-1, -1, 40, -1)
     mask = torch.rand(2, 1, 40, 40, device=DEVICE) > 0.3 if what == "bool mask" else None
     launched: list[str] = []
     monkeypatch.setattr(ops, "_launcher", _recording(launched))

@@ -587,8 +587,8 @@ def _tma_eligible(c: _Setup, varlen: int, *tensors: torch.Tensor) -> bool:
     2-byte dtypes, power-of-two head dims up to 128 (the sizes measured), not traced (the kernel builds its tensor
     descriptors in global scratch, which the launch allocates: Inductor's launches of
     traced kernels are not known to), on sm_90+ or in the interpreter, and ``tensors``
-    laid out as TMA requires: unit stride along the head dim, the base address and
-    every stride of a dim longer than 1 a multiple of 16 bytes."""
+    laid out as TMA requires: unit stride along the head dim, rows that do not overlap,
+    the base address and every stride of a dim longer than 1 a multiple of 16 bytes."""
     meta = c.meta
     if (
         varlen or meta["MASK_KIND"] or meta["HAS_DROPOUT"] or not meta["EVEN_D"]
@@ -601,7 +601,9 @@ def _tma_eligible(c: _Setup, varlen: int, *tensors: torch.Tensor) -> bool:
     if not (interpreting() or (_capability(q.device) or (0,)) >= (9, 0)):
         return False
     for t in tensors:
-        if t.stride(3) != 1 or t.data_ptr() % 16:
+        # A descriptor's row stride must span a row (rows expanded with stride 0, or
+        # overlapping, are not a tiled tensor map's layout).
+        if t.stride(3) != 1 or t.data_ptr() % 16 or (t.shape[2] > 1 and t.stride(2) < t.shape[3]):
             return False
         es = t.element_size()
         if any(size > 1 and stride * es % 16 for size, stride in zip(t.shape[:3], t.stride()[:3])):
