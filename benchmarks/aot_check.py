@@ -53,6 +53,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from attnhub.backends.triton_flash import configs, ops, tuning
 
@@ -153,7 +154,8 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict, capability: int) -> A
         else:
             raise TypeError(f"{param.name}={value!r}")
     options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    source_type = GluonASTSource if kernel.is_gluon() else ASTSource
+    source = source_type(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", capability, 64), options=options)
 
 
@@ -161,17 +163,19 @@ def variants(quick: bool) -> list[tuple[torch.dtype, int, dict]]:
     full = {"causal": True, "bottom_right": True, "window": (30, None), "softcap": 5.0,
             "mask": "float", "dropout_p": 0.1}  # fmt: skip
     # Rows walk more keys than a narrow window (configs.NARROW_N): the causal D=128
-    # forward then takes the TMA row (kernels_tma), with GQA.
+    # forward then takes the TMA row (kernels_tma), with GQA; past configs.SHORT_N keys
+    # the D=128 forward takes the Gluon row (kernels_gluon), bottom-right and ragged.
     tma = {"causal": True, "shape": (1, 4, 2, 400, 500)}
+    gluon = {"causal": True, "bottom_right": True, "shape": (1, 2, 1, 1030, 1100)}
     if quick:
         return [(torch.bfloat16, 128, {"causal": True}), (torch.float32, 40, full),
-                (torch.bfloat16, 128, tma)]  # fmt: skip
+                (torch.bfloat16, 128, tma), (torch.bfloat16, 128, gluon)]  # fmt: skip
     cases: list[tuple[torch.dtype, int, dict]] = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for d in (64, 128, 256, 96):
             cases += [(dtype, d, {}), (dtype, d, {"causal": True})]
         cases += [(dtype, 40, full), (dtype, 128, {"mask": "bool", "window": (3, 4)}),
-                  (dtype, 128, tma)]  # fmt: skip
+                  (dtype, 128, tma), (dtype, 128, gluon)]  # fmt: skip
     return cases
 
 
@@ -334,7 +338,7 @@ def compile_all(
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _KV, _Q, _MERGED = "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel", "attn_bwd_kernel"
-_KERNELS = {"fwd": ("attn_fwd_kernel", "attn_fwd_tma_kernel"), "bwd": (_KV, _Q, _MERGED), "bwd_kv": (_KV,),
+_KERNELS = {"fwd": ("attn_fwd_kernel", "attn_fwd_tma_kernel", "attn_fwd_gluon_kernel"), "bwd": (_KV, _Q, _MERGED), "bwd_kv": (_KV,),
             "bwd_q": (_Q,), "bwd_merged": (_MERGED,),
             "pre": ("attn_bwd_preprocess_kernel",)}  # fmt: skip
 

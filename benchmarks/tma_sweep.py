@@ -1,5 +1,6 @@
-"""Sweep triton_flash's TMA forward (kernels_tma) against its pointer forward and the
-competitors, on the grid's shapes (issue 19).
+"""Sweep triton_flash's TMA forward (kernels_tma), or with ``--kernel gluon`` its Gluon
+forward (kernels_gluon), against the forward its table runs and the competitors, on the
+grid's shapes (issue 19).
 
 For each point (bf16 by default, D 64/128, N 1K/4K/16K with B = 16384 / N and H = 2048 /
 D, causal and not) it times, in one process and on the same inputs: triton_flash as its
@@ -13,8 +14,8 @@ The forward runs of 2026-12-04 in results/archive came from this script under it
 first name, tma_fwd_sweep.py; the backward run from its ``--direction bwd`` at a136497,
 whose backward TMA streams did not pay and were taken out (benchmarks/NOTES.md).
 
-    python benchmarks/tma_sweep.py OUT.json [--dtype bf16] [--head-dims 64,128]
-        [--seqlens 1024,4096,16384] [--causal both|yes|no]
+    python benchmarks/tma_sweep.py OUT.json [--kernel tma|gluon] [--dtype bf16]
+        [--head-dims 64,128] [--seqlens 1024,4096,16384] [--causal both|yes|no]
 """
 
 from __future__ import annotations
@@ -34,24 +35,26 @@ from attnhub.backends.triton_flash import configs, tuning
 FWD_CANDIDATES = ((128, 64, 4, 2), (128, 64, 4, 3), (128, 32, 4, 2), (128, 32, 4, 3),
                   (128, 32, 4, 4), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2),
                   (64, 32, 4, 3), (128, 128, 8, 3))  # fmt: skip
+# The Gluon forward's: 128-row blocks (two consumer warpgroups of 64 rows), 4 warps each.
+GLUON_CANDIDATES = ((128, 128, 4, 2), (128, 128, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3))
 COMPETITORS = ("triton_flash", "torch_sdpa_flash", "torch_sdpa_cudnn", "flex_attention")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _fwd_trials(q, k, v, causal: bool) -> dict[str, tuple[Any, Any]]:  # type: ignore[no-untyped-def]
+def _fwd_trials(q, k, v, causal: bool, kind: str) -> dict[str, tuple[Any, Any]]:  # type: ignore[no-untyped-def]
     trials = {}
-    for bm, bn, warps, stages in FWD_CANDIDATES:
-        cfg = configs.LaunchConfig(bm, bn, warps, stages, tma=True)
+    for bm, bn, warps, stages in GLUON_CANDIDATES if kind == "gluon" else FWD_CANDIDATES:
+        cfg = configs.LaunchConfig(bm, bn, warps, stages, tma=kind == "tma", gluon=kind == "gluon")
 
         def run(cfg=cfg):  # type: ignore[no-untyped-def]
             with tuning.override(fwd=cfg):
                 return attnhub.attention(q, k, v, causal=causal, backend="triton_flash")
 
-        trials[f"tma-{bm}-{bn}-{warps}-{stages}"] = ([bm, bn, warps, stages], run)
+        trials[f"{kind}-{bm}-{bn}-{warps}-{stages}"] = ([bm, bn, warps, stages], run)
     return trials
 
 
-def _rows_for(dtype: torch.dtype, d: int, n: int, causal: bool) -> list[dict]:
+def _rows_for(dtype: torch.dtype, d: int, n: int, causal: bool, kind: str) -> list[dict]:
     b, h = 16384 // n, 2048 // d
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
@@ -64,7 +67,7 @@ def _rows_for(dtype: torch.dtype, d: int, n: int, causal: bool) -> list[dict]:
     for name in names:
         trials[name] = (None, lambda name=name: attnhub.attention(q, k, v, causal=causal,
                                                                    backend=name))  # fmt: skip
-    trials.update(_fwd_trials(q, k, v, causal))
+    trials.update(_fwd_trials(q, k, v, causal, kind))
     reference = trials["torch_sdpa_flash"][1]().float()
     rows = []
     for name, (config, fn) in trials.items():
@@ -86,6 +89,7 @@ def _rows_for(dtype: torch.dtype, d: int, n: int, causal: bool) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output")
+    parser.add_argument("--kernel", default="tma", choices=("tma", "gluon"))
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--seqlens", default="4096,16384,1024")
@@ -96,7 +100,7 @@ def main() -> None:
     for d in (int(x) for x in args.head_dims.split(",")):
         for causal in causals:
             for n in (int(x) for x in args.seqlens.split(",")):
-                rows += _rows_for(DTYPES[args.dtype], d, n, causal)
+                rows += _rows_for(DTYPES[args.dtype], d, n, causal, args.kernel)
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "attnhub": attnhub.__version__,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip

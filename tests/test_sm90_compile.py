@@ -34,3 +34,6 @@ def test_kernels_compile_for_sm90(backend: str) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    if backend == "triton_flash":  # the forwards that --quick's launches take, each compiled
+        for kernel in ("attn_fwd_kernel", "attn_fwd_tma_kernel", "attn_fwd_gluon_kernel"):
+            assert f"ok {kernel} " in result.stdout, kernel

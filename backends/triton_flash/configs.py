@@ -35,7 +35,10 @@ class LaunchConfig:
 
     ``tma`` (forward only): the forward loads its tiles through tensor descriptors
     (kernels_tma.attn_fwd_tma_kernel) where the call allows it (ops._tma_eligible),
-    else it runs the pointer kernel on the same tiles."""
+    else it runs the pointer kernel on the same tiles. ``gluon`` (forward only): the
+    warp-specialized Gluon forward (kernels_gluon.attn_fwd_gluon_kernel), with
+    ``num_stages`` K/V buffers; only calls that ops._gluon_eligible admits get such a
+    row."""
 
     block_m: int
     block_n: int
@@ -43,6 +46,7 @@ class LaunchConfig:
     num_stages: int
     maxnreg: int | None = None
     tma: bool = False
+    gluon: bool = False
 
     def options(self) -> dict[str, int]:
         """The launch options (num_warps, num_stages, and maxnreg where set)."""
@@ -231,6 +235,20 @@ _LEAN_2B: dict[tuple[str, int, bool, bool], LaunchConfig] = {
 }
 
 
+# The Gluon forward (kernels_gluon: a TMA loader warp, two consumer warpgroups of 64 rows
+# each), for the calls ops._gluon_eligible admits: D = Dv = 128, 2-byte dtypes, dense, no
+# softcap, sm_90. Keyed by (padded head dim, causal); calls of at most SHORT_N keys keep
+# the rows below. bf16, B = 16384 / N, H = 16, TFLOP/s at N = 4096 / 16384 / 1024
+# (benchmarks/results/archive/gluon-fwd-probe-h200-2026-12-04.jsonl, one process):
+# non-causal (128, 128, 4, 2) 579 / 606 / 425 against the pointer kernel's 518 / 521 /
+# 427 and cuDNN's 611 / 618 / 568; causal 494 / 577 / 269 against the TMA kernel's
+# 446 / 512 / 286 and cuDNN's 532 / 575 / 418. Three buffers read 590 / 553 and 506 /
+# 575: within the run's spread at three of the four points, 9% slower at the fourth.
+_GLUON_2B: dict[tuple[int, bool], LaunchConfig] = {
+    (128, causal): LaunchConfig(128, 128, 4, 2, gluon=True) for causal in (False, True)
+}
+
+
 def _rows(direction: str, element_size: int, causal: bool) -> _Rows:
     wide = element_size >= 4
     if direction == "fwd":
@@ -249,6 +267,7 @@ def launch_config(
     seqlen: int | None = None,
     lean: bool = False,
     tma: bool = False,
+    gluon: bool = False,
 ) -> LaunchConfig:
     """The launch configuration for one kernel launch.
 
@@ -279,6 +298,10 @@ def launch_config(
         if narrow is not None:
             return narrow
     short_call = seqlen is not None and seqlen <= SHORT_N
+    if gluon and direction == "fwd" and not short_call:
+        row = _GLUON_2B.get((block_d, causal))
+        if row is not None:
+            return row
     if lean and element_size == 2:
         entry = _LEAN_2B.get((direction, block_d, causal, short_call))
         if entry is not None and (tma or not entry.tma):

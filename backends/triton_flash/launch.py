@@ -85,9 +85,9 @@ class CachedLaunch:
                     direct(self._x, self._y, self._z, stream, *fixed, meta, enter, leave,
                            *tensors, *self._rest)  # fmt: skip
             else:
-                # Global scratch (in-kernel tensor descriptors: kernels_tma), sized as
-                # CudaLauncher sizes it, from PyTorch's allocator on the plan's device
-                # (stream-ordered: the next launch may reuse it safely).
+                # Global scratch (in-kernel tensor descriptors: kernels_tma,
+                # kernels_gluon), sized as CudaLauncher sizes it, from PyTorch's allocator
+                # on the plan's device (stream-ordered: the next launch may reuse it safely).
                 size = self._x * self._y * self._z * launcher.num_ctas * scratch
                 device = torch.device("cuda", self._device)
 

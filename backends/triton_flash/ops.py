@@ -40,7 +40,7 @@ from torch.autograd import forward_ad
 from torch.library import triton_op, wrap_triton
 from triton.runtime import _allocation
 
-from . import kernels, kernels_tma, tuning
+from . import kernels, kernels_gluon, kernels_tma, tuning
 from .common import interpreting
 from .configs import LaunchConfig, backward_configs, backward_launch, launch_config, merged_meta
 from .launch import CachedLaunch
@@ -556,9 +556,11 @@ def _forward(
                scale, dropout_p, packed)  # fmt: skip
     varlen = _varlen(packed, key_ranges)
     tma_ok = _tma_eligible(c, varlen, q, k, v, out_view)
+    gluon_ok = tma_ok and _gluon_eligible(c, q)
     cfg = launch_config(
         "fwd", max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"]), q.element_size(), causal,
         _capability(q.device), interpreting(), c.walk, lean=mask is None, tma=tma_ok,
+        gluon=gluon_ok,
     )  # fmt: skip
     grid = (cdiv(rows, cfg.block_m), b * hq)
     args = (
@@ -571,8 +573,12 @@ def _forward(
         **_edge_segments(True, nq, nk, cfg, causal, window_left, window_right, ragged=varlen > 0),
         **_row_strides(K=k, V=v), "STORE_LSE": store_lse, "VARLEN": varlen,
     }  # fmt: skip
-    tma = cfg.tma and tma_ok
-    kernel = kernels_tma.attn_fwd_tma_kernel if tma else kernels.attn_fwd_kernel
+    if cfg.gluon and gluon_ok:
+        kernel, tma = kernels_gluon.attn_fwd_gluon_kernel, True
+        meta["STAGES"] = cfg.num_stages
+    else:
+        tma = cfg.tma and tma_ok
+        kernel = kernels_tma.attn_fwd_tma_kernel if tma else kernels.attn_fwd_kernel
     with _scratch_allocator() if tma else contextlib.nullcontext():
         compiled = _launcher(kernel, q)[grid](*args, **meta)
     if key is not None and _is_compiled(compiled):
@@ -609,6 +615,19 @@ def _tma_eligible(c: _Setup, varlen: int, *tensors: torch.Tensor) -> bool:
         if any(size > 1 and stride * es % 16 for size, stride in zip(t.shape[:3], t.stride()[:3])):
             return False
     return True
+
+
+def _gluon_eligible(c: _Setup, q: torch.Tensor) -> bool:
+    """Whether a forward that :func:`_tma_eligible` admits may also run
+    kernels_gluon.attn_fwd_gluon_kernel (where its launch row asks for it,
+    LaunchConfig.gluon): D = Dv = 128, no softcap, the scale folded into the exponent
+    (_Setup.fold_scale), on sm_90 (warpgroup MMA is Hopper's: sm_100 has none). Gluon
+    kernels do not run in the interpreter."""
+    meta = c.meta
+    return (
+        meta["BLOCK_D"] == meta["BLOCK_DV"] == 128 and not meta["HAS_SOFTCAP"] and c.fold_scale
+        and not interpreting() and _capability(q.device) == (9, 0)
+    )  # fmt: skip
 
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:

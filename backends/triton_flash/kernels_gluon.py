@@ -1,0 +1,350 @@
+"""The D=128 forward for Hopper in Gluon: a TMA loader warp and two consumer warpgroups.
+
+:func:`attn_fwd_gluon_kernel` computes what ``kernels.attn_fwd_kernel`` computes for the
+calls that ops._gluon_eligible admits and the launch table sends here
+(configs._GLUON_2B): dense (no attn_mask, no dropout, no packed sequences or key
+ranges), bf16/fp16, D = Dv = 128, no softcap, on sm_90 (warpgroup MMA is Hopper's), with
+TMA's layout rules (ops._tma_eligible). Causal (either alignment), sliding windows, GQA,
+any lengths, the lse and fully masked rows are kept.
+
+Why Gluon: Triton's pipeliner waits for each tile's score matrix before its softmax and
+for P @ V before the next tile, so in one program the tensor cores idle while the
+softmax runs; its automatic warp specialization made this loop's results wrong on sm_90
+(benchmarks/NOTES.md, 2026-12-04). Here the roles are explicit (FlashAttention-3's
+structure, written for this project):
+
+* a loader partition (one warp) streams K and V tiles into ``STAGES`` shared buffers
+  through TMA, waiting on "empty" barriers before reusing a buffer;
+* two consumer partitions (four warps each) own 64 query rows apiece of the 128-row
+  block. Each issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1} asynchronously, waits
+  for S_j only, runs the softmax of S_j while P_{j-1} V_{j-1} may still run, then waits
+  for it, rescales O and releases both buffers. The two consumers never synchronize
+  with each other, so one's softmax overlaps the other's matrix products.
+
+The arguments are attn_fwd_kernel's (so ops._ForwardPlan and its cached launch serve
+this kernel too) plus ``STAGES``; what the kernel does not support it rejects at compile
+time. Building tensor descriptors in the kernel needs global scratch, which the launch
+allocates (ops._scratch_allocator, launch.CachedLaunch). Gluon has no interpreter: the
+CPU suite compiles this kernel for sm_90 (benchmarks/aot_check.py, tests/test_sm90_compile.py);
+its numbers are checked on the GPU (tests/test_triton_gluon.py).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .common import _DYNAMIC
+
+LN2 = gl.constexpr(0.6931471805599453)
+_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile of 4 warps)
+_CONSUMER_REGS = gl.constexpr(232)  # registers per thread: consumers, then the loader
+_LOADER_REGS = gl.constexpr(24)
+
+
+@gluon.jit
+def _tile_ranges(
+    start_m, NK, offset, win_left, win_right,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_BAND: gl.constexpr,
+):  # fmt: skip
+    """(lo, n_head, n_bulk_end, n): the block's key tiles start at key ``lo``; tiles
+    [0, n_head) and [n_bulk_end, n) are masked, [n_head, n_bulk_end) keep every key for
+    every row of the block (common._key_ranges, in tiles)."""
+    if HAS_BAND:
+        last = start_m + BLOCK_M - 1
+        lo = gl.maximum(start_m + offset - win_left, 0) // BLOCK_N * BLOCK_N
+        hi = gl.minimum(last + offset + win_right + 1, NK)
+        hi = gl.maximum(hi, lo)
+        f_lo = (gl.maximum(last + offset - win_left, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        f_hi = gl.maximum(start_m + offset + win_right + 1, 0) // BLOCK_N * BLOCK_N
+    else:
+        lo = NK * 0
+        hi = NK
+        f_lo = NK * 0
+        f_hi = NK
+    f_hi = gl.minimum(f_hi, NK // BLOCK_N * BLOCK_N)
+    f_lo = gl.minimum(gl.maximum(f_lo, lo), hi)
+    f_hi = gl.minimum(gl.maximum(f_hi, f_lo), hi)
+    return lo, (f_lo - lo) // BLOCK_N, (f_hi - lo) // BLOCK_N, (hi - lo + BLOCK_N - 1) // BLOCK_N
+
+
+@gluon.jit
+def _softmax(
+    s, m_i, l_i, cols, rows, NK, offset, win_left, win_right, qk_scale,
+    MASKED: gl.constexpr, HAS_BAND: gl.constexpr,
+):  # fmt: skip
+    """The online softmax's step for raw scores ``s`` (the scale folded into the
+    exponent, as kernels' FOLD_SCALE): (p, alpha, new row max, new row sum). MASKED: drop
+    keys past NK and outside the band; a row with no kept key so far keeps max -inf and
+    is shifted by 0, so that no NaN appears."""
+    if MASKED:
+        keep = cols[None, :] < NK
+        if HAS_BAND:
+            diag = cols[None, :] - rows[:, None] - offset
+            keep = keep & (diag >= -win_left) & (diag <= win_right)
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    if MASKED:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s * qk_scale - m_use[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _consume(
+    i, acc, m_i, l_i, p_prev, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+    lo, cols0, rows, NK, offset, win_left, win_right, qk_scale,
+    s_layout: gl.constexpr, o_row: gl.constexpr, p_layout: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, HAS_BAND: gl.constexpr,
+):  # fmt: skip
+    """Key tile ``i`` (i >= 1) of one consumer: S_i, then P_{i-1} V_{i-1} into ``acc``
+    while S_i's softmax runs; returns (acc, m, l, P_i)."""
+    ks = i % STAGES
+    mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
+    s = warpgroup_mma(
+        q_smem, k_smem.index(ks).permute((1, 0)),
+        gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True,
+    )  # fmt: skip
+    vs = (i - 1) % STAGES
+    mbarrier.wait(v_ready.index(vs), ((i - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p_prev, v_smem.index(vs), acc, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s,))  # S_i done (groups retire in order)
+    mbarrier.arrive(k_empty.index(ks))
+    p, alpha, m_i, l_i = _softmax(
+        s, m_i, l_i, cols0 + lo + i * BLOCK_N, rows, NK, offset, win_left, win_right,
+        qk_scale, MASKED=MASKED, HAS_BAND=HAS_BAND,
+    )  # fmt: skip
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(vs))
+    acc = acc * gl.convert_layout(alpha, o_row)[:, None]
+    return acc, m_i, l_i, gl.convert_layout(p.to(q_smem.dtype), p_layout)
+
+
+@gluon.jit
+def _consumer(
+    q_all, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+    Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo, n_head, n_bulk, n,
+    NQ, NK, offset, win_left, win_right, qk_scale,
+    WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+    HAS_BAND: gl.constexpr, MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
+    STORE_LSE: gl.constexpr,
+):  # fmt: skip
+    """Rows start_m + 64 WG .. + 63 of the block: the key tiles, then the epilogue
+    (out = acc / l, lse in natural log; rows with no kept key: 0 and -inf)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_row: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
+    ROW0: gl.constexpr = WG * _ROWS
+    q_smem = q_all.slice(ROW0, _ROWS, dim=0)
+    rows = start_m + ROW0 + gl.arange(0, _ROWS, layout=s_row)
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([_ROWS], float("-inf"), gl.float32, layout=s_row)
+    l_i = gl.zeros([_ROWS], gl.float32, layout=s_row)
+    acc = gl.zeros([_ROWS, HEAD_D], gl.float32, layout=o_layout)
+    if n > 0:
+        # Tile 0 alone (no product in flight yet), masked: it may be an edge.
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(
+            q_smem, k_smem.index(0).permute((1, 0)),
+            gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True,
+        )  # fmt: skip
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0))
+        p, _, m_i, l_i = _softmax(
+            s, m_i, l_i, cols0 + lo, rows, NK, offset, win_left, win_right, qk_scale,
+            MASKED=True, HAS_BAND=HAS_BAND,
+        )  # fmt: skip
+        p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        if MASK_HEAD:
+            for i in range(1, n_head):
+                acc, m_i, l_i, p = _consume(
+                    i, acc, m_i, l_i, p, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
+                    v_empty, lo, cols0, rows, NK, offset, win_left, win_right, qk_scale,
+                    s_layout, o_row, p_layout, BLOCK_N, STAGES, True, HAS_BAND,
+                )  # fmt: skip
+        for i in range(gl.maximum(n_head, 1), n_bulk):
+            acc, m_i, l_i, p = _consume(
+                i, acc, m_i, l_i, p, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
+                v_empty, lo, cols0, rows, NK, offset, win_left, win_right, qk_scale,
+                s_layout, o_row, p_layout, BLOCK_N, STAGES, False, HAS_BAND,
+            )  # fmt: skip
+        if MASK_TAIL:
+            for i in range(gl.maximum(n_bulk, 1), n):
+                acc, m_i, l_i, p = _consume(
+                    i, acc, m_i, l_i, p, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
+                    v_empty, lo, cols0, rows, NK, offset, win_left, win_right, qk_scale,
+                    s_layout, o_row, p_layout, BLOCK_N, STAGES, True, HAS_BAND,
+                )  # fmt: skip
+        last = n - 1
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    out = acc / gl.convert_layout(l_safe, o_row)[:, None]
+    orows = start_m + ROW0 + gl.arange(0, _ROWS, layout=o_row)
+    ocols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = (
+        Out + out_base + orows.to(gl.int64)[:, None] * stride_om + ocols[None, :] * stride_od
+    )  # fmt: skip
+    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=orows[:, None] < NQ)
+    if STORE_LSE:
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+        gl.store(Lse + lse_base + rows, lse, mask=rows < NQ)
+
+
+@gluon.jit
+def _consumer0(
+    q_all, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+    Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo, n_head, n_bulk, n,
+    NQ, NK, offset, win_left, win_right, qk_scale,
+    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+    HAS_BAND: gl.constexpr, MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
+    STORE_LSE: gl.constexpr,
+):  # fmt: skip
+    _consumer(
+        q_all, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+        Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo, n_head, n_bulk, n,
+        NQ, NK, offset, win_left, win_right, qk_scale,
+        0, BLOCK_N, HEAD_D, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, STORE_LSE,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _consumer1(
+    q_all, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+    Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo, n_head, n_bulk, n,
+    NQ, NK, offset, win_left, win_right, qk_scale,
+    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+    HAS_BAND: gl.constexpr, MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
+    STORE_LSE: gl.constexpr,
+):  # fmt: skip
+    _consumer(
+        q_all, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+        Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo, n_head, n_bulk, n,
+        NQ, NK, offset, win_left, win_right, qk_scale,
+        1, BLOCK_N, HEAD_D, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, STORE_LSE,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _loader(
+    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+    start_m, lo, n, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """Q once, then K and V of tiles 0 .. n-1 into buffer i % STAGES, each after both
+    consumers released that buffer's previous tile."""
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes, pred=n > 0)
+    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem, pred=n > 0)
+    for i in range(n):
+        slot = i % STAGES
+        reuse = ((i // STAGES) & 1) ^ 1  # the parity of the buffer's previous phase
+        mbarrier.wait(k_empty.index(slot), reuse, pred=i >= STAGES)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            k_desc, [lo + i * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot)
+        )
+        mbarrier.wait(v_empty.index(slot), reuse, pred=i >= STAGES)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            v_desc, [lo + i * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot)
+        )
+
+
+@gluon.jit(do_not_specialize=_DYNAMIC)
+def attn_fwd_gluon_kernel(
+    Q, K, V, Mask, Seed, Out, Lse, CuQ, CuK,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+    qk_scale, sm_scale, softcap, dropout_p,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DV: gl.constexpr, EVEN_D: gl.constexpr, HAS_BAND: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    INPUT_PRECISION: gl.constexpr, FOLD_SCALE: gl.constexpr, MASK_HEAD: gl.constexpr,
+    MASK_TAIL: gl.constexpr, STRIDE_KN: gl.constexpr = 0, STRIDE_VN: gl.constexpr = 0,
+    STORE_LSE: gl.constexpr = True, VARLEN: gl.constexpr = False, STAGES: gl.constexpr = 2,
+):  # fmt: skip
+    """Out (B, H, NQ, 128) and Lse (B, H, NQ) float32 natural log, for one block of
+    BLOCK_M = 128 query rows, as kernels.attn_fwd_kernel (scale folded: FOLD_SCALE)."""
+    gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
+    gl.static_assert(VARLEN == 0 and not HAS_SOFTCAP and FOLD_SCALE)
+    gl.static_assert(BLOCK_M == 2 * _ROWS and gl.num_warps() == 4)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    start_m = gl.program_id(0) * BLOCK_M
+    pid_bh = gl.program_id(1).to(gl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
+    q_desc = tma.make_tensor_descriptor(
+        Q + b * stride_qb + h * stride_qh, shape=[NQ, BLOCK_D], strides=[stride_qm, 1],
+        block_shape=[BLOCK_M, BLOCK_D], layout=q_layout,
+    )  # fmt: skip
+    k_desc = tma.make_tensor_descriptor(
+        K + b * stride_kb + hk * stride_kh, shape=[NK, BLOCK_D], strides=[stride_kn, 1],
+        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout,
+    )  # fmt: skip
+    v_desc = tma.make_tensor_descriptor(
+        V + b * stride_vb + hk * stride_vh, shape=[NK, BLOCK_D], strides=[stride_vn, 1],
+        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout,
+    )  # fmt: skip
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    lo, n_head, n_bulk, n = _tile_ranges(
+        start_m, NK, offset, win_left, win_right,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BAND=HAS_BAND,
+    )  # fmt: skip
+    out_base = b * stride_ob + h * stride_oh
+    lse_base = pid_bh * NQ
+    # The partitions' arguments are written out in each tuple: constexprs kept in a
+    # variable first would reach the partitions as tensors.
+    gl.warp_specialize(
+        [
+            (_consumer0, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                          Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo,
+                          n_head, n_bulk, n, NQ, NK, offset, win_left, win_right, qk_scale,
+                          BLOCK_N, BLOCK_D, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, STORE_LSE)),
+            (_consumer1, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                          Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo,
+                          n_head, n_bulk, n, NQ, NK, offset, win_left, win_right, qk_scale,
+                          BLOCK_N, BLOCK_D, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, STORE_LSE)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
+                       v_ready, k_empty, v_empty, start_m, lo, n, BLOCK_N, STAGES)),
+        ],
+        [4, 1],
+        [_CONSUMER_REGS, _LOADER_REGS],
+    )  # fmt: skip

@@ -1,0 +1,164 @@
+"""triton_flash's Gluon forward (kernels_gluon.attn_fwd_gluon_kernel).
+
+On the GPU: calls the launch table sends to it (D = 128, half precision, past
+configs.SHORT_N keys), checked against the float64 reference with contract.md's
+tolerance (the kit's ``case_problems``: output, lse, gradients through the backward,
+fully masked rows), with the kernel seen to run; its cached launch plan, bitwise
+against the full path. Everywhere: which calls may reach it (ops._gluon_eligible, the
+table's rows), by recording the launches an sm_90 would make. Gluon has no interpreter,
+so the CPU suite cannot run the kernel; tests/test_sm90_compile.py compiles it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from attnhub.backends.triton_flash import configs, ops
+from attnhub.testing import Case, case_problems
+
+HAS_CUDA = torch.cuda.is_available()
+SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+gpu = pytest.mark.gpu
+GLUON = "attn_fwd_gluon_kernel"
+
+
+def _recording(launched: list[str]):  # type: ignore[no-untyped-def]
+    """ops._launcher that also appends each launched kernel's name."""
+    launcher = ops._launcher
+
+    def recording(kernel, like):  # type: ignore[no-untyped-def]
+        launched.append(kernel.fn.__name__)
+        return launcher(kernel, like)
+
+    return recording
+
+
+def _case(dtype: torch.dtype, hkv: int, nq: int, nk: int, **options) -> Case:  # type: ignore[no-untyped-def]
+    return Case(
+        dtype=dtype, B=2, Hq=4, Hkv=hkv, Nq=nq, Nk=nk, D=128, Dv=128, return_lse=True, **options
+    )
+
+
+# Every kind of call the kernel serves: either causal alignment (bottom-right with more
+# queries than keys leaves rows with no key), windows on either side, GQA and MQA,
+# lengths that are not tile multiples, (B, N, H, D) views, gradients through its out and lse.
+_SERVED = [
+    (hkv, nq, nk, options)
+    for hkv, nq, nk, options in (
+        (4, 1100, 1100, {}),
+        (2, 1500, 1100, {"causal": True}),
+        (4, 1100, 1700, {"causal": True, "alignment": "bottom_right"}),
+        (1, 1700, 1100, {"causal": True, "alignment": "bottom_right", "backward": True}),
+        (2, 2048, 2048, {"causal": True, "window": (1100, 0)}),
+        (4, 1300, 1300, {"window": (1030, 200), "strided": True}),
+        (2, 1200, 2500, {"window": (None, 700), "alignment": "bottom_right"}),
+        (4, 2100, 2100, {"causal": True, "backward": True, "strided": True}),
+        (1, 1025, 4000, {"scale": 0.3}),
+    )
+]
+_CASES = [
+    pytest.param(case, marks=gpu, id=case.id)
+    for case in (
+        _case(dtype, hkv, nq, nk, **options)
+        for dtype in (torch.bfloat16, torch.float16)
+        for hkv, nq, nk, options in _SERVED
+    )
+]
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", _CASES)
+def test_gpu_gluon_forward_keeps_the_contract(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    launched: list[str] = []
+    monkeypatch.setattr(ops, "_launcher", _recording(launched))
+    problems = case_problems("triton_flash", case, "cuda")
+    assert not problems, f"{case.id}: " + "; ".join(problems)
+    assert launched and launched[0] == GLUON, launched
+
+
+@gpu
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+def test_gpu_gluon_plans_match_the_full_path() -> None:
+    """A key's third call runs its cached plan (ops._PLANS: the compiled kernel launched
+    directly, global scratch for the descriptors allocated by launch.CachedLaunch): the
+    same outputs, bitwise, as the full path's first call."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 1500, 128, generator=g).cuda().bfloat16() for _ in range(3))
+    ops.clear_plans()
+    calls = [ops.flash_attention(q, k, v, causal=True, return_lse=True) for _ in range(3)]
+    plans = [p for p in ops._PLANS.values() if isinstance(p, ops._ForwardPlan)]
+    assert len(plans) == 1 and plans[0].launch._compiled.name == GLUON
+    for out, lse in calls[1:]:
+        assert torch.equal(out, calls[0][0]) and torch.equal(lse, calls[0][1])
+
+
+class _NoLaunch:
+    """A launcher that records the kernel and runs nothing (outputs stay unwritten)."""
+
+    def __init__(self, launched: list[str]) -> None:
+        self.launched = launched
+
+    def __call__(self, kernel, like):  # type: ignore[no-untyped-def]
+        self.launched.append(kernel.fn.__name__)
+        return self
+
+    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize(
+    ("what", "expected"),
+    [
+        ("served", GLUON),
+        ("at most SHORT_N keys", "attn_fwd_tma_kernel"),
+        ("softcap", "attn_fwd_tma_kernel"),
+        ("head dim 64", "attn_fwd_kernel"),
+        ("head dims 128 and 64", "attn_fwd_tma_kernel"),
+        ("bool mask", "attn_fwd_kernel"),
+        ("float32", "attn_fwd_kernel"),
+        ("sm_100", "attn_fwd_tma_kernel"),
+        ("sm_80", "attn_fwd_kernel"),
+    ],
+)
+def test_which_forward_an_sm90_call_gets(what: str, expected: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The launches a GPU of that capability would make (recorded, not run): only dense
+    half-precision D = Dv = 128 calls past SHORT_N keys, without softcap, on sm_90, take
+    the Gluon forward; the rest keep the TMA or pointer kernels they had."""
+    capability = {"sm_100": (10, 0), "sm_80": (8, 0)}.get(what, (9, 0))
+    monkeypatch.setattr(ops, "_capability", lambda device: capability)
+    monkeypatch.setattr(ops, "interpreting", lambda: False)
+    launched: list[str] = []
+    monkeypatch.setattr(ops, "_launcher", _NoLaunch(launched))
+    n = 1000 if what == "at most SHORT_N keys" else 1100
+    dtype = torch.float32 if what == "float32" else torch.bfloat16
+    q = torch.zeros(1, 2, n, 64 if what == "head dim 64" else 128, dtype=dtype)
+    k = torch.zeros_like(q)
+    v = torch.zeros(1, 2, n, 64 if what == "head dims 128 and 64" else q.shape[-1], dtype=dtype)
+    mask = torch.ones(1, 1, n, n, dtype=torch.bool) if what == "bool mask" else None
+    ops.flash_attention(q, k, v, mask, causal=True, softcap=30.0 if what == "softcap" else 0.0)
+    assert launched == [expected]
+
+
+def test_the_table_takes_the_gluon_row_only_where_the_call_allows_it() -> None:
+    sm90 = (9, 0)
+    for causal in (False, True):
+        row = configs.launch_config("fwd", 128, 2, causal, sm90, False, 4096, lean=True,
+                                    tma=True, gluon=True)  # fmt: skip
+        assert row == configs.LaunchConfig(128, 128, 4, 2, gluon=True)
+        # Without the call's admission, at SHORT_N keys or fewer, or another head dim:
+        # the rows the call had before.
+        for key, kwargs in (
+            ((128, 2, causal, sm90, False, 4096), {"tma": True}),
+            ((128, 2, causal, sm90, False, configs.SHORT_N), {"tma": True, "gluon": True}),
+            ((64, 2, causal, sm90, False, 4096), {"tma": True, "gluon": True}),
+        ):
+            got = configs.launch_config("fwd", *key, lean=True, **kwargs)
+            assert not got.gluon
+            assert got == configs.launch_config("fwd", *key, lean=True, tma=kwargs["tma"])
+    # The backward has no Gluon rows.
+    for direction in ("bwd_kv", "bwd_q"):
+        assert not configs.launch_config(direction, 128, 2, True, sm90, False, 4096, lean=True,
+                                         tma=True, gluon=True).gluon  # fmt: skip
