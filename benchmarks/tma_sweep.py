@@ -12,11 +12,12 @@ compared with SDPA flash's first; a configuration that does not compile or run i
 with its error. Prints one line per row and writes JSON (rows plus the environment).
 The forward runs of 2026-12-04 in results/archive came from this script under its
 first name, tma_fwd_sweep.py; the backward run from its ``--direction bwd`` at a136497,
-whose backward TMA streams did not pay and were taken out (benchmarks/NOTES.md).
+whose backward TMA streams did not pay and were taken out (benchmarks/NOTES.md); the program-order
+runs from its ``--orders`` at 97835d0, whose orders did not pay either.
 
     python benchmarks/tma_sweep.py OUT.json [--kernel tma|gluon] [--dtype bf16]
         [--head-dims 64,128] [--seqlens 1024,4096,16384] [--causal both|yes|no]
-        [--configs BM,BN,W,S;...] [--orders 0,1,2]
+        [--configs BM,BN,W,S;...]
 """
 
 from __future__ import annotations
@@ -42,26 +43,23 @@ COMPETITORS = ("triton_flash", "torch_sdpa_flash", "torch_sdpa_cudnn", "flex_att
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _fwd_trials(
-    q, k, v, causal: bool, kind: str, only: list, orders: list
-) -> dict[str, tuple[Any, Any]]:  # type: ignore[no-untyped-def]
+def _fwd_trials(q, k, v, causal: bool, kind: str, only: list) -> dict[str, tuple[Any, Any]]:  # type: ignore[no-untyped-def]
     trials = {}
     candidates = only or (GLUON_CANDIDATES if kind == "gluon" else FWD_CANDIDATES)
-    for (bm, bn, warps, stages), order in ((c, o) for c in candidates for o in orders):
-        cfg = configs.LaunchConfig(bm, bn, warps, stages, tma=kind == "tma",
-                                   gluon=kind == "gluon", order=order)  # fmt: skip
+    for bm, bn, warps, stages in candidates:
+        cfg = configs.LaunchConfig(bm, bn, warps, stages, tma=kind == "tma", gluon=kind == "gluon")
 
         def run(cfg=cfg):  # type: ignore[no-untyped-def]
             with tuning.override(fwd=cfg):
                 return attnhub.attention(q, k, v, causal=causal, backend="triton_flash")
 
-        name = f"{kind}-{bm}-{bn}-{warps}-{stages}" + (f"-order{order}" if order else "")
-        trials[name] = ([bm, bn, warps, stages, order], run)
+        trials[f"{kind}-{bm}-{bn}-{warps}-{stages}"] = ([bm, bn, warps, stages], run)
     return trials
 
 
-def _rows_for(dtype: torch.dtype, d: int, n: int, causal: bool, kind: str, only: list = (),
-              orders: list = (0,)) -> list[dict]:  # fmt: skip
+def _rows_for(
+    dtype: torch.dtype, d: int, n: int, causal: bool, kind: str, only: list
+) -> list[dict]:
     b, h = 16384 // n, 2048 // d
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
@@ -74,7 +72,7 @@ def _rows_for(dtype: torch.dtype, d: int, n: int, causal: bool, kind: str, only:
     for name in names:
         trials[name] = (None, lambda name=name: attnhub.attention(q, k, v, causal=causal,
                                                                    backend=name))  # fmt: skip
-    trials.update(_fwd_trials(q, k, v, causal, kind, list(only), list(orders)))
+    trials.update(_fwd_trials(q, k, v, causal, kind, only))
     reference = trials["torch_sdpa_flash"][1]().float()
     rows = []
     for name, (config, fn) in trials.items():
@@ -103,17 +101,14 @@ def main() -> None:
     parser.add_argument("--causal", default="both", choices=("both", "yes", "no"))
     parser.add_argument("--configs", default="",
                         help="only these candidates: BLOCK_M,BLOCK_N,WARPS,STAGES;...")  # fmt: skip
-    parser.add_argument("--orders", default="0",
-                        help="program orders to time each candidate at (LaunchConfig.order)")  # fmt: skip
     args = parser.parse_args()
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     only = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";") if c]
-    orders = [int(x) for x in args.orders.split(",")]
     rows = []
     for d in (int(x) for x in args.head_dims.split(",")):
         for causal in causals:
             for n in (int(x) for x in args.seqlens.split(",")):
-                rows += _rows_for(DTYPES[args.dtype], d, n, causal, args.kernel, only, orders)
+                rows += _rows_for(DTYPES[args.dtype], d, n, causal, args.kernel, only)
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "attnhub": attnhub.__version__,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}  # fmt: skip

@@ -9,7 +9,6 @@ descriptors), with CUDA on the GPU, bfloat16 too.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -121,25 +120,6 @@ def test_calls_tma_cannot_take_run_the_pointer_kernel(what: str, marks, monkeypa
     params = AttentionParams(causal=True, scale=q.shape[-1] ** -0.5)
     expected, _ = contract_attention(q.double(), k.double(), v.double(), mask, params)
     assert (out.double() - expected).abs().max().item() < 2e-2
-
-
-@pytest.mark.parametrize("order", [1, 2])
-@pytest.mark.parametrize("options", [{"causal": True, "bottom_right": True}, {"window": (20, 3)}])
-@pytest.mark.parametrize("marks", [pytest.param(None, marks=MARKS, id="")])
-def test_program_orders_compute_the_same_bits(order, options, marks, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """LaunchConfig.order only changes which program takes which row block: the outputs
-    and lse are bitwise those of the in-order launch (several row blocks, GQA)."""
-    q = _qkv((2, 4, 150 if HAS_CUDA else 70, 32), DTYPE)[0]
-    k, v = _qkv((2, 2, 170 if HAS_CUDA else 90, 32), DTYPE)[1:]
-    launched: list[str] = []
-    monkeypatch.setattr(ops, "_launcher", _recording(launched))
-    forced = configs.LaunchConfig(32, 16, 4, 1, tma=True) if not HAS_CUDA else FORCED
-    with tuning.override(fwd=forced):
-        expected = ops.flash_attention(q, k, v, **options)
-    with tuning.override(fwd=dataclasses.replace(forced, order=order)):
-        got = ops.flash_attention(q, k, v, **options)
-    assert launched == [TMA, TMA]
-    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
 @gpu

@@ -163,21 +163,6 @@ def _query_ranges(
 
 
 @triton.jit
-def _block_of(ORDER: tl.constexpr):
-    """(row block, batch * head) of this program, by the launch's program order
-    (configs.LaunchConfig.order): 0, row blocks fastest, first to last (grid (row
-    blocks, B * H)); 1, row blocks fastest, last first (a causal head's heaviest block
-    starts first); 2, heads fastest, row blocks last first (grid (B * H, row blocks):
-    every head's heaviest blocks start before any lighter one, so the grid ends on the
-    lightest). GPUs start programs in order of their linear id, x fastest."""
-    if ORDER == 2:
-        return tl.num_programs(1) - 1 - tl.program_id(1), tl.program_id(0).to(tl.int64)
-    if ORDER == 1:
-        return tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1).to(tl.int64)
-    return tl.program_id(0), tl.program_id(1).to(tl.int64)
-
-
-@triton.jit
 def _segment(seg: tl.constexpr, lo, f_lo, f_hi, hi):
     """(start, end) of segment ``seg``: 0 the masked head [lo, f_lo), 1 the unmasked
     middle [f_lo, f_hi), 2 the masked tail [f_hi, hi) (glossary, "segments")."""

@@ -38,9 +38,7 @@ class LaunchConfig:
     else it runs the pointer kernel on the same tiles. ``gluon`` (forward only): the
     warp-specialized Gluon forward (kernels_gluon.attn_fwd_gluon_kernel), with
     ``num_stages`` K/V buffers; only calls that ops._gluon_eligible admits get such a
-    row. ``order`` (the TMA and Gluon forwards; other kernels ignore it): which program
-    takes which row block (common._block_of): 0 in order, 1 each head's last (for causal
-    calls, heaviest) block first, 2 every head's last blocks first."""
+    row."""
 
     block_m: int
     block_n: int
@@ -49,7 +47,6 @@ class LaunchConfig:
     maxnreg: int | None = None
     tma: bool = False
     gluon: bool = False
-    order: int = 0
 
     def options(self) -> dict[str, int]:
         """The launch options (num_warps, num_stages, and maxnreg where set)."""

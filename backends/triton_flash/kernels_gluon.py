@@ -283,26 +283,16 @@ def attn_fwd_gluon_kernel(
     HAS_SOFTCAP: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DROPOUT: gl.constexpr,
     INPUT_PRECISION: gl.constexpr, FOLD_SCALE: gl.constexpr, MASK_HEAD: gl.constexpr,
     MASK_TAIL: gl.constexpr, STRIDE_KN: gl.constexpr = 0, STRIDE_VN: gl.constexpr = 0,
-    STORE_LSE: gl.constexpr = True, VARLEN: gl.constexpr = False, ORDER: gl.constexpr = 0,
-    STAGES: gl.constexpr = 2,
+    STORE_LSE: gl.constexpr = True, VARLEN: gl.constexpr = False, STAGES: gl.constexpr = 2,
 ):  # fmt: skip
     """Out (B, H, NQ, 128) and Lse (B, H, NQ) float32 natural log, for one block of
-    BLOCK_M = 128 query rows, as kernels.attn_fwd_kernel (scale folded: FOLD_SCALE).
-    ORDER: which program takes which block, as common._block_of."""
+    BLOCK_M = 128 query rows, as kernels.attn_fwd_kernel (scale folded: FOLD_SCALE)."""
     gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
     gl.static_assert(VARLEN == 0 and not HAS_SOFTCAP and FOLD_SCALE)
     gl.static_assert(BLOCK_M == 2 * _ROWS and gl.num_warps() == 4)
     dtype: gl.constexpr = Q.dtype.element_ty
-    if ORDER == 2:
-        m_block = gl.num_programs(1) - 1 - gl.program_id(1)
-        pid_bh = gl.program_id(0).to(gl.int64)
-    elif ORDER == 1:
-        m_block = gl.num_programs(0) - 1 - gl.program_id(0)
-        pid_bh = gl.program_id(1).to(gl.int64)
-    else:
-        m_block = gl.program_id(0)
-        pid_bh = gl.program_id(1).to(gl.int64)
-    start_m = m_block * BLOCK_M
+    start_m = gl.program_id(0) * BLOCK_M
+    pid_bh = gl.program_id(1).to(gl.int64)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP

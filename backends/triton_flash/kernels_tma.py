@@ -33,7 +33,6 @@ import triton.language as tl
 
 from .common import (
     _DYNAMIC,
-    _block_of,
     _compiled,
     _fp32_scalars,
     _fwd_finish,
@@ -84,14 +83,14 @@ def attn_fwd_tma_kernel(
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr, MASK_HEAD: tl.constexpr,
     MASK_TAIL: tl.constexpr, STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
-    STORE_LSE: tl.constexpr = True, VARLEN: tl.constexpr = False, ORDER: tl.constexpr = 0,
+    STORE_LSE: tl.constexpr = True, VARLEN: tl.constexpr = False,
 ):  # fmt: skip
     """Out (B, H, NQ, DV) and Lse (B, H, NQ) float32 natural log, for one row block, as
-    kernels.attn_fwd_kernel. ORDER: which program takes which block (common._block_of)."""
+    kernels.attn_fwd_kernel."""
     tl.static_assert(EVEN_D and MASK_KIND == 0 and not HAS_DROPOUT and VARLEN == 0)
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
-    m_block, pid_bh = _block_of(ORDER=ORDER)
-    start_m = m_block * BLOCK_M
+    start_m = tl.program_id(0) * BLOCK_M
+    pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
     hk = h // GROUP

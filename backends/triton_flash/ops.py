@@ -562,6 +562,7 @@ def _forward(
         _capability(q.device), interpreting(), c.walk, lean=mask is None, tma=tma_ok,
         gluon=gluon_ok,
     )  # fmt: skip
+    grid = (cdiv(rows, cfg.block_m), b * hq)
     args = (
         q, k, v, c.mask, q if seed is None else seed, out_view, q if lse is None else lse,
         *_cu(packed, q, key_ranges), *q.stride(), *k.stride(), *v.stride(), *c.mask_strides,
@@ -578,12 +579,6 @@ def _forward(
     else:
         tma = cfg.tma and tma_ok
         kernel = kernels_tma.attn_fwd_tma_kernel if tma else kernels.attn_fwd_kernel
-    blocks = cdiv(rows, cfg.block_m)
-    grid = (blocks, b * hq)
-    if tma and cfg.order:  # the program order (LaunchConfig.order): these kernels only
-        meta["ORDER"] = cfg.order
-        if cfg.order == 2:
-            grid = (b * hq, blocks)
     with _scratch_allocator() if tma else contextlib.nullcontext():
         compiled = _launcher(kernel, q)[grid](*args, **meta)
     if key is not None and _is_compiled(compiled):
