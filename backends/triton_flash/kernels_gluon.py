@@ -211,40 +211,6 @@ def _consumer(
 
 
 @gluon.jit
-def _consumer0(
-    q_all, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-    Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo, n_head, n_bulk, n,
-    NQ, NK, offset, win_left, win_right, qk_scale,
-    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-    HAS_BAND: gl.constexpr, MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
-    STORE_LSE: gl.constexpr,
-):  # fmt: skip
-    _consumer(
-        q_all, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-        Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo, n_head, n_bulk, n,
-        NQ, NK, offset, win_left, win_right, qk_scale,
-        0, BLOCK_N, HEAD_D, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, STORE_LSE,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _consumer1(
-    q_all, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-    Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo, n_head, n_bulk, n,
-    NQ, NK, offset, win_left, win_right, qk_scale,
-    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-    HAS_BAND: gl.constexpr, MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
-    STORE_LSE: gl.constexpr,
-):  # fmt: skip
-    _consumer(
-        q_all, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-        Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo, n_head, n_bulk, n,
-        NQ, NK, offset, win_left, win_right, qk_scale,
-        1, BLOCK_N, HEAD_D, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, STORE_LSE,
-    )  # fmt: skip
-
-
-@gluon.jit
 def _loader(
     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     start_m, lo, n, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -331,17 +297,18 @@ def attn_fwd_gluon_kernel(
     out_base = b * stride_ob + h * stride_oh
     lse_base = pid_bh * NQ
     # The partitions' arguments are written out in each tuple: constexprs kept in a
-    # variable first would reach the partitions as tensors.
+    # variable first would reach the partitions as tensors. The consumers are one
+    # function, specialized by its constexpr WG (its rows).
     gl.warp_specialize(
         [
-            (_consumer0, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                          Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo,
-                          n_head, n_bulk, n, NQ, NK, offset, win_left, win_right, qk_scale,
-                          BLOCK_N, BLOCK_D, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, STORE_LSE)),
-            (_consumer1, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                          Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo,
-                          n_head, n_bulk, n, NQ, NK, offset, win_left, win_right, qk_scale,
-                          BLOCK_N, BLOCK_D, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, STORE_LSE)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                         Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo,
+                         n_head, n_bulk, n, NQ, NK, offset, win_left, win_right, qk_scale,
+                         0, BLOCK_N, BLOCK_D, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, STORE_LSE)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                         Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo,
+                         n_head, n_bulk, n, NQ, NK, offset, win_left, win_right, qk_scale,
+                         1, BLOCK_N, BLOCK_D, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, STORE_LSE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
                        v_ready, k_empty, v_empty, start_m, lo, n, BLOCK_N, STAGES)),
         ],
