@@ -121,6 +121,7 @@ class _NoLaunch:
         ("float32", "attn_fwd_kernel"),
         ("sm_100", "attn_fwd_tma_kernel"),
         ("sm_80", "attn_fwd_kernel"),
+        ("a Triton without Gluon", "attn_fwd_tma_kernel"),
     ],
 )
 def test_which_forward_an_sm90_call_gets(what: str, expected: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -130,6 +131,8 @@ def test_which_forward_an_sm90_call_gets(what: str, expected: str, monkeypatch) 
     capability = {"sm_100": (10, 0), "sm_80": (8, 0)}.get(what, (9, 0))
     monkeypatch.setattr(ops, "_capability", lambda device: capability)
     monkeypatch.setattr(ops, "interpreting", lambda: False)
+    if what == "a Triton without Gluon":
+        monkeypatch.setattr(ops, "kernels_gluon", None)
     launched: list[str] = []
     monkeypatch.setattr(ops, "_launcher", _NoLaunch(launched))
     n = 1000 if what == "at most SHORT_N keys" else 1100

@@ -40,7 +40,12 @@ from torch.autograd import forward_ad
 from torch.library import triton_op, wrap_triton
 from triton.runtime import _allocation
 
-from . import kernels, kernels_gluon, kernels_tma, tuning
+from . import kernels, kernels_tma, tuning
+
+try:  # Gluon's Hopper API (warpgroup MMA, mbarriers, warp_specialize): Triton 3.6 has it
+    from . import kernels_gluon
+except ImportError:  # an older Triton: the D=128 forward keeps the TMA and pointer kernels
+    kernels_gluon = None  # type: ignore[assignment]
 from .common import interpreting
 from .configs import LaunchConfig, backward_configs, backward_launch, launch_config, merged_meta
 from .launch import CachedLaunch
@@ -621,12 +626,12 @@ def _gluon_eligible(c: _Setup, q: torch.Tensor) -> bool:
     """Whether a forward that :func:`_tma_eligible` admits may also run
     kernels_gluon.attn_fwd_gluon_kernel (where its launch row asks for it,
     LaunchConfig.gluon): D = Dv = 128, no softcap, the scale folded into the exponent
-    (_Setup.fold_scale), on sm_90 (warpgroup MMA is Hopper's: sm_100 has none). Gluon
-    kernels do not run in the interpreter."""
+    (_Setup.fold_scale), on sm_90 (warpgroup MMA is Hopper's: sm_100 has none), with a
+    Triton that has Gluon's Hopper API. Gluon kernels do not run in the interpreter."""
     meta = c.meta
     return (
         meta["BLOCK_D"] == meta["BLOCK_DV"] == 128 and not meta["HAS_SOFTCAP"] and c.fold_scale
-        and not interpreting() and _capability(q.device) == (9, 0)
+        and not interpreting() and _capability(q.device) == (9, 0) and kernels_gluon is not None
     )  # fmt: skip
 
 
