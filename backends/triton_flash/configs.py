@@ -243,7 +243,11 @@ _LEAN_2B: dict[tuple[str, int, bool, bool], LaunchConfig] = {
 # non-causal (128, 128, 4, 2) 579 / 606 / 425 against the pointer kernel's 518 / 521 /
 # 427 and cuDNN's 611 / 618 / 568; causal 494 / 577 / 269 against the TMA kernel's
 # 446 / 512 / 286 and cuDNN's 532 / 575 / 418. Three buffers read 590 / 553 and 506 /
-# 575: within the run's spread at three of the four points, 9% slower at the fourth.
+# 575: within the run's spread at three of the four points, 9% slower at the fourth. The
+# landed kernel's sweep (archive/gluon-fwd-sweep-h200-2026-12-04.json) agrees: (128, 128,
+# 4, 2/3) lead, 64-key tiles trail by 5-10%, and at N=1024 every candidate is below the
+# rows kept there; the grid's D=128 points with this row:
+# archive/grid-d128-gluon-h200-2026-12-04-e7f5b7f.md.
 _GLUON_2B: dict[tuple[int, bool], LaunchConfig] = {
     (128, causal): LaunchConfig(128, 128, 4, 2, gluon=True) for causal in (False, True)
 }

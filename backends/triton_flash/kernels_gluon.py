@@ -40,38 +40,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import _DYNAMIC
+from .common import _DYNAMIC, _key_ranges
 
 LN2 = gl.constexpr(0.6931471805599453)
 _ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile of 4 warps)
 _CONSUMER_REGS = gl.constexpr(232)  # registers per thread: consumers, then the loader
 _LOADER_REGS = gl.constexpr(24)
-
-
-@gluon.jit
-def _tile_ranges(
-    start_m, NK, offset, win_left, win_right,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_BAND: gl.constexpr,
-):  # fmt: skip
-    """(lo, n_head, n_bulk_end, n): the block's key tiles start at key ``lo``; tiles
-    [0, n_head) and [n_bulk_end, n) are masked, [n_head, n_bulk_end) keep every key for
-    every row of the block (common._key_ranges, in tiles)."""
-    if HAS_BAND:
-        last = start_m + BLOCK_M - 1
-        lo = gl.maximum(start_m + offset - win_left, 0) // BLOCK_N * BLOCK_N
-        hi = gl.minimum(last + offset + win_right + 1, NK)
-        hi = gl.maximum(hi, lo)
-        f_lo = (gl.maximum(last + offset - win_left, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        f_hi = gl.maximum(start_m + offset + win_right + 1, 0) // BLOCK_N * BLOCK_N
-    else:
-        lo = NK * 0
-        hi = NK
-        f_lo = NK * 0
-        f_hi = NK
-    f_hi = gl.minimum(f_hi, NK // BLOCK_N * BLOCK_N)
-    f_lo = gl.minimum(gl.maximum(f_lo, lo), hi)
-    f_hi = gl.minimum(gl.maximum(f_hi, f_lo), hi)
-    return lo, (f_lo - lo) // BLOCK_N, (f_hi - lo) // BLOCK_N, (hi - lo + BLOCK_N - 1) // BLOCK_N
 
 
 @gluon.jit
@@ -290,10 +264,13 @@ def attn_fwd_gluon_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
         mbarrier.init(v_empty.index(i), count=2)
-    lo, n_head, n_bulk, n = _tile_ranges(
+    lo, f_lo, f_hi, hi = _key_ranges(
         start_m, NK, offset, win_left, win_right,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BAND=HAS_BAND,
     )  # fmt: skip
+    n_head = (f_lo - lo) // BLOCK_N
+    n_bulk = (f_hi - lo) // BLOCK_N
+    n = (hi - lo + BLOCK_N - 1) // BLOCK_N
     out_base = b * stride_ob + h * stride_oh
     lse_base = pid_bh * NQ
     # The partitions' arguments are written out in each tuple: constexprs kept in a

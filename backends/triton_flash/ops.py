@@ -637,7 +637,7 @@ def _gluon_eligible(c: _Setup, q: torch.Tensor) -> bool:
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global scratch for a launch (Triton's allocator protocol): the in-kernel tensor
-    descriptors of kernels_tma, on the current CUDA device, from PyTorch's allocator
+    descriptors of kernels_tma and kernels_gluon, on the current CUDA device, from PyTorch's allocator
     (stream-ordered, so reuse after the launch is safe; graph capture pools it)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
