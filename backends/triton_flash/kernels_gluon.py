@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import _DYNAMIC, _key_ranges
+from .common import _DYNAMIC, _compiled, _key_ranges, _segment
 
 LN2 = gl.constexpr(0.6931471805599453)
 _ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile of 4 warps)
@@ -146,26 +146,17 @@ def _consumer(
             MASKED=True, HAS_BAND=HAS_BAND,
         )  # fmt: skip
         p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        if MASK_HEAD:
-            for i in range(1, n_head):
-                acc, m_i, l_i, p = _consume(
-                    i, acc, m_i, l_i, p, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
-                    v_empty, lo, cols0, rows, NK, offset, win_left, win_right, qk_scale,
-                    s_layout, o_row, p_layout, BLOCK_N, STAGES, True, HAS_BAND,
-                )  # fmt: skip
-        for i in range(gl.maximum(n_head, 1), n_bulk):
-            acc, m_i, l_i, p = _consume(
-                i, acc, m_i, l_i, p, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
-                v_empty, lo, cols0, rows, NK, offset, win_left, win_right, qk_scale,
-                s_layout, o_row, p_layout, BLOCK_N, STAGES, False, HAS_BAND,
-            )  # fmt: skip
-        if MASK_TAIL:
-            for i in range(gl.maximum(n_bulk, 1), n):
-                acc, m_i, l_i, p = _consume(
-                    i, acc, m_i, l_i, p, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
-                    v_empty, lo, cols0, rows, NK, offset, win_left, win_right, qk_scale,
-                    s_layout, o_row, p_layout, BLOCK_N, STAGES, True, HAS_BAND,
-                )  # fmt: skip
+        # The band's segments in tiles, tile 0 done: masked head, unmasked bulk, masked
+        # tail (common._segment, _compiled).
+        for seg in gl.static_range(3):
+            s0, s1 = _segment(seg, 0, n_head, n_bulk, n)
+            if _compiled(seg=seg, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL):
+                for i in range(gl.maximum(s0, 1), s1):
+                    acc, m_i, l_i, p = _consume(
+                        i, acc, m_i, l_i, p, q_smem, k_smem, v_smem, k_ready, v_ready,
+                        k_empty, v_empty, lo, cols0, rows, NK, offset, win_left, win_right,
+                        qk_scale, s_layout, o_row, p_layout, BLOCK_N, STAGES, seg != 1, HAS_BAND,
+                    )  # fmt: skip
         last = n - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
