@@ -3,11 +3,12 @@
 The benchmark grid (``attnhub bench``) is MHA, no mask, Nq == Nk, D 64/128. Models
 also make grouped-query calls, decode against long caches (Nq = 1, or 4 for
 speculative decoding), pad batches, slide windows, run head dim 256 and make tiny
-calls. This times that list (:func:`workloads`) on every eligible backend, on ``auto``
-(``attnhub.attention`` with no backend), on ``sdpa`` (``F.scaled_dot_product_attention``
-called as a model calls it: ``enable_gqa``, ``is_causal``, and a materialized bool
-mask for what it cannot say) and on ``patched`` (that same call under
-:func:`attnhub.patch`).
+calls. This times that list (:func:`workloads`; ``--workload-set models`` the calls
+of model families off it instead, :func:`model_workloads`, and ``all`` both) on every
+eligible backend, on ``auto`` (``attnhub.attention`` with no backend), on ``sdpa``
+(``F.scaled_dot_product_attention`` called as a model calls it: ``enable_gqa``,
+``is_causal``, and a materialized bool mask for what it cannot say) and on ``patched``
+(that same call under :func:`attnhub.patch`).
 
 Timing is wall clock per call in a loop after warm-up, host time included (a tiny or
 decode call is often all host time): ``iters`` calls, a device synchronization, the
@@ -104,6 +105,70 @@ def workloads() -> list[Workload]:
     )  # fmt: skip
     calls.append(Workload("tiny (1,1,16,64)", 1, 1, 1, 16, 16, 64, train=True))
     return calls
+
+
+def _model_call(
+    family: str,
+    kind: str,
+    batch: int,
+    heads: tuple[int, int],
+    nq: int,
+    nk: int,
+    d: int,
+    **fields: Any,
+) -> Workload:
+    """A model family's call, named "<family> <kind> Hq/Hkv D<d> N<n>" (``Nq<nq> Nk<nk>``
+    where they differ); ``fields``: the rest of :class:`Workload` (causal, lengths, ...)."""
+    hq, hkv = heads
+    n = f"N{nq}" if nq == nk else f"Nq{nq} Nk{nk}"
+    return Workload(f"{family} {kind} {hq}/{hkv} D{d} {n}", batch, hq, hkv, nq, nk, d, **fields)
+
+
+def model_workloads() -> list[Workload]:
+    """Attention calls of model families that :func:`workloads` does not hold: head dims
+    40/80/96, MQA 71/1 and GQA 28/4 and 16/8, padded and unpadded encoders, cross
+    attention (Nq != Nk, no mask), diffusion self-attention, chunked prefill (Nq < Nk,
+    bottom-right causal) and D256 at 8K. Nobody tuned dispatch for these shapes: they
+    check that ``auto`` holds up off the tuned list. Shapes are those of one layer's call
+    (heads and head dim from each model's config; batch and length a typical use)."""
+    causal = {"causal": True, "train": True}  # a decoder's prefill, trained
+    at_cache_end = {"causal": True, "alignment": "bottom_right"}  # new rows end the cache
+    # BERT-base padded to 512: 32 rows whose valid key counts spread evenly over 128..512.
+    padded = {"lengths": tuple(128 + i * (512 - 128) // 31 for i in range(32)), "train": True}
+    return [
+        _model_call("Qwen2.5-7B", "prefill", 1, (28, 4), 4096, 4096, 128, **causal),
+        _model_call("Phi-3-mini", "prefill", 2, (32, 32), 4096, 4096, 96, **causal),
+        _model_call("Phi-3-mini", "decode", 16, (32, 32), 1, 4096, 96, **at_cache_end),
+        _model_call("Phi-2/StableLM", "prefill", 4, (32, 32), 2048, 2048, 80, **causal),
+        _model_call("Falcon-7B", "MQA prefill", 2, (71, 1), 2048, 2048, 64, **causal),
+        _model_call("BERT-base", "encoder padded 128..512", 32, (12, 12), 512, 512, 64, **padded),
+        _model_call("ViT-B/16", "encoder", 64, (12, 12), 197, 197, 64, train=True),
+        _model_call("Whisper", "decoder cross-attention", 8, (20, 20), 448, 1500, 64),
+        _model_call("SD-1.5", "UNet self-attention", 2, (8, 8), 4096, 4096, 40),
+        _model_call("SDXL", "UNet self-attention", 2, (10, 10), 4096, 4096, 64),
+        _model_call("Flux/DiT", "joint attention", 1, (24, 24), 4608, 4608, 128, train=True),
+        # 32/8 D128: Llama-3-8B's heads; a 512-token chunk against an 8K cache.
+        _model_call("Llama-3-8B", "chunked prefill", 1, (32, 8), 512, 8192, 128, **at_cache_end),
+        # Gemma 2's attention-logit softcap (50) is not a Workload field: left out.
+        _model_call("Gemma-2-9B", "global prefill", 1, (16, 8), 8192, 8192, 256, **causal),
+        # Llama-3-8B batch decode at mixed cache lengths needs per-row cache lengths
+        # with bottom-right alignment per row, which these fields cannot say: left out.
+    ]
+
+
+# The call lists ``--workload-set`` chooses from.
+WORKLOAD_SETS = ("issue16", "models", "all")
+
+
+def select_workloads(name: str) -> list[Workload]:
+    """The call list ``name`` names: ``issue16`` (:func:`workloads`), ``models``
+    (:func:`model_workloads`) or ``all`` (the first, then the second)."""
+    if name not in WORKLOAD_SETS:
+        raise ValueError(f"unknown workload set {name!r}; sets are {', '.join(WORKLOAD_SETS)}")
+    # Looked up at call time, so that both lists can be replaced (tests shrink them).
+    issue16 = workloads() if name in ("issue16", "all") else []
+    models = model_workloads() if name in ("models", "all") else []
+    return issue16 + models
 
 
 @dataclass
@@ -324,16 +389,23 @@ def run_workloads(
     device: torch.device,
     *,
     only: str | None = None,
+    workload_set: str = "issue16",
     budget_s: float = 0.15,
     repeats: int = 3,
     output: Path | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Time every workload in every dtype; the results JSON (rewritten as it goes).
+    """Time every workload of the set ``workload_set`` (:data:`WORKLOAD_SETS`) in
+    every dtype; the results JSON (rewritten as it goes), its ``config`` saying what ran.
     ``only``: comma-separated parts of names; the workloads whose name holds any."""
-    data: dict[str, Any] = {"kind": "workloads", "env": environment(device), "results": []}
+    config = {"workload_set": workload_set, "only": only, "dtypes": list(dtypes),
+              "budget_s": budget_s, "repeats": repeats}  # fmt: skip
+    data: dict[str, Any] = {
+        "kind": "workloads", "env": environment(device), "config": config, "results": [],
+    }  # fmt: skip
     parts = None if only is None else [p.strip() for p in only.split(",") if p.strip()]
-    chosen = [w for w in workloads() if parts is None or any(p in w.name for p in parts)]
+    calls = select_workloads(workload_set)
+    chosen = [w for w in calls if parts is None or any(p in w.name for p in parts)]
     for dtype_text in dtypes:
         dtype = parse_dtype(dtype_text)
         for w in chosen:
@@ -415,6 +487,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--only",
         help="with --workloads: only workloads whose name contains this (or any of these, comma-separated)",
     )
+    g.add_argument("--workload-set", choices=WORKLOAD_SETS, default="issue16", help="with --workloads: issue16 (issue 16's list), models (model families' calls off that list: see model_workloads) or all (default issue16)")  # fmt: skip
     g.add_argument("--budget", type=float, default=0.15, help="with --workloads: seconds of timed calls per competitor (default 0.15)")  # fmt: skip
 
 
@@ -425,8 +498,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     dtypes = tuple(args.dtypes) if args.dtypes else ("bfloat16", "float16")
     output = Path(args.output or "attnhub-workloads.json")
-    data = run_workloads(dtypes, device, only=args.only, budget_s=args.budget,
-                         output=output, progress=args.progress)  # fmt: skip
+    data = run_workloads(dtypes, device, only=args.only, workload_set=args.workload_set,
+                         budget_s=args.budget, output=output, progress=args.progress)  # fmt: skip
     write_json(data, output)
     table = markdown(data)
     output.with_suffix(".md").write_text(table)

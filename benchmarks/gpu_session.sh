@@ -26,7 +26,8 @@
 #               PROFILE_HOST_TOP: also a cProfile of one run per way, this many functions)
 #   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16;
 #               WORKLOADS_ONLY: only the workloads whose name contains it, or any of a
-#               comma-separated list; WORKLOADS_BUDGET: seconds per competitor, default 0.04)
+#               comma-separated list; WORKLOADS_BUDGET: seconds per competitor, default 0.04;
+#               WORKLOADS_SET: issue16 (default), models or all: --workload-set)
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
 #   TMA_S       tma-sweep.json/log: benchmarks/tma_sweep.py (TMA_ARGS, e.g. --head-dims 128)
 #   SWEEP_S     sweep.json/log: benchmarks/triton_flash_gpu.py's launch-config sweep (B4 H8,
@@ -107,7 +108,7 @@ step "${PROFILE_S:-0}" profile python3 benchmarks/model_profile.py \
     --json "$OUT/model-profile.json" > "$OUT/model-profile.md" 2> "$OUT/model-profile.err"
 head -40 "$OUT/model-profile.md" 2>/dev/null; tail -5 "$OUT/model-profile.err" 2>/dev/null
 step "${WORKLOADS_S:-0}" workloads python3 -m attnhub bench --workloads --device cuda \
-    --dtypes "${DTYPES:-bfloat16}" --budget "${WORKLOADS_BUDGET:-0.04}" ${WORKLOADS_ONLY:+--only "$WORKLOADS_ONLY"} \
+    --dtypes "${DTYPES:-bfloat16}" --budget "${WORKLOADS_BUDGET:-0.04}" --workload-set "${WORKLOADS_SET:-issue16}" ${WORKLOADS_ONLY:+--only "$WORKLOADS_ONLY"} \
     -o "$OUT/workloads.json" > /dev/null 2> "$OUT/workloads.err"
 step "${GRID_S:-0}" grid python3 -m attnhub bench --quick --no-plots --no-progress \
     -o "$OUT/grid-quick.json" > /dev/null 2> "$OUT/grid-quick.err"

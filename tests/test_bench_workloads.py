@@ -3,14 +3,16 @@ stock SDPA and the patched function, with a summary table."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import json
 
 import pytest
 import torch
 
+from attnhub import bench, cli
 from attnhub import bench_workloads as bw
-from attnhub import cli
 from attnhub.bench_workloads import Workload
 
 # Small CPU versions of each kind of call in the list.
@@ -21,6 +23,28 @@ SMALL = [
     Workload("padding", 3, 4, 2, 24, 24, 16, True, lengths=(5, 17, 24), train=True),
     Workload("window", 1, 4, 2, 32, 32, 16, True, window=(7, 0), train=True),
 ]
+
+
+def shrunk(w: Workload, scale: int = 64) -> Workload:
+    """``w`` at CPU size, the same kind of call: Nq, Nk, the valid key counts and the
+    window divided by ``scale``, rounded up (Nq = 1 stays 1, Nq == Nk stays equal, a
+    count stays at most Nk), at most 2 K/V heads with up to 3 query heads each, batch at
+    most 2 unless rows carry valid key counts; head dim, causal, alignment, train kept."""
+
+    def n(x: int) -> int:
+        return -(-x // scale)
+
+    hkv = min(w.heads_kv, 2)
+    return dataclasses.replace(
+        w, batch=w.batch if w.lengths else min(w.batch, 2), heads_kv=hkv,
+        heads_q=hkv * min(w.heads_q // w.heads_kv, 3), nq=n(w.nq), nk=n(w.nk),
+        lengths=None if w.lengths is None else tuple(n(x) for x in w.lengths),
+        window=None if w.window is None else (n(w.window[0]), n(w.window[1])),
+    )  # fmt: skip
+
+
+# The model families' calls (bench --workload-set models), shrunk the same way.
+SMALL_MODELS = [shrunk(w) for w in bw.model_workloads()]
 
 
 def test_the_call_list_covers_the_issue():
@@ -44,7 +68,69 @@ def test_the_call_list_covers_the_issue():
     assert any((w.batch, w.heads_q, w.nq, w.head_dim) == (1, 1, 16, 64) for w in calls)
 
 
-@pytest.mark.parametrize("w", SMALL, ids=lambda w: w.name)
+def _shape(w: Workload) -> tuple:  # type: ignore[type-arg]
+    """Everything but the name: the call a workload makes."""
+    return dataclasses.astuple(dataclasses.replace(w, name=""))
+
+
+def test_the_model_call_list_is_well_formed_and_off_the_issue_list():
+    calls = bw.model_workloads()
+    names = [w.name for w in calls]
+    assert len(names) == len(set(names))
+    assert not set(names) & {w.name for w in bw.workloads()}  # "all" keeps names unique
+    issue16 = {_shape(w) for w in bw.workloads()}
+    for w in calls:
+        assert _shape(w) not in issue16, w.name
+        assert w.heads_q % w.heads_kv == 0, w.name
+        assert f"{w.heads_q}/{w.heads_kv} D{w.head_dim} " in w.name
+        assert 1 <= w.nq <= w.nk or not w.causal, w.name
+        if w.lengths is not None:
+            assert len(w.lengths) == w.batch and max(w.lengths) <= w.nk, w.name
+            assert min(w.lengths) >= 1, w.name
+    assert {40, 64, 80, 96, 128, 256} <= {w.head_dim for w in calls}
+    # The field combinations the issue list never makes.
+    assert any(w.lengths and not w.causal for w in calls)  # padded encoder
+    assert any(w.nq != w.nk and not w.causal for w in calls)  # cross-attention
+    assert any(w.causal and w.alignment == "bottom_right" and 1 < w.nq < w.nk for w in calls)
+    assert any(w.heads_kv == 1 for w in calls)  # MQA
+    bert = next(w for w in calls if w.lengths)
+    assert (bert.batch, min(bert.lengths), max(bert.lengths)) == (32, 128, 512)
+    assert sorted(bert.lengths) == list(bert.lengths)
+
+
+def test_shrunk_model_calls_keep_their_kind():
+    for big, small in zip(bw.model_workloads(), SMALL_MODELS):
+        assert (small.nq == 1, small.nq == small.nk) == (big.nq == 1, big.nq == big.nk)
+        assert (small.heads_q == small.heads_kv) == (big.heads_q == big.heads_kv)
+        assert small.lengths is None or max(small.lengths) <= small.nk
+        assert small.nq * small.nk * small.batch * small.heads_q <= 2**16
+
+
+def test_workload_sets():
+    issue16, models = bw.workloads(), bw.model_workloads()
+    assert bw.select_workloads("issue16") == issue16
+    assert bw.select_workloads("models") == models
+    assert bw.select_workloads("all") == issue16 + models
+    with pytest.raises(ValueError, match="issue16, models, all"):
+        bw.select_workloads("llama")
+
+
+def _bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_workload_set_option_parses(capsys):
+    assert _bench_args("--workloads").workload_set == "issue16"  # today's list by default
+    for name in bw.WORKLOAD_SETS:
+        assert _bench_args("--workloads", "--workload-set", name).workload_set == name
+    with pytest.raises(SystemExit):
+        _bench_args("--workloads", "--workload-set", "llama")
+    assert "invalid choice: 'llama'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("w", SMALL + SMALL_MODELS, ids=lambda w: w.name)
 def test_sdpa_mask_means_what_attnhub_computes(w):
     """The stock call (materialized mask) and attnhub's call compute the same attention."""
     x = bw._inputs(w, torch.float64, torch.device("cpu"))
@@ -61,9 +147,13 @@ def no_interpreted_kernels(monkeypatch):  # type: ignore[no-untyped-def]
 
 def test_rows_summary_and_table(monkeypatch, no_interpreted_kernels):
     monkeypatch.setattr(bw, "workloads", lambda: SMALL)
-    data = bw.run_workloads(("float32",), torch.device("cpu"), budget_s=0.005, repeats=1, progress=False)  # fmt: skip
+    monkeypatch.setattr(bw, "model_workloads", lambda: SMALL_MODELS)
+    data = bw.run_workloads(("float32",), torch.device("cpu"), workload_set="all",
+                            budget_s=0.005, repeats=1, progress=False)  # fmt: skip
+    assert data["config"]["workload_set"] == "all"
     rows = data["results"]
-    for w in SMALL:
+    assert {r["name"] for r in rows} == {w.name for w in SMALL + SMALL_MODELS}
+    for w in SMALL + SMALL_MODELS:
         for mode in w.modes:
             mine = {r["backend"]: r for r in rows if r["name"] == w.name and r["mode"] == mode}
             assert {bw.AUTO, bw.SDPA, bw.PATCHED} <= set(mine)
@@ -86,7 +176,22 @@ def test_cli(tmp_path, monkeypatch, no_interpreted_kernels):
     assert cli.main(argv) == 0
     data = json.loads(output.read_text())
     assert {r["name"] for r in data["results"]} == {"decode", "spec-decode"}
+    assert data["config"]["workload_set"] == "issue16"
     assert "| decode | float32 | fwd |" in output.with_suffix(".md").read_text()
+
+
+def test_cli_workload_set_models(tmp_path, monkeypatch, no_interpreted_kernels):
+    monkeypatch.setattr(bw, "workloads", lambda: SMALL)
+    monkeypatch.setattr(bw, "model_workloads", lambda: SMALL_MODELS)
+    output = tmp_path / "w.json"
+    argv = ["bench", "--workloads", "--workload-set", "models", "--only", "Whisper,Phi-3",
+            "--dtypes", "float32", "--device", "cpu", "--budget", "0.005", "--no-progress",
+            "-o", str(output)]  # fmt: skip
+    assert cli.main(argv) == 0
+    data = json.loads(output.read_text())
+    assert data["config"]["workload_set"] == "models"
+    expected = {w.name for w in SMALL_MODELS if "Whisper" in w.name or "Phi-3" in w.name}
+    assert len(expected) == 3 and {r["name"] for r in data["results"]} == expected
 
 
 def test_only_takes_comma_separated_parts_of_names(monkeypatch, no_interpreted_kernels):
