@@ -331,7 +331,7 @@ def _without_covering_sides(
 def make_params(
     query: torch.Tensor,
     *,
-    key: Any = None,
+    key: Any,
     causal: Any,
     alignment: Any,
     window: Any,
@@ -343,7 +343,9 @@ def make_params(
 ) -> AttentionParams:
     """Check the options and resolve them into :class:`AttentionParams`.
 
-    ``key`` (default: ``query``, self-attention) gives Nk, which bounds the window.
+    ``key`` gives Nk, which bounds the window. It has no default: a default of
+    ``query`` made every caller that forgot it normalize a cross-attention window
+    against Nq, dropping sides that exclude keys.
 
     Rules beyond the types: ``dropout_p`` in [0, 1); ``softcap`` None or in
     [1.18e-38, 3.4e38] (float32's positive normal range: the kernels divide by it in

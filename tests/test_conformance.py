@@ -169,7 +169,7 @@ def test_reference_matches_naive_contract(case: Case) -> None:
 
     inputs = make_inputs(case, "cpu")
     q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.attn_mask
-    params = make_params(q, **case.options(), block_sparse=None)
+    params = make_params(q, key=k, **case.options(), block_sparse=None)
     out, lse = reference_attention(q, k, v, mask, params)
     expected_out, expected_lse = _naive(case, q, k, v, mask)
     torch.testing.assert_close(out, expected_out, rtol=1e-10, atol=1e-12)

@@ -24,7 +24,7 @@ def _request(q, k, v, mask=None, **options):  # type: ignore[no-untyped-def]
     opts = {"causal": False, "alignment": "top_left", "window": None, "softcap": None,
             "scale": None, "dropout_p": 0.0, "block_sparse": None, "return_lse": False,
             **options}  # fmt: skip
-    params = make_params(q, **opts)
+    params = make_params(q, key=k, **opts)
     return build_request(q, k, v, mask, params), params
 
 

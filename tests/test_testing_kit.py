@@ -31,6 +31,7 @@ from attnhub.backends.torch_reference import (
     reference_attention,
 )
 from attnhub.dispatch import clear_cache
+from attnhub.request import AttentionParams
 from attnhub.testing import (
     Case,
     assert_matches_reference,
@@ -163,6 +164,17 @@ class DropoutWithoutRescale(Correct):
         return (out, lse) if params.return_lse else out
 
 
+class IgnoresWindow(Correct):
+    """Drops the window: every key (within causal and the mask) is attended."""
+
+    name = "kit_ignores_window"
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        return super().forward(
+            query, key, value, attn_mask, dataclasses.replace(params, window=None)
+        )
+
+
 @contextlib.contextmanager
 def registered(backend: type[attnhub.Backend]) -> Iterator[str]:
     registry = attnhub.get_registry()
@@ -211,6 +223,37 @@ def test_defect_is_caught(backend: type[attnhub.Backend], caught: str) -> None:
     with registered(backend) as name, pytest.raises(AssertionError, match=caught) as info:
         check_backend(name, "cpu")
     assert str(info.value).startswith(f"{name} failed ")
+
+
+@pytest.mark.parametrize(
+    ("nq", "nk", "alignment", "window"),
+    [
+        # 11 queries at the bottom right of 36 keys sit at positions 25..35: a left side
+        # of 17 is longer than Nq yet excludes keys 0..7 from row 0.
+        (11, 36, "bottom_right", (17, None)),
+        # 6 top-left queries against 40 keys: a right side of 9 keeps keys 0..9 of
+        # row 0 only, though it exceeds Nq.
+        (6, 40, "top_left", (None, 9)),
+    ],
+)
+def test_window_that_only_the_key_length_makes_real_is_checked(
+    nq: int, nk: int, alignment: str, window: tuple[int | None, int | None]
+) -> None:
+    """The kit's references normalize a window against the call's Nk, not its Nq: a
+    reference that dropped such a window agreed with a backend that ignores it, and its
+    bound (twice r_lp's distance from it) let any answer pass."""
+    case = Case(torch.float32, 1, 2, 2, nq, nk, 16, 16, alignment=alignment, window=window, seed=3)
+    inputs = make_inputs(case, "cpu")
+    _, r64 = references(inputs, case)
+    # The window as given, not normalized: keep_mask applies it literally.
+    params = AttentionParams(alignment=alignment, window=window, scale=1 / 4)
+    expected, _ = _naive_softmax_attention(
+        inputs.query.double(), inputs.key.double(), inputs.value.double(), None, params
+    )
+    torch.testing.assert_close(r64["out"], expected, rtol=1e-5, atol=1e-6)  # naive: float32 scores
+    assert not case_problems("torch_reference", case)
+    with registered(IgnoresWindow) as name:
+        assert any(p.startswith("out: max|x - r64|") for p in case_problems(name, case))
 
 
 def test_only_the_defective_feature_fails() -> None:

@@ -9,7 +9,8 @@ or, as a pytest plugin generating one test per case::
 
     pytest -p attnhub.testing --attnhub-backend my_backend
 
-Cases come from the backend's declarations (:func:`cases_for`); results are compared
+Cases come from the backend's declarations (:func:`cases_for`, a planned few dozen;
+:func:`sample_cases`, any number drawn at random from the whole call space); results are compared
 with the float64 reference by contract.md's tolerance rule
 (:func:`assert_matches_reference`), the bound's width set by the kit's own plain
 computation in the input dtype (:func:`plain_attention`). Whatever a backend raises,
@@ -33,6 +34,7 @@ from .check import (
 from .faults import describe_exception
 from .pytest_plugin import pytest_addoption, pytest_collection_modifyitems, pytest_configure
 from .reference import plain_attention, references
+from .sampled import sample_cases
 from .tolerance import (
     assert_matches_reference,
     compare,
@@ -65,5 +67,6 @@ __all__ = [
     "repeatability_problems",
     "run_call",
     "run_case",
+    "sample_cases",
     "tolerance_bound",
 ]

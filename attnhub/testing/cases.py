@@ -22,7 +22,7 @@ from attnhub.backend import Backend, declared_reasons
 from attnhub.request import AttentionRequest, device_capability
 from attnhub.validation import build_request, make_params
 
-MASK_CHOICES = ("none", "bool", "float", "float32")
+MASK_CHOICES = ("none", "bool", "keys", "float", "float32")
 
 _DTYPE_TAGS = {
     torch.float16: "fp16",
@@ -42,7 +42,10 @@ class Case:
 
     ``dropout_p``: None leaves the argument out; 0.0 passes it (p = 0 must be exact).
     ``mask``: ``"none"``; ``"bool"``: a (B, 1, Nq, Nk) bool mask (True = attend) with
-    fully masked rows; ``"float"``: a (Hq, Nq, Nk) float mask broadcast over the batch;
+    fully masked rows; ``"keys"``: a (B, 1, 1, Nk) bool key-padding mask whose kept keys
+    are one run per batch entry (left or right padding, as a padded batch has; the run
+    may be empty, so every row of that entry is fully masked), broadcast over heads and
+    queries; ``"float"``: a (Hq, Nq, Nk) float mask broadcast over the batch;
     ``"float32"``: the same in float32 whatever the query's dtype, around -1000 (a
     position bias far from 0, as ALiBi's slopes reach at long range), where rounding it
     to a half-precision query's dtype moves it by 0.25 (float16) to 4 (bfloat16): the
@@ -151,6 +154,21 @@ def _randn(generator: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=generator, dtype=torch.float32)
 
 
+def _key_runs(generator: torch.Generator, batch: int, nk: int) -> torch.Tensor:
+    """A (B, 1, 1, Nk) bool mask keeping one run of keys per batch entry: entry 0 is
+    left-padded (its run ends at the last key), entry 1 right-padded (it starts at key
+    0), the others anywhere; a run may be empty."""
+    mask = torch.zeros(batch, 1, 1, nk, dtype=torch.bool)
+    for b in range(batch):
+        start, stop = sorted(torch.randint(0, nk + 1, (2,), generator=generator).tolist())
+        if b == 0:
+            stop = nk
+        elif b == 1:
+            start = 0
+        mask[b, ..., start:stop] = True
+    return mask
+
+
 def make_inputs(case: Case, device: torch.device | str) -> Inputs:
     """Fresh random inputs for ``case`` (drawn on the CPU from ``case.seed``, so every
     device sees the same numbers), in the case's dtype and layout."""
@@ -175,6 +193,8 @@ def make_inputs(case: Case, device: torch.device | str) -> Inputs:
         mask[0, :, case.Nq // 2, :] = False
         mask[-1, :, 3::7, :] = False
         mask = mask.to(device)
+    elif case.mask == "keys":
+        mask = _key_runs(gen, case.B, case.Nk).to(device)
     elif case.mask == "float":
         mask = (2.0 * _randn(gen, case.Hq, case.Nq, case.Nk)).to(device, case.dtype)
         mask.requires_grad_(case.backward and case.mask_grad)
@@ -271,6 +291,9 @@ _ROTATING: tuple[tuple[int, dict[str, Any]], ...] = (
     # A loss on the lse as well as the output (backends declaring lse_grad).
     (2, {"backward": True, "return_lse": True, "causal": True, "alignment": "bottom_right"}),
     (0, {"backward": True, "return_lse": True, "mask": "bool"}),
+    # Key padding, as a padded batch's (B, 1, 1, Nk) mask (one kept run per entry).
+    (2, {"mask": "keys"}),
+    (1, {"mask": "keys", "causal": True, "alignment": "bottom_right", "backward": True}),
 )
 
 
@@ -306,7 +329,7 @@ def case_reasons(backend: Backend, case: Case, device: torch.device | str) -> li
     """
     device = torch.device(device)
     meta = make_inputs_meta(case)
-    params = make_params(meta.query, **case.options(), block_sparse=None)
+    params = make_params(meta.query, key=meta.key, **case.options(), block_sparse=None)
     with torch.enable_grad():
         request = build_request(meta.query, meta.key, meta.value, meta.attn_mask, params)
     # Without a GPU a CUDA request still says what the declarations admit, minus the
@@ -346,6 +369,8 @@ def make_inputs_meta(case: Case) -> Inputs:
     mask = None
     if case.mask == "bool":
         mask = torch.empty(case.B, 1, case.Nq, case.Nk, device="meta", dtype=torch.bool)
+    elif case.mask == "keys":
+        mask = torch.empty(case.B, 1, 1, case.Nk, device="meta", dtype=torch.bool)
     elif case.mask in ("float", "float32"):
         dtype = case.dtype if case.mask == "float" else torch.float32
         mask = torch.empty(case.Hq, case.Nq, case.Nk, device="meta", dtype=dtype)

@@ -173,7 +173,7 @@ def _watched(
     during: str,
     code: Callable[[], Any],
     prefix: str,
-    backend_name: str,
+    backend_name: str | None,
 ) -> Any:
     """Run backend code; what it raises or changes goes into ``result.problems``."""
     watch = _Watch(inputs)
@@ -257,7 +257,7 @@ def _backward(
     out: torch.Tensor,
     lse: torch.Tensor | None,
     inputs: Inputs,
-    backend_name: str,
+    backend_name: str | None,
 ) -> None:
     leaves = inputs.differentiable()
     if not out.requires_grad:
@@ -288,7 +288,7 @@ def _backward(
 
 
 def run_call(
-    backend_name: str,
+    backend_name: str | None,
     case: Case,
     inputs: Inputs,
     *,
@@ -334,8 +334,12 @@ def _guarded(what: str, check: Callable[[], list[str]]) -> list[str]:
 # -- one case -----------------------------------------------------------------------
 
 
-def case_problems(backend_name: str, case: Case, device: torch.device | str = "cpu") -> list[str]:
+def case_problems(
+    backend_name: str | None, case: Case, device: torch.device | str = "cpu"
+) -> list[str]:
     """What differs between ``backend_name`` and the contract on ``case`` (empty: it conforms).
+    ``None`` holds attnhub's own choice to it: dispatch picks the backend, as a user's
+    call without ``backend=`` does.
 
     Never raises for what the backend does: an exception, a wrong result or a changed
     input is a problem in the list. ``ValueError`` for a case with ``dropout_p > 0``,
@@ -349,7 +353,7 @@ def case_problems(backend_name: str, case: Case, device: torch.device | str = "c
     return _guarded("the case", lambda: _case_problems(backend_name, case, torch.device(device)))
 
 
-def _case_problems(backend_name: str, case: Case, device: torch.device) -> list[str]:
+def _case_problems(backend_name: str | None, case: Case, device: torch.device) -> list[str]:
     inputs = make_inputs(case, device)
     with highest_float32_precision():
         r_lp, r64 = references(inputs, case)  # before the backend touches the inputs

@@ -2,9 +2,12 @@
 
     pytest -p attnhub.testing.pytest_plugin --attnhub-backend my_backend
     pytest -p attnhub.testing --attnhub-backend my_backend --attnhub-device cuda --attnhub-size large
+    pytest -p attnhub.testing --attnhub-backend my_backend --attnhub-sampled 200 --attnhub-seed 7
 
 Inert unless ``--attnhub-backend`` is given (it may be repeated). Test ids read
 ``attnhub[my_backend-fp16-causal_br-B2H3N77x33D96]``; select with ``-k`` as usual.
+``--attnhub-sampled N`` adds N cases drawn at random from the whole call space
+(:func:`attnhub.testing.sample_cases`, reproducible from ``--attnhub-seed``).
 Besides the numeric cases, each backend gets a ``repeatable`` test and, where it
 declares dropout, a ``dropout`` test. A backend that raises, returns something wrong or
 changes its inputs fails the case's test with the kit's one-line report (no traceback
@@ -22,6 +25,7 @@ import torch
 from .cases import Case, cases_for
 from .check import default_device, dropout_problems, repeatability_problems, run_case
 from .faults import describe_exception
+from .sampled import sample_cases
 
 SIZES = ("tiny", "small", "large")
 
@@ -46,6 +50,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="small",
         choices=SIZES,
         help="case sizes: tiny (Triton interpreter), small (CPU, default), large (GPU)",
+    )
+    group.addoption(
+        "--attnhub-sampled",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run N cases drawn at random from the whole call space (default 0)",
+    )
+    group.addoption(
+        "--attnhub-seed",
+        type=int,
+        default=0,
+        help="seed of the drawn cases (default 0)",
     )
 
 
@@ -138,7 +155,17 @@ def _items_for(session: pytest.Session, name: str) -> list[pytest.Item]:
         checks: list[_Check] = [("unavailable", f"{name}-unavailable", (), "")]
     else:
         try:
-            cases = cases_for(backend, device, size=config.getoption("attnhub_size"))
+            size = config.getoption("attnhub_size")
+            cases = cases_for(backend, device, size=size)
+            planned = {case.id for case in cases}
+            drawn = sample_cases(
+                backend,
+                device,
+                config.getoption("attnhub_sampled"),
+                seed=config.getoption("attnhub_seed"),
+                size=size,
+            )
+            cases += [case for case in drawn if case.id not in planned]
         except Exception as exc:  # the backend's fault: the other backends still collect
             why = f"its conformance cases could not be generated: {describe_exception(exc)}"
             cases, checks = [], [("cases", f"{name}-cases", (), why)]

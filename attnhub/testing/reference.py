@@ -112,7 +112,7 @@ def _reference_attention_64(
     from attnhub.validation import make_params
 
     options = {**case.options(), "scale": case_scale(case), "dropout_p": 0.0}
-    params = make_params(query, **options, block_sparse=None)
+    params = make_params(query, key=key, **options, block_sparse=None)
     return reference_attention(query, key, value, attn_mask, params)
 
 

@@ -1,0 +1,66 @@
+"""Where the time of a padded encoder's attention step goes (BERT-base shape by default).
+
+One training step's attention call (B, H, N, D) with per-row key lengths, forward and
+backward, through triton_flash (key ranges), torch_sdpa (the bool mask as 0 / -inf) and
+stock F.scaled_dot_product_attention with the dense bool mask, plus triton_flash with no
+mask at all (the padding's cost); then the CUDA kernels of triton_flash's step from the
+profiler. Usage: python benchmarks/padded_bwd_probe.py [--shape B,H,N,D]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import attnhub
+
+
+def _step_ms(fn, q, k, v, g, iters: int = 50) -> float:  # type: ignore[no-untyped-def]
+    for _ in range(5):
+        torch.autograd.grad(fn(q, k, v), (q, k, v), g)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        torch.autograd.grad(fn(q, k, v), (q, k, v), g)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", default="32,12,512,64")
+    args = parser.parse_args()
+    b, h, n, d = (int(x) for x in args.shape.split(","))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    g = torch.randn_like(q)
+    lengths = torch.linspace(n // 4, n, b).long().cuda()
+    keys = torch.arange(n, device="cuda")[None, :] < lengths[:, None]  # (B, N)
+    key_mask = keys[:, None, None, :]
+    dense = key_mask.expand(b, 1, n, n).contiguous()
+    ways = {
+        "triton_flash keys": lambda q, k, v: attnhub.attention(q, k, v, key_mask, backend="triton_flash"),
+        "triton_flash dense mask": lambda q, k, v: attnhub.attention(q, k, v, dense, backend="triton_flash"),
+        "triton_flash no mask": lambda q, k, v: attnhub.attention(q, k, v, backend="triton_flash"),
+        "torch_sdpa dense mask": lambda q, k, v: attnhub.attention(q, k, v, dense, backend="torch_sdpa"),
+        "F.sdpa dense mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dense),
+        "F.sdpa no mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+    }  # fmt: skip
+    print(f"shape B{b} H{h} N{n} D{d} bf16, lengths {n // 4}..{n}; fwd+bwd ms per step")
+    for name, fn in ways.items():
+        print(f"  {name:26s} {_step_ms(fn, q, k, v, g):.3f}")
+    fn = ways["triton_flash keys"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            torch.autograd.grad(fn(q, k, v), (q, k, v), g)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
+if __name__ == "__main__":
+    main()
