@@ -48,10 +48,12 @@ def kernel_options(params: AttentionParams) -> dict[str, Any]:
 # (tests/test_triton_flash.py, test_a_large_softcap_is_declined_where_it_breaks_the_
 # tolerance): float32 outputs 0.4-0.6x of the bound at c = 64, 1.1x at 128, 3x at 500,
 # and the gradients beyond it from c = 64 on (dK, dV 1.1-1.9x with grouped heads: the
-# test of the largest softcap served); float16 0.13x at 16384. Models use 30-50. An
+# test of the largest softcap served), and on an AMD EPYC development machine (its
+# numpy's BLAS and tanh) already at c = 32 (dV 1.07x the bound, one of two seeds; c = 16
+# within it): float32 stops at 2**4. float16 0.13x at 16384. Models use 30-50. An
 # accurate tanh near 0 (a series below |x| = 1/4) would lift this; not done: a kernel
 # change to time on the GPU first.
-_SOFTCAP_LOG2_LIMIT = {torch.float32: 5, torch.float16: 13, torch.bfloat16: 13}
+_SOFTCAP_LOG2_LIMIT = {torch.float32: 4, torch.float16: 13, torch.bfloat16: 13}
 
 
 class TritonFlash(Backend):
