@@ -1,8 +1,9 @@
 """Where the time of a padded encoder's attention step goes (BERT-base shape by default).
 
 One training step's attention call (B, H, N, D) with per-row key lengths, forward and
-backward, through triton_flash (key ranges), torch_sdpa (the bool mask as 0 / -inf) and
-stock F.scaled_dot_product_attention with the dense bool mask, plus triton_flash with no
+backward, through triton_flash (key ranges), torch_sdpa with the mask as 0 / -inf (it
+declines the bool form with a backward on CUDA) and stock
+F.scaled_dot_product_attention with the dense bool mask, plus triton_flash with no
 mask at all (the padding's cost); then the CUDA kernels of triton_flash's step from the
 profiler. Usage: python benchmarks/padded_bwd_probe.py [--shape B,H,N,D]
 """
@@ -43,11 +44,14 @@ def main() -> None:
     keys = torch.arange(n, device="cuda")[None, :] < lengths[:, None]  # (B, N)
     key_mask = keys[:, None, None, :]
     dense = key_mask.expand(b, 1, n, n).contiguous()
+    additive = torch.zeros(dense.shape, device="cuda", dtype=q.dtype).masked_fill(
+        ~dense, float("-inf")
+    )
     ways = {
         "triton_flash keys": lambda q, k, v: attnhub.attention(q, k, v, key_mask, backend="triton_flash"),
         "triton_flash dense mask": lambda q, k, v: attnhub.attention(q, k, v, dense, backend="triton_flash"),
         "triton_flash no mask": lambda q, k, v: attnhub.attention(q, k, v, backend="triton_flash"),
-        "torch_sdpa dense mask": lambda q, k, v: attnhub.attention(q, k, v, dense, backend="torch_sdpa"),
+        "torch_sdpa 0/-inf mask": lambda q, k, v: attnhub.attention(q, k, v, additive, backend="torch_sdpa"),
         "F.sdpa dense mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dense),
         "F.sdpa no mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
     }  # fmt: skip

@@ -160,8 +160,9 @@ def test_draws_stay_inside_the_declarations() -> None:
             assert case.mask == "none" and not case.backward and not case.return_lse
             assert case.softcap is None
             # A drawn window is one that excludes no key of its call, so no window.
-            assert make_params(make_inputs_meta(case).query, key=make_inputs_meta(case).key,
-                               **case.options(), block_sparse=None).window is None  # fmt: skip
+            meta = make_inputs_meta(case)
+            params = make_params(meta.query, key=meta.key, **case.options(), block_sparse=None)
+            assert params.window is None
             assert not (case.causal and case.alignment == "bottom_right" and case.Nq > 1)
         assert sample_cases(_Narrow.name, "cpu", 5) == []  # not a device it claims
     finally:
