@@ -5,12 +5,16 @@ backward, through triton_flash (key ranges), torch_sdpa with the mask as 0 / -in
 declines the bool form with a backward on CUDA) and stock
 F.scaled_dot_product_attention with the dense bool mask, plus triton_flash with no
 mask at all (the padding's cost); then the CUDA kernels of triton_flash's step from the
-profiler. Usage: python benchmarks/padded_bwd_probe.py [--shape B,H,N,D]
+profiler, and with ``--host-top N`` the N Python functions that take the most host time
+in its step (cProfile, cumulative). Usage: python benchmarks/padded_bwd_probe.py
+[--shape B,H,N,D] [--host-top N]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +38,7 @@ def _step_ms(fn, q, k, v, g, iters: int = 50) -> float:  # type: ignore[no-untyp
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="32,12,512,64")
+    parser.add_argument("--host-top", type=int, default=0)
     args = parser.parse_args()
     b, h, n, d = (int(x) for x in args.shape.split(","))
     torch.manual_seed(0)
@@ -64,6 +69,14 @@ def main() -> None:
             torch.autograd.grad(fn(q, k, v), (q, k, v), g)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    if args.host_top:
+        # The backward on this thread (autograd runs CUDA backwards on a worker thread,
+        # which cProfile does not see).
+        with torch.autograd.set_multithreading_enabled(False), cProfile.Profile() as host:
+            for _ in range(100):
+                torch.autograd.grad(fn(q, k, v), (q, k, v), g)
+            torch.cuda.synchronize()
+        pstats.Stats(host).sort_stats("cumulative").print_stats(args.host_top)
 
 
 if __name__ == "__main__":

@@ -248,6 +248,63 @@ def test_gpu_key_ranges_at_model_sizes(counted, monkeypatch, dtype, d, options, 
     assert len(counted) == (path == "ranges")
 
 
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_key_range_plans_take_each_calls_ranges(monkeypatch, d):  # type: ignore[no-untyped-def]
+    """Key-range calls reuse cached launch plans (ops._PLANS): from a key's third call
+    on, forward and backward skip Triton's binder, and each call runs on its own ranges,
+    never a recorded call's. Each call's keys outside its ranges are NaN, so a plan that
+    kept earlier ranges reads NaN; output, lse and gradients equal, bitwise, the full
+    path's on the same inputs (dK/dV outside the ranges exactly zero)."""
+    from attnhub.backends.triton_flash import kernels, ops
+
+    jit_runs: list[str] = []
+    for name in ("attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_kernel",
+                 "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):  # fmt: skip
+        kernel = getattr(kernels, name)
+
+        def counting(*args, _run=kernel.run, _name=name, **kwargs):  # type: ignore[no-untyped-def]
+            jit_runs.append(_name)
+            return _run(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", counting)
+    n = 300
+    paddings = [
+        [(0, n), (0, 130), (0, 0)],
+        [(0, n), (0, 130), (0, 0)],  # the key's second call: records the plans
+        [(41, n), (0, 1), (0, n)],
+        [(0, 0), (299, n), (7, 200)],
+    ]
+
+    def step(runs):  # type: ignore[no-untyped-def]
+        mask = padding_mask(3, n, runs)
+        q, k, v = inputs(3, 4, 2, n, n, d, torch.bfloat16, mask, seed=runs[1][1])
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ranges = key_ranges.ranges_of(mask, *leaves, 0.0)
+        out, lse = key_ranges.flash_attention_key_ranges(*leaves, ranges, causal=True)
+        dout = torch.randn_like(out)
+        loss = (out * dout).sum() + lse.nan_to_num(0.0, 0.0, 0.0).sum()
+        return (out, lse, *torch.autograd.grad(loss, leaves))
+
+    full = []
+    with monkeypatch.context() as m:  # a replaced launcher: no plans (ops._plan_key)
+        m.setattr(ops, "_launcher", lambda kernel, like: ops._default_launcher(kernel, like))
+        for i, runs in enumerate(paddings):
+            torch.manual_seed(i)
+            full.append(step(runs))
+    ops.clear_plans()
+    for i, runs in enumerate(paddings):
+        torch.manual_seed(i)
+        jit_runs.clear()
+        planned = step(runs)
+        assert (jit_runs == []) == (i >= 2), (i, jit_runs)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), planned, full[i]):
+            assert torch.equal(a, b), (i, name)
+        assert not planned[0].isnan().any() and not planned[3].isnan().any()
+    ops.clear_plans()
+
+
 def test_a_mask_made_under_inference_mode_is_read_at_every_call(counted):
     """An inference tensor has no version counter (reading it raised RuntimeError): its
     runs are read at every call, so an in-place change inside inference mode is seen."""

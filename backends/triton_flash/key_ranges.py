@@ -28,7 +28,17 @@ import torch
 
 from attnhub.tensor_memo import TensorMemo
 
-from .ops import _bwd_full, _forward, apply_direct, call_scalars, direct
+from .ops import (
+    _aligned,
+    _bwd_full,
+    _forward,
+    _lookup,
+    _plan_key,
+    apply_direct,
+    backward_plan_key,
+    call_scalars,
+    direct,
+)
 
 _memo: TensorMemo[torch.Tensor | None] = TensorMemo()
 
@@ -71,14 +81,32 @@ def ranges_of(
     return runs.expand(batch, 2).contiguous() if mb != batch else runs
 
 
+# Eager CUDA calls reuse cached launch plans as the dense calls do (ops._PLANS): the
+# ranges are a per-call tensor of the plan (the kernels' CuK argument), never a recorded
+# one, and only their 16-byte alignment enters the key: no launch argument depends on
+# their values (the kernels read them), so one plan serves every padding of a shape.
+# Both functions run inside DirectAttention or apply_direct, with wrap_triton off.
+
+
 def _fwd(q, k, v, mask, seed, ranges, *scalars, store_lse=True):  # type: ignore[no-untyped-def]
     """(out, lse or None): the forward in key-range mode."""
-    return _forward(q, k, v, None, None, scalars, store_lse, None, key_ranges=ranges)
+    key = _plan_key("fwd_ranges", q, k, v, None, None, scalars, store_lse, _aligned(ranges))
+    if key is not None:
+        plan, key = _lookup(key)
+        if plan is not None:
+            return plan(q, k, v, None, None, ranges)
+    return _forward(q, k, v, None, None, scalars, store_lse, key, key_ranges=ranges)
 
 
 def _bwd(dout, q, k, v, mask, seed, ranges, out, lse, dlse, *scalars):  # type: ignore[no-untyped-def]
     """(dq, dk, dv): DirectAttention's backward in key-range mode."""
-    return _bwd_full(dout, q, k, v, None, None, out, lse, dlse, scalars, None, key_ranges=ranges)
+    key = backward_plan_key("bwd_ranges", dout, q, k, v, None, None, out, lse, dlse, scalars,
+                            _aligned(ranges))  # fmt: skip
+    if key is not None:
+        plan, key = _lookup(key)
+        if plan is not None:
+            return plan(dout, q, k, v, None, None, out, lse, dlse, ranges)
+    return _bwd_full(dout, q, k, v, None, None, out, lse, dlse, scalars, key, key_ranges=ranges)
 
 
 def flash_attention_key_ranges(

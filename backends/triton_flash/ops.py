@@ -492,6 +492,19 @@ def _plan_key(
     )  # fmt: skip
 
 
+def backward_plan_key(
+    kind: str, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    mask: torch.Tensor | None, seed: torch.Tensor | None, out: torch.Tensor,
+    lse: torch.Tensor, dlse: torch.Tensor | None, scalars: tuple, *extra: Any,
+) -> tuple | None:  # fmt: skip
+    """:func:`_plan_key` of a backward call: the forward's tensors plus dout's layout,
+    out's strides, the alignments of dout, out and lse, and whether a dlse comes."""
+    return _plan_key(
+        kind, q, k, v, mask, seed, scalars, dout.shape, dout.stride(), dout.dtype,
+        _aligned(dout), out.stride(), _aligned(out), _aligned(lse), dlse is None, *extra,
+    )  # fmt: skip
+
+
 def _remember(key: tuple, plan: Any) -> None:
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
@@ -517,15 +530,18 @@ class _ForwardPlan:
         )
         self.lse_shape = None if lse is None else lse.shape
 
-    def __call__(self, q, k, v, mask, seed):  # type: ignore[no-untyped-def]
+    def __call__(self, q, k, v, mask, seed, key_ranges=None):  # type: ignore[no-untyped-def]
+        """``key_ranges``: this call's ranges where the plan is a key-range call's (its
+        CuK slot; the plan holds no earlier call's ranges)."""
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         m, s = q if mask is None else mask, q if seed is None else seed
+        cu_k = q if key_ranges is None else key_ranges
         if self.lse_shape is None:
             lse = None
-            self.launch(q, k, v, m, s, out, q, q, q)
+            self.launch(q, k, v, m, s, out, q, q, cu_k)
         else:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-            self.launch(q, k, v, m, s, out, lse, q, q)
+            self.launch(q, k, v, m, s, out, lse, q, cu_k)
         return out, lse
 
 
@@ -741,10 +757,7 @@ def _bwd_impl(
     scalars = (causal, bottom_right, window_left, window_right, softcap, scale, dropout_p)
     key = None
     if not is_wrap_triton_enabled():
-        key = _plan_key(
-            "bwd", q, k, v, mask, seed, scalars, dout.shape, dout.stride(), dout.dtype,
-            _aligned(dout), out.stride(), _aligned(out), _aligned(lse), dlse is None,
-        )  # fmt: skip
+        key = backward_plan_key("bwd", dout, q, k, v, mask, seed, out, lse, dlse, scalars)
         if key is not None:
             plan, key = _lookup(key)
             if plan is not None:
@@ -867,11 +880,18 @@ class _BackwardPlan:
         self.dtypes = (dq.dtype, dk.dtype, dv.dtype)
         self.device, self.delta_shape = dq.device, delta_shape
 
-    def __call__(self, dout, q, k, v, mask, seed, out, lse, dlse):  # type: ignore[no-untyped-def]
+    def __call__(self, dout, q, k, v, mask, seed, out, lse, dlse, key_ranges=None):  # type: ignore[no-untyped-def]
+        """``key_ranges``: as :meth:`_ForwardPlan.__call__`'s; dK and dV then start at
+        zero, as on the full path (keys outside every range get no program's store)."""
         device = self.device
         dq, dk, dv = (
             torch.empty(s, dtype=t, device=device) for s, t in zip(self.shapes, self.dtypes)
         )
+        cu_k = q
+        if key_ranges is not None:
+            dk.zero_()
+            dv.zero_()
+            cu_k = key_ranges
         delta = torch.empty(self.delta_shape, dtype=torch.float32, device=device)
         self.launches[0](out, dout, delta, out)
         if dlse is not None:
@@ -879,10 +899,10 @@ class _BackwardPlan:
         m = q if mask is None else mask
         s = q if seed is None else seed
         if len(self.launches) == 2:  # merged
-            self.launches[1](q, k, v, m, s, dout, lse, delta, dq, dk, dv, q, q)
+            self.launches[1](q, k, v, m, s, dout, lse, delta, dq, dk, dv, q, cu_k)
         else:
-            self.launches[1](q, k, v, m, s, dout, lse, delta, dk, dv, q, q)
-            self.launches[2](q, k, v, m, s, dout, lse, delta, dq, q, q)
+            self.launches[1](q, k, v, m, s, dout, lse, delta, dk, dv, q, cu_k)
+            self.launches[2](q, k, v, m, s, dout, lse, delta, dq, q, cu_k)
         return dq, dk, dv
 
 
