@@ -401,13 +401,52 @@ def test_unsupported_block_size_is_declined_at_dispatch_and_raises_in_the_op() -
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=SHORT.get)
 @pytest.mark.parametrize("block", [64, 128])
 def test_gpu_large(dtype: torch.dtype, block: int) -> None:
+    """Model sizes past SHORT_N keys at D=128: the non-causal calls take the family's
+    own dQ launch (ops._OWN_CONFIGS on sm_90), the causal ones triton_flash's table."""
     torch.manual_seed(12)
-    for layout in (
-        _random_layout(2, 4, 2048, 2048, block, 0.3, seed=13),
-        BlockSparseLayout.sliding_window(2048, 300, block),
-        BlockSparseLayout.bigbird(2048, block),
+    for layout, causal in (
+        (_random_layout(2, 4, 2048, 2048, block, 0.3, seed=13), True),
+        (_random_layout(2, 4, 2048, 2048, block, 0.3, seed=14), False),
+        (BlockSparseLayout.sliding_window(2048, 300, block), False),
+        (BlockSparseLayout.bigbird(2048, block), True),
     ):
-        _check(layout, dtype, 2, 4, 2, 2048, 2048, 128, causal=layout.mask_mod is None)
+        _check(layout, dtype, 2, 4, 2, 2048, 2048, 128, causal=causal)
+
+
+def test_own_launch_rows_apply_where_measured_and_yield_to_overrides(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """ops._launch_config: the family's own dQ row for 2-byte D=128 non-causal calls past
+    SHORT_N keys on sm_90, and triton_flash's table for everything else (causal, short,
+    float32, another GPU, the interpreter); a tuning.override of the direction wins."""
+    from attnhub.backends.triton_flash import configs, tuning
+
+    monkeypatch.setattr(ops, "interpreting", lambda: False)
+    monkeypatch.setattr(ops, "_capability", lambda device: (9, 0))
+    q = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
+    n = configs.SHORT_N + 1
+    own = ops._OWN_CONFIGS[("bwd_q", 128, 2, False, (9, 0))]
+    assert ops._launch_config("bwd_q", 128, q, False, n) == own
+    assert own != configs.launch_config("bwd_q", 128, 2, False, (9, 0), False, n)
+    table = {
+        "causal": (("bwd_q", 128, q, True, n), ("bwd_q", 128, 2, True, (9, 0), False, n)),
+        "short": (("bwd_q", 128, q, False, configs.SHORT_N), ("bwd_q", 128, 2, False, (9, 0), False, configs.SHORT_N)),
+        "float32": (("bwd_q", 128, q.float(), False, n), ("bwd_q", 128, 4, False, (9, 0), False, n)),
+        "dK/dV": (("bwd_kv", 128, q, False, n), ("bwd_kv", 128, 2, False, (9, 0), False, n)),
+    }  # fmt: skip
+    for name, (ours, theirs) in table.items():
+        assert ops._launch_config(*ours) == configs.launch_config(*theirs), name
+    with tuning.override(bwd_q=(128, 64, 8, 2)):
+        assert ops._launch_config("bwd_q", 128, q, False, n) == configs.LaunchConfig(128, 64, 8, 2)
+    with tuning.override(bwd_kv=(64, 128, 8, 3)):  # another direction: the row stays
+        assert ops._launch_config("bwd_q", 128, q, False, n) == own
+    monkeypatch.setattr(ops, "_capability", lambda device: (8, 0))
+    assert ops._launch_config("bwd_q", 128, q, False, n) == configs.launch_config(
+        "bwd_q", 128, 2, False, (8, 0), False, n
+    )
+    monkeypatch.setattr(ops, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(ops, "interpreting", lambda: True)
+    assert ops._launch_config("bwd_q", 128, q, False, n) == configs.launch_config(
+        "bwd_q", 128, 2, False, (9, 0), True, n
+    )
 
 
 def test_double_backward_raises_instead_of_dropping_the_attention_terms() -> None:

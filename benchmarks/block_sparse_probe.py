@@ -1,0 +1,91 @@
+"""Where triton_blocksparse's backward spends its time, layout by layout.
+
+The block-sparse bench (``attnhub bench --block-sparse``) reads the backward against
+FlexAttention's per layout; this splits it into its CUDA kernels (preprocess, dK/dV,
+dQ and anything else launched) from the profiler, dense triton_flash's first (its merged
+and split backward launches), with the layout's facts (kept
+blocks, empty rows and columns, the heavy-first counts), for the bench's shape (B2 H16
+N8192 D128 bf16, block 128) by default::
+
+    python benchmarks/block_sparse_probe.py [--shape B,H,N,D] [--layouts random:0.05,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+
+import attnhub
+from attnhub.backends.triton_blocksparse import ops as bs_ops
+from attnhub.backends.triton_flash import tuning
+from attnhub.bench import build_layout
+from attnhub.timing import loop_ms
+
+
+def _kernels(step, iters: int = 10) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """CUDA time per step (us) of each kernel ``step`` launches."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    times: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total:
+            times[event.key[:60]] += event.self_device_time_total / iters
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", default="2,16,8192,128")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--layouts",
+        default="random:1,random:0.25,random:0.1,random:0.05,sliding_window:1024,bigbird:2",
+    )
+    args = parser.parse_args()
+    b, h, n, d = (int(x) for x in args.shape.split(","))
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # --device cpu: a smoke run
+    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    g = torch.randn_like(q)
+    print(f"shape B{b} H{h} N{n} D{d} {dtype}, block 128; backward kernels, us per step")
+    for launch in ("merged", "split"):  # dense triton_flash beside it, both launch modes
+        with tuning.override(backward_launch=launch):
+            out = attnhub.attention(q, k, v, backend="triton_flash")
+
+        def dense(out: torch.Tensor = out) -> None:
+            torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+
+        dense()
+        print(f"dense triton_flash, {launch} backward: {loop_ms(dense, device, 20):.3f} ms")
+        for name, us in _kernels(dense).items():
+            print(f"    {us:9.1f}  {name}")
+    for text in args.layouts.split(","):
+        kind, param = text.split(":")
+        layout = build_layout((kind, float(param)), n, 128, device=device)
+        out = attnhub.attention(q, k, v, block_sparse=layout, backend="triton_blocksparse")
+        bs_ops.layout_tensors(layout, device)
+        facts = bs_ops._facts[layout]
+        kept = layout.block_mask
+        rows_empty = int((kept.sum(-1) == 0).sum())
+        cols_empty = int((kept.sum(-2) == 0).sum())
+
+        def bwd(out: torch.Tensor = out) -> None:
+            torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+
+        bwd()  # compiles
+        ms = loop_ms(bwd, device, 20)
+        print(f"{text}: density {kept.float().mean():.3f}, rows/cols without a block "
+              f"{rows_empty}/{cols_empty}, heavy rows/cols {facts.heavy_rows}/"
+              f"{facts.heavy_cols}, partial {facts.has_partial}; backward {ms:.3f} ms")  # fmt: skip
+        for name, us in _kernels(bwd).items():
+            print(f"    {us:9.1f}  {name}")
+
+
+if __name__ == "__main__":
+    main()
