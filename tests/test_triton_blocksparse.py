@@ -413,6 +413,65 @@ def test_gpu_large(dtype: torch.dtype, block: int) -> None:
         _check(layout, dtype, 2, 4, 2, 2048, 2048, 128, causal=causal)
 
 
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("partial", [False, True], ids=["full_blocks", "partial_blocks"])
+def test_gpu_plans_take_each_calls_layout(monkeypatch, partial: bool) -> None:  # type: ignore[no-untyped-def]
+    """Eager block-sparse calls reuse cached launch plans (triton_flash's ops._PLANS):
+    from a key's third call on, forward and backward skip Triton's binder, and layouts
+    of one geometry and the same facts share the plan, each call launched on its own
+    block lists (a plan that kept the recording call's lists would compute another
+    layout). Output, lse and gradients equal, bitwise, the full path's."""
+    from attnhub.backends.triton_blocksparse import kernels
+    from attnhub.backends.triton_flash import kernels as flash_kernels
+    from attnhub.backends.triton_flash import ops as flash_ops
+
+    jit_runs: list[str] = []
+    for module, name in ((kernels, "bs_fwd_kernel"), (kernels, "bs_bwd_dkdv_kernel"),
+                         (kernels, "bs_bwd_dq_kernel"), (flash_kernels, "attn_bwd_preprocess_kernel")):  # fmt: skip
+        kernel = getattr(module, name)
+
+        def counting(*args, _run=kernel.run, _name=name, **kwargs):  # type: ignore[no-untyped-def]
+            jit_runs.append(_name)
+            return _run(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", counting)
+    n, block = 1000, 64  # ragged last blocks
+    if partial:  # token masks of their own, 41, 40 and 43 of them (not in the plan's key)
+        layouts = [BlockSparseLayout.sliding_window(n, w, block) for w in (200, 200, 250, 130)]
+    else:
+        layouts = [_random_layout(1, 4, n, n, block, 0.5, seed=s) for s in (1, 1, 2, 3)]
+    facts = set()
+    for layout in layouts:
+        ops.layout_tensors(layout, torch.device("cuda"))
+        facts.add(ops._facts[layout])
+    assert len(facts) == 1, "the layouts must share one plan key"
+    torch.manual_seed(21)
+    q, k, v = (torch.randn(2, 4, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    dout = torch.randn(2, 4, n, 128, device="cuda", dtype=torch.bfloat16)
+
+    def step(layout):  # type: ignore[no-untyped-def]
+        out, lse = ops.block_sparse_attention(q, k, v, layout.to("cuda"))
+        loss = (out * dout).sum() + lse.nan_to_num(0.0, 0.0, 0.0).sum()
+        return (out, lse, *torch.autograd.grad(loss, (q, k, v)))
+
+    with monkeypatch.context() as m:  # a replaced launcher: no plans (ops._plan_key)
+        m.setattr(
+            flash_ops, "_launcher", lambda kernel, like: flash_ops._default_launcher(kernel, like)
+        )
+        full = [step(layout) for layout in layouts]
+    flash_ops.clear_plans()
+    for i, layout in enumerate(layouts):
+        jit_runs.clear()
+        planned = step(layout)
+        assert (jit_runs == []) == (i >= 2), (i, jit_runs)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), planned, full[i]):
+            assert torch.equal(a, b), (i, name)
+    assert not torch.equal(full[2][0], full[3][0])
+    flash_ops.clear_plans()
+
+
 def test_own_launch_rows_apply_where_measured_and_yield_to_overrides(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """ops._launch_config: the family's own dQ row for 2-byte D=128 non-causal calls past
     SHORT_N keys on sm_90, and triton_flash's table for everything else (causal, short,

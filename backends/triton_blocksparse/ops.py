@@ -25,18 +25,24 @@ from attnhub.backends.triton_flash import tuning
 from attnhub.backends.triton_flash.configs import SHORT_N, LaunchConfig, launch_config
 from attnhub.backends.triton_flash.ops import (
     DirectAttention,
+    _aligned,
     _capability,
     _define,
     _delta,
     _forward_outputs,
     _grad_outputs,
-    _launcher,
+    _launch,
+    _lookup,
+    _plan_key,
+    _remember,
     _row_strides,
     _setup,
+    backward_plan_key,
     call_scalars,
     cdiv,
     direct,
     interpreting,
+    is_wrap_triton_enabled,
     raise_double_backward,
 )
 from attnhub.block_sparse import BlockSparseLayout, _compress
@@ -204,6 +210,28 @@ def _grid(n: int, block: int, tile: int, heads: int) -> int:
     return cdiv(n, block) * (block // tile) * heads
 
 
+# Eager calls on CUDA reuse cached launch plans as triton_flash's do (its ops._PLANS,
+# the same table): the layout's index tensors are per-call tensors of a plan, never
+# recorded ones; their shapes, strides and alignments enter the key (the token masks'
+# alignment only: the kernels index them through the block lists, so their count
+# decides no argument), and the layout facts the launches read (block size,
+# has_partial, the heavy counts) are among the scalars. So layouts of one geometry
+# share a plan (sliding windows of different widths, say), each launched on its own
+# block lists and token masks.
+
+
+def _index_key(index: list[torch.Tensor]) -> tuple:
+    """What of the layout tensors (:func:`layout_tensors`) decides a launch other than
+    their addresses."""
+    return tuple(
+        _aligned(t) if i == _TILES else (t.shape, t.stride(), _aligned(t))
+        for i, t in enumerate(index)
+    )
+
+
+_TILES = 10  # the token masks' place in layout_tensors' list
+
+
 def _fwd_impl(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -225,6 +253,15 @@ def _fwd_impl(
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward over the kept blocks; shapes and conventions as triton_flash's op."""
+    scalars = (bq, bk, has_partial, heavy_rows, heavy_cols, causal, bottom_right,
+               window_left, window_right, softcap, scale, dropout_p)  # fmt: skip
+    key = None
+    if not is_wrap_triton_enabled():
+        key = _plan_key("bs_fwd", q, k, v, mask, seed, scalars, _index_key(index))
+        if key is not None:
+            plan, key = _lookup(key)
+            if plan is not None:
+                return plan(q, k, v, mask, seed, index)  # type: ignore[no-any-return]
     out, lse, empty = _forward_outputs(q, k, v)
     if empty:
         return out, lse
@@ -235,14 +272,18 @@ def _fwd_impl(
     fnum, fidx, pnum, pidx, ptile = index[:5]
     tiles, row_order = index[10:12]
     block_m, _, launch = _tiles_meta("fwd", bq, bk, c.meta, q, nk, causal)
-    _launcher(kernels.bs_fwd_kernel, q)[(_grid(nq, bq, block_m, b * hq),)](
+    record: list | None = [] if key is not None else None
+    args = (
         q, k, v, c.mask, q if seed is None else seed, out, lse,
         fnum, fidx, pnum, pidx, ptile, tiles, row_order, heavy_rows,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *out.stride(),
         *_index_strides(fnum, fidx), hq, hq // hkv, nq, nk, d, dv, *c.scalars,
-        HAS_PARTIAL=has_partial, FOLD_SCALE=c.fold_scale, **c.meta, **launch,
-        **_row_strides(K=k, V=v),
     )  # fmt: skip
+    meta = {"HAS_PARTIAL": has_partial, "FOLD_SCALE": c.fold_scale, **c.meta, **launch,
+            **_row_strides(K=k, V=v)}  # fmt: skip
+    _launch(kernels.bs_fwd_kernel, q, (_grid(nq, bq, block_m, b * hq),), args, meta, 14, record)
+    if key is not None and record and record[0] is not None:
+        _remember(key, _Plan(record, (out, lse), None))
     return out, lse
 
 
@@ -271,6 +312,16 @@ def _bwd_impl(
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward over the kept blocks: (dq, dk, dv); deterministic, no atomics."""
+    scalars = (bq, bk, has_partial, heavy_rows, heavy_cols, causal, bottom_right,
+               window_left, window_right, softcap, scale, dropout_p)  # fmt: skip
+    key = None
+    if not is_wrap_triton_enabled():
+        key = backward_plan_key("bs_bwd", dout, q, k, v, mask, seed, out, lse, dlse, scalars,
+                                _index_key(index))  # fmt: skip
+        if key is not None:
+            plan, key = _lookup(key)
+            if plan is not None:
+                return plan.backward(dout, q, k, v, mask, seed, index, out, lse, dlse)  # type: ignore[no-any-return]
     dq, dk, dv, empty = _grad_outputs(q, k, v)
     if empty:
         return dq, dk, dv
@@ -278,32 +329,74 @@ def _bwd_impl(
     hkv, nk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
     c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
                scale, dropout_p)  # fmt: skip
-    delta = _delta(out, dout, dlse, c.meta)
+    record: list | None = [] if key is not None else None
+    delta = _delta(out, dout, dlse, c.meta, record)
     seed_t = q if seed is None else seed
     tiles, row_order, col_order = index[10:13]
     meta = {**c.meta, "HAS_PARTIAL": has_partial}
 
     fnum, fidx, pnum, pidx, ptile = index[5:10]
     _, block_n, launch = _tiles_meta("bwd_kv", bq, bk, meta, q, nk, causal)
-    _launcher(kernels.bs_bwd_dkdv_kernel, q)[(_grid(nk, bk, block_n, b * hkv),)](
+    args = (
         q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
         fnum, fidx, pnum, pidx, ptile, tiles, col_order, heavy_cols,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dk.stride(), *dv.stride(),
         *_index_strides(fnum, fidx),
-        hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **meta, **launch,
-        **_row_strides(Q=q, DO=dout),
+        hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
     )  # fmt: skip
+    _launch(kernels.bs_bwd_dkdv_kernel, q, (_grid(nk, bk, block_n, b * hkv),), args,
+            {**meta, **launch, **_row_strides(Q=q, DO=dout)}, 17, record)  # fmt: skip
     fnum, fidx, pnum, pidx, ptile = index[:5]
     block_m, _, launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal)
-    _launcher(kernels.bs_bwd_dq_kernel, q)[(_grid(nq, bq, block_m, b * hq),)](
+    args = (
         q, k, v, c.mask, seed_t, dout, lse, delta, dq,
         fnum, fidx, pnum, pidx, ptile, tiles, row_order, heavy_rows,
         *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(), *dq.stride(),
         *_index_strides(fnum, fidx),
-        hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars, **meta, **launch,
-        **_row_strides(K=k, V=v),
+        hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
     )  # fmt: skip
+    _launch(kernels.bs_bwd_dq_kernel, q, (_grid(nq, bq, block_m, b * hq),), args,
+            {**meta, **launch, **_row_strides(K=k, V=v)}, 16, record)  # fmt: skip
+    if key is not None and record and all(x is not None for x in record):
+        _remember(key, _Plan(record, (dq, dk, dv), delta))
     return dq, dk, dv
+
+
+class _Plan:
+    """A block-sparse call's cached launches and the shapes of what it allocates: the
+    forward's launch, or the backward's preprocess, dK/dV and dQ launches (see the
+    comment above :func:`_index_key`)."""
+
+    __slots__ = ("delta_shape", "device", "launches", "outputs")
+
+    def __init__(self, launches: list, outputs: tuple, delta: torch.Tensor | None) -> None:
+        self.launches = tuple(launches)
+        self.outputs = tuple((t.shape, t.dtype) for t in outputs)
+        self.device = outputs[0].device
+        self.delta_shape = None if delta is None else delta.shape
+
+    def _allocate(self) -> list[torch.Tensor]:
+        return [torch.empty(s, dtype=t, device=self.device) for s, t in self.outputs]
+
+    def __call__(self, q, k, v, mask, seed, index):  # type: ignore[no-untyped-def]
+        """The forward: (out, lse)."""
+        out, lse = self._allocate()
+        self.launches[0](q, k, v, q if mask is None else mask, q if seed is None else seed,
+                         out, lse, *index[:5], index[10], index[11])  # fmt: skip
+        return out, lse
+
+    def backward(self, dout, q, k, v, mask, seed, index, out, lse, dlse):  # type: ignore[no-untyped-def]
+        """(dq, dk, dv)."""
+        dq, dk, dv = self._allocate()
+        delta = torch.empty(self.delta_shape, dtype=torch.float32, device=self.device)
+        self.launches[0](out, dout, delta, out)
+        if dlse is not None:
+            delta = delta - dlse.float()
+        m, s = q if mask is None else mask, q if seed is None else seed
+        tiles, row_order, col_order = index[10:13]
+        self.launches[1](q, k, v, m, s, dout, lse, delta, dk, dv, *index[5:10], tiles, col_order)
+        self.launches[2](q, k, v, m, s, dout, lse, delta, dq, *index[:5], tiles, row_order)
+        return dq, dk, dv
 
 
 triton_blocksparse_fwd = _define("attnhub::triton_blocksparse_fwd", _fwd_impl)
