@@ -9,11 +9,12 @@ torch_sdpa declines a bool mask with a backward on CUDA (backends/torch_sdpa.py,
 mask's key-less rows opened, the output's rows zeroed after) on each of PyTorch's
 kernels, and through the torch_sdpa backend's own forward ("attnhub": causal plus the
 key mask, as mask recognition hands it the call), with the mask as bool and as float
-(0 / -inf), at several lengths, and prints each gradient's error against float64 as a
+(0 / -inf), at several lengths, with grouped heads where ``--kv-heads`` is given (every
+batch row but the first left-padded, by up to N/4), and prints each gradient's error against float64 as a
 multiple of the contract's bound (2 * the error of the reference computed in the
 inputs' dtype, + 1e-5). A ratio over 1 fails the contract.
 
-    python benchmarks/sdpa_mask_probe.py [--lengths 256,1024,4096] [--json FILE]
+    python benchmarks/sdpa_mask_probe.py [--lengths 256,1024,4096] [--kv-heads 4] [--json FILE]
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ _KERNELS = {
 }
 
 
-def _inputs(n: int, b: int, h: int, d: int, pad: int, dtype: torch.dtype, device: str):
+def _inputs(n: int, b: int, h: int, hkv: int, d: int, pad: int, dtype: torch.dtype, device: str):  # fmt: skip
     torch.manual_seed(0)
-    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype) for _ in range(3))
-    lengths = torch.full((b,), n, device=device)
-    lengths[-1] = n - pad
+    q = torch.randn(b, h, n, d, device=device, dtype=dtype)
+    k, v = (torch.randn(b, hkv, n, d, device=device, dtype=dtype) for _ in range(2))
+    # Every row but the first padded, the last by `pad`, the others by less.
+    lengths = n - (torch.arange(b, device=device) * pad) // max(b - 1, 1)
     # Left padding: the last row's first `pad` positions are padding.
     start = (n - lengths).view(b, 1, 1, 1)
     pos = torch.arange(n, device=device)
@@ -56,8 +58,9 @@ def _grads(out: torch.Tensor, leaves: list[torch.Tensor], grad: torch.Tensor) ->
 
 def _sdpa(q, k, v, mask, kernel):  # type: ignore[no-untyped-def]
     opened, empty = _open_rows_without_keys(mask)
+    gqa = q.shape[1] != k.shape[1]
     with sdpa_kernel([kernel]):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=opened)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=opened, enable_gqa=gqa)
     return out.masked_fill(empty, 0.0)
 
 
@@ -78,7 +81,8 @@ def _attnhub_torch_sdpa(q, k, v, mask):  # type: ignore[no-untyped-def]
 def probe(n: int, args: argparse.Namespace) -> list[dict]:
     device, dtype = args.device, getattr(torch, args.dtype)
     pad = n // 4
-    q, k, v, keep = _inputs(n, args.batch, args.heads, args.head_dim, pad, dtype, device)
+    hkv = args.kv_heads or args.heads
+    q, k, v, keep = _inputs(n, args.batch, args.heads, hkv, args.head_dim, pad, dtype, device)
     params = _params(q, k, causal=False)
     grad = torch.randn((*q.shape[:-1], v.shape[-1]), device=device, dtype=dtype)
 
@@ -120,6 +124,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="256,1024,4096")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=0, help="grouped heads (default: --heads)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda", help="cpu: only to try the script")
@@ -127,8 +132,8 @@ def main() -> None:
     args = parser.parse_args()
     where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
-          f"{where}; B{args.batch} H{args.heads} D{args.head_dim} "
-          f"{args.dtype}, causal + left key padding of N/4 in the last row")  # fmt: skip
+          f"{where}; B{args.batch} H{args.heads}/{args.kv_heads or args.heads} D{args.head_dim} "
+          f"{args.dtype}, causal + left key padding of up to N/4 (the last row's)")  # fmt: skip
     print("error / contract bound (> 1 fails):")
     rows = []
     for n in (int(x) for x in args.lengths.split(",")):
