@@ -24,8 +24,9 @@ from attnhub.bench import build_layout
 from attnhub.timing import loop_ms
 
 
-def _kernels(step, iters: int = 10) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    """CUDA time per step (us) of each kernel ``step`` launches."""
+def kernel_us(step, iters: int = 10) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """CUDA time per step (us) of each kernel ``step`` launches, the longest first (the
+    profiler's per-kernel totals over ``iters`` steps)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             step()
@@ -33,7 +34,7 @@ def _kernels(step, iters: int = 10) -> dict[str, float]:  # type: ignore[no-unty
     times: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total:
-            times[event.key[:60]] += event.self_device_time_total / iters
+            times[event.key] += event.self_device_time_total / iters
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
@@ -63,8 +64,8 @@ def main() -> None:
 
         dense()
         print(f"dense triton_flash, {launch} backward: {loop_ms(dense, device, 20):.3f} ms")
-        for name, us in _kernels(dense).items():
-            print(f"    {us:9.1f}  {name}")
+        for name, us in kernel_us(dense).items():
+            print(f"    {us:9.1f}  {name[:60]}")
     for text in args.layouts.split(","):
         kind, param = text.split(":")
         layout = build_layout((kind, float(param)), n, 128, device=device)
@@ -83,8 +84,8 @@ def main() -> None:
         print(f"{text}: density {kept.float().mean():.3f}, rows/cols without a block "
               f"{rows_empty}/{cols_empty}, heavy rows/cols {facts.heavy_rows}/"
               f"{facts.heavy_cols}, partial {facts.has_partial}; backward {ms:.3f} ms")  # fmt: skip
-        for name, us in _kernels(bwd).items():
-            print(f"    {us:9.1f}  {name}")
+        for name, us in kernel_us(bwd).items():
+            print(f"    {us:9.1f}  {name[:60]}")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from collections import defaultdict
 
 import torch
+from block_sparse_probe import kernel_us  # this folder's: scripts run with it on sys.path
 
 import attnhub
 from attnhub.backends.triton_flash import tuning
@@ -33,18 +33,6 @@ KV = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64
 Q = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 8, 3),
      (128, 128, 8, 2), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 3),
      (64, 128, 4, 3), (64, 64, 4, 4), (32, 64, 4, 3), (64, 32, 4, 2)]  # fmt: skip
-
-
-def _kernel_us(step, iters: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    times: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.key] += event.self_device_time_total / iters
-    return times
 
 
 def main() -> None:
@@ -72,7 +60,7 @@ def main() -> None:
 
         table = grads()
         want = table()
-        base = _kernel_us(table, args.iters)
+        base = kernel_us(table, args.iters)
         print(f"{text}: the table's dK/dV {base['bs_bwd_dkdv_kernel']:.1f} us, "
               f"dQ {base['bs_bwd_dq_kernel']:.1f} us")  # fmt: skip
         for kv, qc in itertools.zip_longest(KV, Q):
@@ -80,7 +68,7 @@ def main() -> None:
             try:
                 got = step()
                 step()
-                times = _kernel_us(step, args.iters)
+                times = kernel_us(step, args.iters)
             except Exception as exc:  # a candidate that does not compile (shared memory)
                 print(f"  kv {kv} q {qc}: {type(exc).__name__}: {str(exc)[:100]}")
                 continue
