@@ -3,6 +3,7 @@ paged KV cache gives transformers' own greedy tokens; the allocator's bookkeepin
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 
@@ -40,8 +41,14 @@ def model(example):
 
 
 # Lengths that start inside a page, fill one exactly (16, 32) and cross pages while
-# decoding (30 + 12 crosses 32).
+# decoding. NEW_TOKENS = 5 is 4 decode steps, storing keys L .. L + 3 of each prompt:
+# the prompts that fill their pages (32; 16 under 16-key pages) open a new page at the
+# first step, the 30-token one at key 32 in the third (under either page size), and
+# the fourth reads that page back from the pool. (Each step is seconds of the Triton
+# interpreter: no more steps than the boundaries need. The steps' logits are compared
+# too, so that a wrong key shows at its step even where the argmax does not move.)
 PROMPTS_LENGTHS = (3, 16, 30, 32)
+NEW_TOKENS = 5
 
 
 def _prompts(lengths, seed=0):
@@ -49,18 +56,45 @@ def _prompts(lengths, seed=0):
     return [torch.randint(1, 128, (n,), generator=g).tolist() for n in lengths]
 
 
+@contextlib.contextmanager
+def _logits_of_each_call(model):
+    """The logits of every call of ``model`` inside the block, in call order."""
+    seen: list[torch.Tensor] = []
+
+    def record(module, args, output):  # type: ignore[no-untyped-def]
+        seen.append(output.logits.detach().clone())
+
+    handle = model.register_forward_hook(record)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("page_size", [16, 32])
 def test_greedy_tokens_equal_transformers_generate(example, model, page_size):
+    """The tokens are transformers' own greedy tokens, and each step's logits are its
+    logits (float32, to rounding): a key read from a wrong page or slot moves the
+    logits of its step even where the tiny random model's argmax stays."""
     prompts = _prompts(PROMPTS_LENGTHS)
     attnhub.reset_stats()
-    ours = example.generate(model, prompts, 12, page_size=page_size)
+    with _logits_of_each_call(model) as logits:
+        ours = example.generate(model, prompts, NEW_TOKENS, page_size=page_size)
     served = attnhub.stats()
-    reference = example.hf_generate(model, prompts, 12)
-    assert ours.shape == (4, 12)
+    with _logits_of_each_call(model) as reference_logits:
+        reference = example.hf_generate(model, prompts, NEW_TOKENS)
+    assert ours.shape == (4, NEW_TOKENS)
     assert torch.equal(ours, reference), (ours, reference)
-    # 2 layers: one varlen prefill and 11 paged decode steps each, all through attnhub.
-    assert sum(served.values()) == 2 * 12
+    # 2 layers: one varlen prefill and 4 paged decode steps each, all through attnhub.
+    assert sum(served.values()) == 2 * NEW_TOKENS
     assert model.config._attn_implementation == example.IMPLEMENTATION  # restored
+    # Our first call is the packed prefill, (1, prompts, vocab) at the prompts' last
+    # positions; every other call's (B, positions, vocab) ends at the step's position.
+    steps = [logits[0][0], *(x[:, -1] for x in logits[1:])]
+    reference_steps = [x[:, -1] for x in reference_logits]
+    assert len(steps) == len(reference_steps) == NEW_TOKENS
+    for step, (x, r) in enumerate(zip(steps, reference_steps, strict=True)):
+        torch.testing.assert_close(x, r, msg=lambda m, step=step: f"step {step}: {m}")
 
 
 def test_each_step_passes_the_new_tokens_positions(example, model, monkeypatch):

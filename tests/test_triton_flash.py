@@ -267,12 +267,15 @@ def test_forward_and_backward_bitwise_repeatable() -> None:
 
 # Feature combinations for the merged backward: causal GQA, MQA with Nq < Nk bottom-right
 # (ragged tiles on both axes), Nq > Nk, and everything at once; and CASES' even lengths,
-# where the roles' edge-segment flags (KV_MASK_*, Q_MASK_*) turn segments off.
+# where the roles' edge-segment flags (KV_MASK_*, Q_MASK_*) turn segments off. causal_gqa
+# has B = 2: a merged grid that leaves out the batch (B * HKV dK/dV, B * H dQ programs)
+# fails there. "all" is CASES' "all" at B = 1: half the interpreted work of the slowest
+# case here, with the same roles, tiles and edge-segment flags per program.
 MERGED_CASES = [
     Case("causal_gqa", 2, 4, 2, 50, 50, 32, causal=True),
     Case("mqa_ragged_br", 1, 4, 1, 45, 61, 40, causal=True, bottom_right=True),
     Case("ragged", 1, 2, 2, 70, 33, 16),
-    Case("all", 2, 4, 2, 53, 71, 40, causal=True, bottom_right=True, window=(20, None),
+    Case("all", 1, 4, 2, 53, 71, 40, causal=True, bottom_right=True, window=(20, None),
          softcap=3.0, mask="float_bcast"),
 ] + [case for case in CASES if case.label.startswith("even")]  # fmt: skip
 
