@@ -399,15 +399,13 @@ def _config(text: str) -> tuple[str, configs.LaunchConfig]:
 def record_blocksparse(cases: list[tuple[torch.dtype, int, int, dict]]) -> list:
     """triton_blocksparse's forward+backward for each (dtype, head dim, block, options) on
     CPU, recorded: its own kernels and the preprocess kernel it shares with triton_flash
-    (launched through triton_flash's ops module)."""
+    (all launched through triton_flash's ops module, ``ops._launch``)."""
     from attnhub.backends.triton_blocksparse import ops as bs_ops
     from attnhub.block_sparse import BlockSparseLayout
 
     launches: list = []
-    modules = (bs_ops, ops)
-    originals = [m._launcher for m in modules]
-    for m in modules:
-        m._launcher = lambda kernel, like: _Recorder(kernel, launches)  # type: ignore[assignment]
+    original = ops._launcher
+    ops._launcher = lambda kernel, like: _Recorder(kernel, launches)  # type: ignore[assignment]
     try:
         for dtype, d, block, options in cases:
             options = dict(options)
@@ -423,8 +421,7 @@ def record_blocksparse(cases: list[tuple[torch.dtype, int, int, dict]]) -> list:
             out, _ = bs_ops.block_sparse_attention(q, k, k, layout, mask, **options)
             out.sum().backward()
     finally:
-        for m, original in zip(modules, originals):
-            m._launcher = original  # type: ignore[assignment]
+        ops._launcher = original  # type: ignore[assignment]
     return launches
 
 
