@@ -1068,8 +1068,10 @@ def test_forward_mode_ad_raises_instead_of_dropping_tangents() -> None:
 def test_a_plan_is_recorded_on_a_keys_second_call() -> None:
     """ops._lookup: a key's first call marks it (no recording, so a shape that changes
     every call never pays for one), its second asks the full path to record a plan,
-    later calls get the plan; the table is cleared when full."""
+    later calls get the plan; the table is cleared when full. A call without a key (it
+    may not use plans) gets neither and marks nothing."""
     ops.clear_plans()
+    assert ops._lookup(None) == (None, None) and not ops._PLANS
     key = ("test", 1)
     assert ops._lookup(key) == (None, None)
     assert ops._lookup(key) == (None, key)

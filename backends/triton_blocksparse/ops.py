@@ -258,10 +258,9 @@ def _fwd_impl(
     key = None
     if not is_wrap_triton_enabled():
         key = _plan_key("bs_fwd", q, k, v, mask, seed, scalars, _index_key(index))
-        if key is not None:
-            plan, key = _lookup(key)
-            if plan is not None:
-                return plan(q, k, v, mask, seed, index)  # type: ignore[no-any-return]
+    plan, key = _lookup(key)
+    if plan is not None:
+        return plan(q, k, v, mask, seed, index)  # type: ignore[no-any-return]
     out, lse, empty = _forward_outputs(q, k, v)
     if empty:
         return out, lse
@@ -318,10 +317,9 @@ def _bwd_impl(
     if not is_wrap_triton_enabled():
         key = backward_plan_key("bs_bwd", dout, q, k, v, mask, seed, out, lse, dlse, scalars,
                                 _index_key(index))  # fmt: skip
-        if key is not None:
-            plan, key = _lookup(key)
-            if plan is not None:
-                return plan.backward(dout, q, k, v, mask, seed, index, out, lse, dlse)  # type: ignore[no-any-return]
+    plan, key = _lookup(key)
+    if plan is not None:
+        return plan.backward(dout, q, k, v, mask, seed, index, out, lse, dlse)  # type: ignore[no-any-return]
     dq, dk, dv, empty = _grad_outputs(q, k, v)
     if empty:
         return dq, dk, dv

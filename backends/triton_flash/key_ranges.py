@@ -91,10 +91,9 @@ def ranges_of(
 def _fwd(q, k, v, mask, seed, ranges, *scalars, store_lse=True):  # type: ignore[no-untyped-def]
     """(out, lse or None): the forward in key-range mode."""
     key = _plan_key("fwd_ranges", q, k, v, None, None, scalars, store_lse, _aligned(ranges))
-    if key is not None:
-        plan, key = _lookup(key)
-        if plan is not None:
-            return plan(q, k, v, None, None, ranges)
+    plan, key = _lookup(key)
+    if plan is not None:
+        return plan(q, k, v, None, None, ranges)
     return _forward(q, k, v, None, None, scalars, store_lse, key, key_ranges=ranges)
 
 
@@ -102,10 +101,9 @@ def _bwd(dout, q, k, v, mask, seed, ranges, out, lse, dlse, *scalars):  # type: 
     """(dq, dk, dv): DirectAttention's backward in key-range mode."""
     key = backward_plan_key("bwd_ranges", dout, q, k, v, None, None, out, lse, dlse, scalars,
                             _aligned(ranges))  # fmt: skip
-    if key is not None:
-        plan, key = _lookup(key)
-        if plan is not None:
-            return plan(dout, q, k, v, None, None, out, lse, dlse, ranges)
+    plan, key = _lookup(key)
+    if plan is not None:
+        return plan(dout, q, k, v, None, None, out, lse, dlse, ranges)
     return _bwd_full(dout, q, k, v, None, None, out, lse, dlse, scalars, key, key_ranges=ranges)
 
 

@@ -451,10 +451,13 @@ _MAX_PLANS = 1024
 _SEEN = object()  # the mark of a key met once
 
 
-def _lookup(key: tuple) -> tuple[Any, tuple | None]:
+def _lookup(key: tuple | None) -> tuple[Any, tuple | None]:
     """(plan, key to record under) for one call: the plan where there is one; else
     None and, on the key's second call, the key (the full path then records a plan);
-    on its first, None and None (the key is marked)."""
+    on its first, None and None (the key is marked). A call with no key (None: it may
+    not use plans) gets None and None."""
+    if key is None:
+        return None, None
     entry = _PLANS.get(key)
     if entry is None:
         _remember(key, _SEEN)
@@ -701,10 +704,9 @@ def _fwd_impl(
     Eager calls on CUDA reuse a cached launch plan (see _PLANS)."""
     scalars = (causal, bottom_right, window_left, window_right, softcap, scale, dropout_p)
     key = None if is_wrap_triton_enabled() else _plan_key("fwd", q, k, v, mask, seed, scalars, True)
-    if key is not None:
-        plan, key = _lookup(key)
-        if plan is not None:
-            return plan(q, k, v, mask, seed)  # type: ignore[no-any-return]
+    plan, key = _lookup(key)
+    if plan is not None:
+        return plan(q, k, v, mask, seed)  # type: ignore[no-any-return]
     out, lse = _forward(q, k, v, mask, seed, scalars, True, key)
     return out, lse  # type: ignore[return-value]
 
@@ -720,11 +722,9 @@ def _fwd_no_grad(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An eager call on plain tensors that records no gradient: the forward without an
     autograd node, and without an lse unless ``store_lse``."""
-    key = _plan_key("fwd", q, k, v, mask, seed, scalars, store_lse)
-    if key is not None:
-        plan, key = _lookup(key)
-        if plan is not None:
-            return plan(q, k, v, mask, seed)  # type: ignore[no-any-return]
+    plan, key = _lookup(_plan_key("fwd", q, k, v, mask, seed, scalars, store_lse))
+    if plan is not None:
+        return plan(q, k, v, mask, seed)  # type: ignore[no-any-return]
     with set_wrap_triton_enabled(False):
         return _forward(q, k, v, mask, seed, scalars, store_lse, key)
 
@@ -758,10 +758,9 @@ def _bwd_impl(
     key = None
     if not is_wrap_triton_enabled():
         key = backward_plan_key("bwd", dout, q, k, v, mask, seed, out, lse, dlse, scalars)
-        if key is not None:
-            plan, key = _lookup(key)
-            if plan is not None:
-                return plan(dout, q, k, v, mask, seed, out, lse, dlse)  # type: ignore[no-any-return]
+    plan, key = _lookup(key)
+    if plan is not None:
+        return plan(dout, q, k, v, mask, seed, out, lse, dlse)  # type: ignore[no-any-return]
     return _bwd_full(dout, q, k, v, mask, seed, out, lse, dlse, scalars, key)
 
 
