@@ -294,6 +294,8 @@ def test_layout_tensors_are_compact_and_cached() -> None:
     layout = BlockSparseLayout.causal(64 * 40, 64)
     first = ops.layout_tensors(layout, torch.device("cpu"))
     assert ops.layout_tensors(layout, torch.device("cpu")) is first
+    # The launch-plan key the list carries is the one its tensors give.
+    assert ops._index_key(first) == ops._index_key(list(first))
     tiles = first[10]
     assert tiles.shape == (40, 64, 64)  # one token mask per diagonal block: linear in N
     assert torch.equal(tiles[0].bool(), torch.ones(64, 64, dtype=torch.bool).tril())
