@@ -54,7 +54,7 @@ _MASKS = (("none", 9), ("bool", 3), ("keys", 3), ("float", 3), ("float32", 2))
 
 def _length(rng: random.Random, max_len: int) -> int:
     """A sequence length: 1 (decoding) or a few (speculative decoding, short prompts)
-    one time in four each, else log-uniform up to ``max_len``."""
+    15% of the time each, else log-uniform up to ``max_len``."""
     kind = rng.random()
     if kind < 0.15:
         return 1
