@@ -60,7 +60,6 @@ import triton.language as tl
 from attnhub.backends.triton_flash.common import (
     _DYNAMIC,
     _bwd_kv_inner,
-    _bwd_kv_math,
     _bwd_kv_step,
     _bwd_q_inner,
     _bwd_q_step,
@@ -301,7 +300,7 @@ def bs_bwd_dq_kernel(
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, HAS_PARTIAL: tl.constexpr,
     BQ: tl.constexpr, BK: tl.constexpr, EVEN_BLOCKS: tl.constexpr,
-    STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0, LOOP: tl.constexpr = 0,
+    STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
 ):  # fmt: skip
     """dQ for BLOCK_M rows of one query block over its kept key blocks."""
     stride_kn = _row_stride(stride_kn, PACKED=STRIDE_KN)
@@ -347,34 +346,7 @@ def bs_bwd_dq_kernel(
     idx_off = b * stride_ib + h * stride_ih + qb * NCOLS
 
     n_full = tl.load(FullNum + num_off)
-    if EVEN_BLOCKS and LOOP == 1:
-        n_tiles = n_full * (BK // BLOCK_N)
-        cur = tl.load(FullIdx + idx_off, mask=n_full > 0, other=0) * BK
-        for j in range(0, n_tiles):
-            start_n = cur + (j % (BK // BLOCK_N)) * BLOCK_N
-            j1 = j + 1
-            cur = tl.load(FullIdx + idx_off + j1 // (BK // BLOCK_N), mask=j1 < n_tiles, other=0) * BK
-            dq = _bwd_q_step(
-                dq, q, do, lse2, delta, k_base + start_n.to(tl.int64) * stride_kn,
-                v_base + start_n.to(tl.int64) * stride_vn, k_base, mask_rows, drop_rows, seed,
-                start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn, NQ, NK, HEAD_D, HEAD_DV,
-                offset, win_left, win_right, qk_scale, sm_scale, softcap, dropout_p, MASKED=False,
-                EVEN_D=EVEN_D, HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND,
-                HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION, HAS_TILE=False,
-            )  # fmt: skip
-    elif EVEN_BLOCKS and LOOP == 2:
-        for i in range(0, n_full):
-            start_n = tl.load(FullIdx + idx_off + i) * BK
-            dq = _bwd_q_inner(
-                dq, q, do, lse2, delta, k_base + start_n.to(tl.int64) * stride_kn,
-                v_base + start_n.to(tl.int64) * stride_vn, mask_rows, drop_rows, seed, start_n,
-                start_n + BK, offs_m, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, stride_mn,
-                NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right, qk_scale, sm_scale,
-                softcap, dropout_p, BLOCK_N=BLOCK_N, MASKED=False, EVEN_D=EVEN_D,
-                HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND,
-                HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION,
-            )  # fmt: skip
-    elif EVEN_BLOCKS:
+    if EVEN_BLOCKS:
         # As in the forward: one flat loop over the full blocks' key tiles, but each
         # tile's address from the block list (measured on the H200: the loop-carried
         # pointer step of the forward made the backward kernels 1.6x slower).
@@ -480,7 +452,7 @@ def bs_bwd_dkdv_kernel(
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, HAS_PARTIAL: tl.constexpr,
     BQ: tl.constexpr, BK: tl.constexpr, EVEN_BLOCKS: tl.constexpr,
-    STRIDE_QM: tl.constexpr = 0, STRIDE_DOM: tl.constexpr = 0, LOOP: tl.constexpr = 0,
+    STRIDE_QM: tl.constexpr = 0, STRIDE_DOM: tl.constexpr = 0,
 ):  # fmt: skip
     """dK and dV for BLOCK_N keys of one key block, over the kept query blocks of each of the GROUP query
     heads that read it (the block lists here are the per-key-block "q" direction)."""
@@ -530,109 +502,7 @@ def bs_bwd_dkdv_kernel(
         idx_off = b * stride_ib + h * stride_ih + kb * NCOLS
 
         n_full = tl.load(FullNum + num_off)
-        if EVEN_BLOCKS and LOOP == 1:
-            n_tiles = n_full * (BQ // BLOCK_M)
-            cur = tl.load(FullIdx + idx_off, mask=n_full > 0, other=0) * BQ
-            for j in range(0, n_tiles):
-                start_m = cur + (j % (BQ // BLOCK_M)) * BLOCK_M
-                j1 = j + 1
-                cur = tl.load(FullIdx + idx_off + j1 // (BQ // BLOCK_M), mask=j1 < n_tiles, other=0) * BQ
-                s64 = start_m.to(tl.int64)
-                dk, dv = _bwd_kv_step(
-                    dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
-                    lse_base + s64, delta_base + s64, q_base, mask_base, drop_base, seed, start_m,
-                    offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn, NQ, NK, HEAD_D, HEAD_DV,
-                    offset, win_left, win_right, qk_scale, sm_scale, softcap, dropout_p,
-                    MASKED=False, EVEN_D=EVEN_D, HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP,
-                    MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION,
-                    HAS_TILE=False,
-                )  # fmt: skip
-        elif EVEN_BLOCKS and LOOP == 3:
-            q_row = Q + b * stride_qb + h * stride_qh
-            do_row = DO + b * stride_dob + h * stride_doh
-            q_offs = offs_m0[:, None] * stride_qm + offs_d[None, :] * stride_qd
-            do_offs = offs_m0[:, None] * stride_dom + offs_dv[None, :] * stride_dod
-            lse_row = Lse + bh * NQ
-            delta_row = Delta + bh * NQ
-            for j in range(0, n_full * (BQ // BLOCK_M)):
-                start_m = tl.load(FullIdx + idx_off + j // (BQ // BLOCK_M)) * BQ
-                start_m += (j % (BQ // BLOCK_M)) * BLOCK_M
-                dk, dv = _bwd_kv_step(
-                    dk, dv, k, v, q_row + start_m * stride_qm + q_offs,
-                    do_row + start_m * stride_dom + do_offs,
-                    lse_row + start_m + offs_m0, delta_row + start_m + offs_m0, q_base, mask_base,
-                    drop_base, seed, start_m,
-                    offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn, NQ, NK, HEAD_D, HEAD_DV,
-                    offset, win_left, win_right, qk_scale, sm_scale, softcap, dropout_p,
-                    MASKED=False, EVEN_D=EVEN_D, HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP,
-                    MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION,
-                    HAS_TILE=False,
-                )  # fmt: skip
-        elif EVEN_BLOCKS and LOOP == 4:
-            n_tiles = n_full * (BQ // BLOCK_M)
-            start_m = tl.load(FullIdx + idx_off, mask=n_full > 0, other=0) * BQ
-            s64 = start_m.to(tl.int64)
-            q_ptrs = q_base + s64 * stride_qm
-            do_ptrs = do_base + s64 * stride_dom
-            lse_ptrs = lse_base + s64
-            delta_ptrs = delta_base + s64
-            for j in range(0, n_tiles):
-                dk, dv = _bwd_kv_step(
-                    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, q_base, mask_base,
-                    drop_base, seed, start_m,
-                    offs_n, offs_m0, offs_d, offs_dv, stride_mm, stride_mn, NQ, NK, HEAD_D, HEAD_DV,
-                    offset, win_left, win_right, qk_scale, sm_scale, softcap, dropout_p,
-                    MASKED=False, EVEN_D=EVEN_D, HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP,
-                    MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION,
-                    HAS_TILE=False,
-                )  # fmt: skip
-                j1 = j + 1
-                nxt = tl.load(FullIdx + idx_off + j1 // (BQ // BLOCK_M), mask=j1 < n_tiles, other=0) * BQ
-                nxt += (j1 % (BQ // BLOCK_M)) * BLOCK_M
-                step = nxt - start_m
-                start_m = nxt
-                q_ptrs += step * stride_qm
-                do_ptrs += step * stride_dom
-                lse_ptrs += step
-                delta_ptrs += step
-        elif EVEN_BLOCKS and LOOP == 5:
-            q_desc = tl.make_tensor_descriptor(
-                Q + b * stride_qb + h * stride_qh, shape=[NQ, BLOCK_D], strides=[stride_qm, 1],
-                block_shape=[BLOCK_M, BLOCK_D],
-            )  # fmt: skip
-            do_desc = tl.make_tensor_descriptor(
-                DO + b * stride_dob + h * stride_doh, shape=[NQ, BLOCK_DV], strides=[stride_dom, 1],
-                block_shape=[BLOCK_M, BLOCK_DV],
-            )  # fmt: skip
-            for j in range(0, n_full * (BQ // BLOCK_M)):
-                start_m = tl.load(FullIdx + idx_off + j // (BQ // BLOCK_M)) * BQ
-                start_m += (j % (BQ // BLOCK_M)) * BLOCK_M
-                s64 = start_m.to(tl.int64)
-                qt = q_desc.load([start_m, 0])
-                dot = do_desc.load([start_m, 0])
-                dk, dv = _bwd_kv_math(
-                    dk, dv, k, v, qt, dot, lse_base + s64, delta_base + s64, q_base, mask_base,
-                    drop_base, seed, start_m, offs_n, offs_m0, stride_mm, stride_mn, NQ, NK,
-                    offset, win_left, win_right, qk_scale, sm_scale, softcap, dropout_p,
-                    MASKED=False, HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP,
-                    MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT, INPUT_PRECISION=INPUT_PRECISION,
-                    HAS_TILE=False,
-                )  # fmt: skip
-        elif EVEN_BLOCKS and LOOP == 2:
-            for i in range(0, n_full):
-                start_m = tl.load(FullIdx + idx_off + i) * BQ
-                s64 = start_m.to(tl.int64)
-                dk, dv = _bwd_kv_inner(
-                    dk, dv, k, v, q_base + s64 * stride_qm, do_base + s64 * stride_dom,
-                    lse_base + s64, delta_base + s64, mask_base, drop_base, seed, start_m,
-                    start_m + BQ, offs_n, offs_m0, offs_d, offs_dv, stride_qm, stride_dom,
-                    stride_mm, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-                    qk_scale, sm_scale, softcap, dropout_p, BLOCK_M=BLOCK_M, MASKED=False,
-                    EVEN_D=EVEN_D, HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP,
-                    MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
-                    INPUT_PRECISION=INPUT_PRECISION,
-                )  # fmt: skip
-        elif EVEN_BLOCKS:
+        if EVEN_BLOCKS:
             # One flat loop over the full blocks' query tiles (addresses as in dQ).
             for j in range(0, n_full * (BQ // BLOCK_M)):
                 start_m = tl.load(FullIdx + idx_off + j // (BQ // BLOCK_M)) * BQ

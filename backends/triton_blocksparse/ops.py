@@ -209,9 +209,6 @@ def _tiles_meta(
     even = not meta["HAS_BAND"] and q.shape[2] % bq == 0 and nk % bk == 0
     launch = {**cfg.meta(), "BLOCK_M": block_m, "BLOCK_N": block_n, "BQ": bq, "BK": bk,
               "EVEN_BLOCKS": even}  # fmt: skip
-    if direction != "fwd":
-        import os
-        launch["LOOP"] = int(os.environ.get("ATTNHUB_BS_LOOP", "0"))
     return block_m, block_n, launch
 
 

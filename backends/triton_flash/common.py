@@ -384,25 +384,6 @@ def _bwd_kv_step(
     offs_m = start_m + offs_m0
     q = _load_rows(q_ptrs, offs_m, NQ, offs_d, HEAD_D, CHECK_ROWS=MASKED, CHECK_COLS=not EVEN_D)
     do = _load_rows(do_ptrs, offs_m, NQ, offs_dv, HEAD_DV, CHECK_ROWS=MASKED, CHECK_COLS=not EVEN_D)
-    return _bwd_kv_math(
-        dk, dv, k, v, q, do, lse_ptrs, delta_ptrs, tile_ptrs, mask_base, drop_base, seed,
-        start_m, offs_n, offs_m0, stride_mm, stride_mn, NQ, NK, offset, win_left, win_right,
-        qk_scale, sm_scale, softcap, dropout_p, MASKED=MASKED, HAS_BAND=HAS_BAND,
-        HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND, HAS_DROPOUT=HAS_DROPOUT,
-        INPUT_PRECISION=INPUT_PRECISION, HAS_TILE=HAS_TILE,
-    )  # fmt: skip
-
-
-@triton.jit
-def _bwd_kv_math(
-    dk, dv, k, v, q, do, lse_ptrs, delta_ptrs, tile_ptrs, mask_base, drop_base, seed,
-    start_m, offs_n, offs_m0, stride_mm, stride_mn, NQ, NK, offset, win_left, win_right,
-    qk_scale, sm_scale, softcap, dropout_p,
-    MASKED: tl.constexpr, HAS_BAND: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, HAS_TILE: tl.constexpr,
-):  # fmt: skip
-    offs_m = start_m + offs_m0
     lse2 = _load_lse2(lse_ptrs, offs_m, NQ, CHECK=MASKED)
     if MASKED:
         delta = tl.load(delta_ptrs, mask=offs_m < NQ, other=0.0)
