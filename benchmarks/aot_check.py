@@ -396,32 +396,45 @@ def _config(text: str) -> tuple[str, configs.LaunchConfig]:
 # ---------------------------------------------------------------- triton_blocksparse
 
 
-def record_blocksparse(cases: list[tuple[torch.dtype, int, int, dict]]) -> list:
+def record_blocksparse(
+    cases: list[tuple[torch.dtype, int, int, dict]], capability: int = 90
+) -> list:
     """triton_blocksparse's forward+backward for each (dtype, head dim, block, options) on
     CPU, recorded: its own kernels and the preprocess kernel it shares with triton_flash
-    (all launched through triton_flash's ops module, ``ops._launch``)."""
+    (all launched through triton_flash's ops module, ``ops._launch``), as a GPU of
+    compute capability ``capability`` would launch them (its Gluon forward included)."""
     from attnhub.backends.triton_blocksparse import ops as bs_ops
     from attnhub.block_sparse import BlockSparseLayout
 
     launches: list = []
-    original = ops._launcher
+    originals = ops._launcher, ops._capability, bs_ops._capability, bs_ops._GLUON_FROM_TABLE
     ops._launcher = lambda kernel, like: _Recorder(kernel, launches)  # type: ignore[assignment]
+    ops._capability = bs_ops._capability = lambda device: divmod(capability, 10)  # type: ignore[assignment]
+    bs_ops._GLUON_FROM_TABLE = True  # compiled in CI before the table sends calls there
     try:
         for dtype, d, block, options in cases:
             options = dict(options)
             # A ragged length runs the per-block loops; an even one without a band
-            # (option "even") the flat loops of EVEN_BLOCKS.
-            n = 4 * block if options.pop("even", False) else 2 * block + 40
-            layout = BlockSparseLayout.sliding_window(n, block + 10, block)
+            # (option "even") the flat loops of EVEN_BLOCKS; "long" (even, past SHORT_N
+            # keys) also a layout of full blocks only: at D=128 in half precision on
+            # sm_90 both take the Gluon forward.
+            long = options.pop("long", False)
+            n = 16 * block if long else 4 * block if options.pop("even", False) else 2 * block + 40
+            layouts = [BlockSparseLayout.sliding_window(n, block + 10, block)]
+            if long:
+                layouts.append(
+                    BlockSparseLayout.from_block_mask(torch.ones(1, 1, 16, 16) > 0, block)
+                )
             q = torch.randn(1, 2, n, d, dtype=dtype, requires_grad=True)
             k = torch.randn(1, 1, n, d, dtype=dtype, requires_grad=True)
             mask = options.pop("mask", None)
             if mask == "float":
                 mask = torch.randn(n, n, dtype=dtype)
-            out, _ = bs_ops.block_sparse_attention(q, k, k, layout, mask, **options)
-            out.sum().backward()
+            for layout in layouts:
+                out, _ = bs_ops.block_sparse_attention(q, k, k, layout, mask, **options)
+                out.sum().backward()
     finally:
-        ops._launcher = original  # type: ignore[assignment]
+        ops._launcher, ops._capability, bs_ops._capability, bs_ops._GLUON_FROM_TABLE = originals  # type: ignore[assignment]
     return launches
 
 
@@ -430,13 +443,14 @@ def variants_blocksparse(quick: bool) -> list[tuple[torch.dtype, int, int, dict]
             "mask": "float", "dropout_p": 0.1}  # fmt: skip
     if quick:
         return [(torch.bfloat16, 128, 128, {"causal": True}), (torch.float32, 40, 64, full),
-                (torch.bfloat16, 128, 128, {"even": True})]  # fmt: skip
+                (torch.bfloat16, 128, 128, {"even": True}),
+                (torch.bfloat16, 128, 128, {"long": True})]  # fmt: skip
     cases: list[tuple[torch.dtype, int, int, dict]] = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for block in (64, 128):
             for d in (64, 128):
                 cases += [(dtype, d, block, {}), (dtype, d, block, {"causal": True}),
-                          (dtype, d, block, {"even": True})]  # fmt: skip
+                          (dtype, d, block, {"even": True}), (dtype, d, block, {"long": True})]  # fmt: skip
             cases += [(dtype, 40, block, full)]
     return cases
 
@@ -476,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.blocksparse:
-        launches = record_blocksparse(variants_blocksparse(args.quick))
+        launches = record_blocksparse(variants_blocksparse(args.quick), args.capability)
         return 1 if compile_all(launches, args.capability, sass_dir=args.sass_dir) else 0
     if args.bwd_table:
         return 1 if bwd_table(args.capability) else 0

@@ -8,25 +8,36 @@ blocks, empty rows and columns, the heavy-first counts), for the bench's shape (
 N8192 D128 bf16, block 128) by default::
 
     python benchmarks/block_sparse_probe.py [--shape B,H,N,D] [--layouts random:0.05,...]
+
+``--forward`` times the forward instead: the pointer kernel the table picks, and the
+Gluon forward under a forced Gluon row (``triton_blocksparse.ops._GLUON_FROM_TABLE``),
+with the Gluon output's and lse's largest difference from the pointer kernel's, dense
+triton_flash's forward beside them.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import attnhub
 from attnhub.backends.triton_blocksparse import ops as bs_ops
+from attnhub.backends.triton_flash import ops as flash_ops
 from attnhub.backends.triton_flash import tuning
+from attnhub.backends.triton_flash.configs import LaunchConfig
 from attnhub.bench import build_layout
 from attnhub.timing import loop_ms
 
 
 def kernel_us(step, iters: int = 10) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """CUDA time per step (us) of each kernel ``step`` launches, the longest first (the
-    profiler's per-kernel totals over ``iters`` steps)."""
+    profiler's per-kernel totals over ``iters`` steps); none without CUDA (a smoke run)."""
+    if not torch.cuda.is_available():
+        return {}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             step()
@@ -38,6 +49,61 @@ def kernel_us(step, iters: int = 10) -> dict[str, float]:  # type: ignore[no-unt
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
+def _launched(call: Callable[[], Any]) -> str:
+    """The kernels ``call`` launches through triton_flash's launcher (the full path: the
+    launch plans are cleared first)."""
+    names: list[str] = []
+    original = flash_ops._launcher
+
+    def recording(kernel: Any, like: torch.Tensor) -> Any:
+        names.append(kernel.fn.__name__)
+        return original(kernel, like)
+
+    flash_ops.clear_plans()
+    flash_ops._launcher = recording
+    try:
+        call()
+    finally:
+        flash_ops._launcher = original
+    return ", ".join(names)
+
+
+def _kernels(times: dict[str, float]) -> str:
+    return ", ".join(f"{name[:24]} {us:.0f} us" for name, us in times.items())
+
+
+def forwards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layouts: str,
+             device: torch.device) -> None:  # fmt: skip
+    """Per layout: the forward's time (ms) on the table's kernel and on the Gluon one (a
+    forced row), and the Gluon output's and lse's largest difference from the table's."""
+    b, h, n, d = q.shape
+    gluon_row = LaunchConfig(128, 128, 4, 2, gluon=True)
+    with torch.no_grad():
+        ms = loop_ms(lambda: attnhub.attention(q, k, v, backend="triton_flash"), device, 20)
+        print(f"shape B{b} H{h} N{n} D{d} {q.dtype}, block 128; dense triton_flash forward "
+              f"{ms:.3f} ms")  # fmt: skip
+        for text in layouts.split(","):
+            kind, param = text.split(":")
+            layout = build_layout((kind, float(param)), n, 128, device=device)
+
+            def fwd(layout: Any = layout) -> tuple[torch.Tensor, torch.Tensor]:
+                return bs_ops.block_sparse_attention(q, k, v, layout)  # type: ignore[no-any-return]
+
+            out_t, lse_t = fwd()
+            ms_t, us_t = loop_ms(fwd, device, 20), kernel_us(fwd)
+            with tuning.override(fwd=gluon_row):
+                out_g, lse_g = fwd()
+                ms_g, us_g = loop_ms(fwd, device, 20), kernel_us(fwd)
+                ran = _launched(fwd)
+            finite = torch.isfinite(lse_t)
+            diff_out = (out_g.float() - out_t.float()).abs().max().item()
+            diff_lse = (lse_g[finite] - lse_t[finite]).abs().max().item() if finite.any() else 0.0
+            same_empty = torch.equal(finite, torch.isfinite(lse_g))
+            print(f"{text}: table {ms_t:.3f} ms ({_kernels(us_t)}), forced row ({ran}) {ms_g:.3f} ms "
+                  f"({_kernels(us_g)}): {ms_t / ms_g:.2f}x; forced - table: out {diff_out:.3g}, "
+                  f"lse {diff_lse:.3g}, same rows without keys {same_empty}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="2,16,8192,128")
@@ -46,6 +112,7 @@ def main() -> None:
         "--layouts",
         default="random:1,random:0.25,random:0.1,random:0.05,sliding_window:1024,bigbird:2",
     )
+    parser.add_argument("--forward", action="store_true", help="the forwards (see above)")
     args = parser.parse_args()
     b, h, n, d = (int(x) for x in args.shape.split(","))
     device = torch.device(args.device)
@@ -54,6 +121,9 @@ def main() -> None:
     q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
                for _ in range(3))  # fmt: skip
     g = torch.randn_like(q)
+    if args.forward:
+        forwards(q, k, v, args.layouts, device)
+        return
     print(f"shape B{b} H{h} N{n} D{d} {dtype}, block 128; backward kernels, us per step")
     for launch in ("merged", "split"):  # dense triton_flash beside it, both launch modes
         with tuning.override(backward_launch=launch):

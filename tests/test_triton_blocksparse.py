@@ -415,6 +415,67 @@ def test_gpu_large(dtype: torch.dtype, block: int) -> None:
         _check(layout, dtype, 2, 4, 2, 2048, 2048, 128, causal=causal)
 
 
+def _no_key_rows(b, h, q, kv):  # type: ignore[no-untyped-def]
+    """Token-level: the first 5 rows of every 128-row block keep no key; the rest every
+    key but one in three (so every block is partial)."""
+    return (q % 128 >= 5) & ((q + kv) % 3 != 0)
+
+
+def _with_empty_row(layout_mask: torch.Tensor) -> BlockSparseLayout:
+    layout_mask[..., 3, :] = False  # query block 3 keeps no key block
+    return BlockSparseLayout.from_block_mask(layout_mask, 128)
+
+
+# Layouts the Gluon forward serves (bq = 128, Nq and Nk block multiples, no band): full
+# blocks only (some rows without a block), full then partial blocks (a window), partial
+# blocks only, rows with no key inside partial blocks, 128 x 64 blocks, per-head layouts.
+_GLUON_LAYOUTS = {
+    "full_blocks_and_an_empty_row": lambda: _with_empty_row(
+        torch.rand(2, 4, 16, 16, generator=torch.Generator().manual_seed(31)) < 0.3
+    ),
+    "window_full_and_partial": lambda: BlockSparseLayout.sliding_window(2048, 300, 128),
+    "window_partial_only": lambda: BlockSparseLayout.sliding_window(2048, 50, 128),
+    "rows_without_keys": lambda: BlockSparseLayout.from_mask_mod(_no_key_rows, 2048, 2048, 128),
+    "rect_128x64_window": lambda: BlockSparseLayout.sliding_window(2048, 200, (128, 64)),
+    "rect_128x64_random": lambda: _random_layout(1, 4, 2048, 2048, (128, 64), 0.4, seed=32),
+}
+
+
+@gpu
+@pytest.mark.skipif(
+    not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm_90 GPU"
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=SHORT.get)
+@pytest.mark.parametrize("name", sorted(_GLUON_LAYOUTS))
+def test_gpu_gluon_forward(dtype: torch.dtype, name: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The calls ops._gluon_ok admits run kernels_gluon.bs_fwd_gluon_kernel under a
+    forced Gluon row (seen to launch; see ops._GLUON_FROM_TABLE) and keep the contract
+    against the float64 reference: output, lse, rows with no key (zeros, -inf), and the
+    gradients through it (the pointer backward reads its lse). GQA, and (B, N, H, D)
+    views for half the layouts."""
+    from attnhub.backends.triton_flash import configs, tuning
+    from attnhub.backends.triton_flash import ops as flash_ops
+
+    launched: list[str] = []
+    launcher = flash_ops._launcher
+
+    def recording(kernel, like):  # type: ignore[no-untyped-def]
+        launched.append(kernel.fn.__name__)
+        return launcher(kernel, like)
+
+    monkeypatch.setattr(flash_ops, "_launcher", recording)
+    torch.manual_seed(33)
+    layout = _GLUON_LAYOUTS[name]()
+    b, hq, hkv, n = 2, 4, 2, 2048
+    qkv = None
+    if name.startswith(("window", "rect_128x64_random")):  # strided views
+        qkv = tuple(torch.randn(b, n, h, 128, dtype=dtype, device="cuda").transpose(1, 2)
+                    for h in (hq, hkv, hkv))  # fmt: skip
+    with tuning.override(fwd=configs.LaunchConfig(128, 128, 4, 2, gluon=True)):
+        _check(layout, dtype, b, hq, hkv, n, n, 128, qkv=qkv)
+    assert launched[0] == "bs_fwd_gluon_kernel", launched
+
+
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("partial", [False, True], ids=["full_blocks", "partial_blocks"])

@@ -1,4 +1,6 @@
-"""triton_flash's Gluon forward (kernels_gluon.attn_fwd_gluon_kernel).
+"""The Gluon forwards: triton_flash's (kernels_gluon.attn_fwd_gluon_kernel) and, for which
+calls reach it, triton_blocksparse's (its kernels_gluon.bs_fwd_gluon_kernel; its GPU
+checks are tests/test_triton_blocksparse.py's test_gpu_gluon_forward).
 
 On the GPU: calls the launch table sends to it (D = 128, half precision, past
 configs.SHORT_N keys), checked against the float64 reference with contract.md's
@@ -165,3 +167,80 @@ def test_the_table_takes_the_gluon_row_only_where_the_call_allows_it() -> None:
     for direction in ("bwd_kv", "bwd_q"):
         assert not configs.launch_config(direction, 128, 2, True, sm90, False, 4096, lean=True,
                                          tma=True, gluon=True).gluon  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("what", "expected"),
+    [
+        ("served", "bs_fwd_gluon_kernel"),
+        ("128 x 64 blocks", "bs_fwd_gluon_kernel"),
+        ("partial blocks", "bs_fwd_gluon_kernel"),
+        ("64-row blocks", "bs_fwd_kernel"),
+        ("128 x 32 blocks", "bs_fwd_kernel"),
+        ("ragged length", "bs_fwd_kernel"),
+        ("causal", "bs_fwd_kernel"),
+        ("at most SHORT_N keys", "bs_fwd_kernel"),
+        ("float mask", "bs_fwd_kernel"),
+        ("softcap", "bs_fwd_kernel"),
+        ("head dim 64", "bs_fwd_kernel"),
+        ("float32", "bs_fwd_kernel"),
+        ("sm_100", "bs_fwd_kernel"),
+        ("a Triton without Gluon", "bs_fwd_kernel"),
+    ],
+)
+def test_which_block_sparse_forward_an_sm90_call_gets(
+    what: str, expected: str, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """triton_blocksparse's forward (recorded, not run), with the table's Gluon rows open
+    to it (ops._GLUON_FROM_TABLE): the Gluon kernel takes what triton_flash's Gluon
+    forward takes, on layouts with 128-row blocks and 64- or 128-key blocks that divide
+    both lengths, without a band; every other call keeps the pointer kernel."""
+    from attnhub import BlockSparseLayout
+    from attnhub.backends.triton_blocksparse import ops as bs_ops
+
+    monkeypatch.setattr(bs_ops, "_GLUON_FROM_TABLE", True)
+    capability = (10, 0) if what == "sm_100" else (9, 0)
+    for module in (ops, bs_ops):
+        monkeypatch.setattr(module, "_capability", lambda device: capability)
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+    if what == "a Triton without Gluon":
+        monkeypatch.setattr(bs_ops, "kernels_gluon", None)
+    launched: list[str] = []
+    monkeypatch.setattr(ops, "_launcher", _NoLaunch(launched))
+    n = {"at most SHORT_N keys": 1024, "ragged length": 2000}.get(what, 2048)
+    block = {"64-row blocks": 64, "128 x 64 blocks": (128, 64), "128 x 32 blocks": (128, 32)}.get(
+        what, 128
+    )
+    if what == "partial blocks":
+        layout = BlockSparseLayout.sliding_window(n, 300, block)
+    else:
+        bq, bk = (block, block) if isinstance(block, int) else block
+        keep = torch.ones(1, 1, -(-n // bq), -(-n // bk), dtype=torch.bool)
+        layout = BlockSparseLayout.from_block_mask(keep, block)  # full blocks only
+    dtype = torch.float32 if what == "float32" else torch.bfloat16
+    q = torch.zeros(1, 2, n, 64 if what == "head dim 64" else 128, dtype=dtype)
+    mask = torch.zeros(n, n, dtype=dtype) if what == "float mask" else None
+    bs_ops.block_sparse_attention(
+        q, q, q, layout, mask, causal=what == "causal", softcap=30.0 if what == "softcap" else 0.0
+    )
+    assert launched == [expected]
+
+
+def test_block_sparse_gluon_forward_is_opt_in_until_measured(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Until it is checked on an H200, the table's rows never send a block-sparse call to
+    the Gluon forward; a forced Gluon row does (what the GPU tests use)."""
+    from attnhub import BlockSparseLayout
+    from attnhub.backends.triton_blocksparse import ops as bs_ops
+    from attnhub.backends.triton_flash import tuning
+
+    for module in (ops, bs_ops):
+        monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+    launched: list[str] = []
+    monkeypatch.setattr(ops, "_launcher", _NoLaunch(launched))
+    layout = BlockSparseLayout.from_block_mask(torch.ones(1, 1, 16, 16, dtype=torch.bool), 128)
+    q = torch.zeros(1, 2, 2048, 128, dtype=torch.bfloat16)
+    bs_ops.block_sparse_attention(q, q, q, layout)
+    with tuning.override(fwd=configs.LaunchConfig(128, 128, 4, 2, gluon=True)):
+        bs_ops.block_sparse_attention(q, q, q, layout)
+    assert launched == ["bs_fwd_kernel", "bs_fwd_gluon_kernel"]

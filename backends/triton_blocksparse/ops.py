@@ -30,13 +30,16 @@ from attnhub.backends.triton_flash.ops import (
     _define,
     _delta,
     _forward_outputs,
+    _gluon_eligible,
     _grad_outputs,
     _launch,
     _lookup,
     _plan_key,
     _remember,
     _row_strides,
+    _scratch_allocator,
     _setup,
+    _tma_eligible,
     backward_plan_key,
     call_scalars,
     cdiv,
@@ -48,6 +51,11 @@ from attnhub.backends.triton_flash.ops import (
 from attnhub.block_sparse import BlockSparseLayout, _compress
 
 from . import SUPPORTED_BLOCKS, kernels
+
+try:  # Gluon's Hopper API, as triton_flash's Gluon forward (its ops.kernels_gluon)
+    from . import kernels_gluon
+except ImportError:
+    kernels_gluon = None  # type: ignore[assignment]
 
 _TILE_CHUNK = 256  # partial blocks evaluated per mask_mod call when building tiles
 
@@ -180,11 +188,12 @@ _OWN_CONFIGS: dict[tuple[str, int, int, bool, tuple[int, int] | None], LaunchCon
 
 
 def _launch_config(
-    direction: str, block_d: int, q: torch.Tensor, causal: bool, seqlen: int
+    direction: str, block_d: int, q: torch.Tensor, causal: bool, seqlen: int, gluon: bool = False
 ) -> LaunchConfig:
     """The launch configuration of one block-sparse kernel: a forced one
     (``tuning.override``), else this family's own row (``_OWN_CONFIGS``), else
-    triton_flash's table for the same call."""
+    triton_flash's table for the same call (``gluon``: a forward that the Gluon kernel
+    may serve, :func:`_gluon_ok`, which may take the table's Gluon rows)."""
     tuned = tuning.current()
     capability, interpret = _capability(q.device), interpreting()
     if (tuned is None or tuned.config(direction) is None) and seqlen > SHORT_N and not interpret:
@@ -192,24 +201,50 @@ def _launch_config(
         if own is not None:
             return own
     return launch_config(direction, block_d, q.element_size(), causal, capability, interpret,
-                         seqlen)  # fmt: skip
+                         seqlen, gluon=gluon)  # fmt: skip
+
+
+def _even_blocks(meta: dict[str, Any], bq: int, bk: int, nq: int, nk: int) -> bool:
+    """EVEN_BLOCKS (kernels.py): no band, no ragged block, so full blocks need no mask."""
+    return not meta["HAS_BAND"] and nq % bq == 0 and nk % bk == 0
 
 
 def _tiles_meta(
     direction: str, bq: int, bk: int, meta: dict[str, Any], q: torch.Tensor, nk: int,
-    causal: bool,
-) -> tuple[int, int, dict[str, Any]]:  # fmt: skip
-    """(BLOCK_M, BLOCK_N, launch meta) for one kernel: its launch configuration
-    (:func:`_launch_config`), with the tile capped at the layout's block so that it
-    divides it (both are powers of two); and EVEN_BLOCKS (no band, no ragged block: full
-    blocks need no mask, see kernels.py)."""
+    causal: bool, gluon: bool = False,
+) -> tuple[LaunchConfig, int, int, dict[str, Any]]:  # fmt: skip
+    """(configuration, BLOCK_M, BLOCK_N, launch meta) for one kernel: its launch
+    configuration (:func:`_launch_config`), with the tile capped at the layout's block
+    so that it divides it (both are powers of two); and EVEN_BLOCKS."""
     block_d = max(meta["BLOCK_D"], meta["BLOCK_DV"])
-    cfg = _launch_config(direction, block_d, q, causal, max(q.shape[2], nk))
+    cfg = _launch_config(direction, block_d, q, causal, max(q.shape[2], nk), gluon)
     block_m, block_n = min(cfg.block_m, bq), min(cfg.block_n, bk)
-    even = not meta["HAS_BAND"] and q.shape[2] % bq == 0 and nk % bk == 0
+    even = _even_blocks(meta, bq, bk, q.shape[2], nk)
     launch = {**cfg.meta(), "BLOCK_M": block_m, "BLOCK_N": block_n, "BQ": bq, "BK": bk,
               "EVEN_BLOCKS": even}  # fmt: skip
-    return block_m, block_n, launch
+    return cfg, block_m, block_n, launch
+
+
+# The Gluon forward takes calls from triton_flash's table (its Gluon rows) only once it
+# has been checked and timed on an H200: until then (it compiles for sm_90 in CI, but no
+# GPU was lent when it was written; benchmarks/NOTES.md, 2026-12-04, fifteenth
+# session) only a forced launch row with gluon=True sends a call there
+# (tuning.override(fwd=LaunchConfig(128, 128, 4, 2, gluon=True))), as the GPU tests
+# and benchmarks/block_sparse_probe.py --gluon do.
+_GLUON_FROM_TABLE = False
+
+
+def _gluon_ok(c: Any, bq: int, bk: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              out: torch.Tensor) -> bool:  # fmt: skip
+    """Whether a forward may run kernels_gluon.bs_fwd_gluon_kernel (where its launch row
+    asks for Gluon): what triton_flash's Gluon forward takes (ops._tma_eligible,
+    ops._gluon_eligible), EVEN_BLOCKS, 128-row query blocks (one program's rows) and
+    key blocks of 64 or 128 (the sizes tested on the H200)."""
+    return (
+        kernels_gluon is not None and bq == 128 and bk in (64, 128)
+        and _even_blocks(c.meta, bq, bk, q.shape[2], k.shape[2])
+        and _tma_eligible(c, 0, q, k, v, out) and _gluon_eligible(c, q)
+    )  # fmt: skip
 
 
 def _grid(n: int, block: int, tile: int, heads: int) -> int:
@@ -282,7 +317,9 @@ def _fwd_impl(
                scale, dropout_p)  # fmt: skip
     fnum, fidx, pnum, pidx, ptile = index[:5]
     tiles, row_order = index[10:12]
-    block_m, _, launch = _tiles_meta("fwd", bq, bk, c.meta, q, nk, causal)
+    gluon = _gluon_ok(c, bq, bk, q, k, v, out)
+    cfg, block_m, _, launch = _tiles_meta("fwd", bq, bk, c.meta, q, nk, causal,
+                                          gluon and _GLUON_FROM_TABLE)  # fmt: skip
     record: list | None = [] if key is not None else None
     args = (
         q, k, v, c.mask, q if seed is None else seed, out, lse,
@@ -292,7 +329,16 @@ def _fwd_impl(
     )  # fmt: skip
     meta = {"HAS_PARTIAL": has_partial, "FOLD_SCALE": c.fold_scale, **c.meta, **launch,
             **_row_strides(K=k, V=v)}  # fmt: skip
-    _launch(kernels.bs_fwd_kernel, q, (_grid(nq, bq, block_m, b * hq),), args, meta, 14, record)
+    grid = (_grid(nq, bq, block_m, b * hq),)
+    if cfg.gluon and gluon:
+        # Its tensor descriptors are built in the kernel, in global scratch that the
+        # launch allocates (triton_flash's ops._scratch_allocator; a plan's CachedLaunch
+        # allocates its own).
+        with _scratch_allocator():
+            _launch(kernels_gluon.bs_fwd_gluon_kernel, q, grid, args,
+                    {**meta, "STAGES": cfg.num_stages}, 14, record)  # fmt: skip
+    else:
+        _launch(kernels.bs_fwd_kernel, q, grid, args, meta, 14, record)
     if key is not None and record and record[0] is not None:
         _remember(key, _Plan(record, (out, lse), None))
     return out, lse
@@ -346,7 +392,7 @@ def _bwd_impl(
     meta = {**c.meta, "HAS_PARTIAL": has_partial}
 
     fnum, fidx, pnum, pidx, ptile = index[5:10]
-    _, block_n, launch = _tiles_meta("bwd_kv", bq, bk, meta, q, nk, causal)
+    _, _, block_n, launch = _tiles_meta("bwd_kv", bq, bk, meta, q, nk, causal)
     args = (
         q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
         fnum, fidx, pnum, pidx, ptile, tiles, col_order, heavy_cols,
@@ -357,7 +403,7 @@ def _bwd_impl(
     _launch(kernels.bs_bwd_dkdv_kernel, q, (_grid(nk, bk, block_n, b * hkv),), args,
             {**meta, **launch, **_row_strides(Q=q, DO=dout)}, 17, record)  # fmt: skip
     fnum, fidx, pnum, pidx, ptile = index[:5]
-    block_m, _, launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal)
+    _, block_m, _, launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal)
     args = (
         q, k, v, c.mask, seed_t, dout, lse, delta, dq,
         fnum, fidx, pnum, pidx, ptile, tiles, row_order, heavy_rows,

@@ -77,12 +77,16 @@ def _softmax(
 @gluon.jit
 def _consume(
     i, acc, m_i, l_i, p_prev, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-    lo, cols0, rows, NK, offset, win_left, win_right, qk_scale,
+    lo, cols0, rows, NK, offset, win_left, win_right, qk_scale, tokens,
     s_layout: gl.constexpr, o_row: gl.constexpr, p_layout: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, HAS_BAND: gl.constexpr,
+    TOKEN: gl.constexpr,
 ):  # fmt: skip
     """Key tile ``i`` (i >= 1) of one consumer: S_i, then P_{i-1} V_{i-1} into ``acc``
-    while S_i's softmax runs; returns (acc, m, l, P_i)."""
+    while S_i's softmax runs; returns (acc, m, l, P_i). TOKEN: ``tokens`` points at the
+    tile's token mask (:func:`_tile_tokens`), applied to S_i."""
+    if TOKEN:
+        keep = gl.load(tokens) != 0  # issued before the waits: its latency hides behind them
     ks = i % STAGES
     mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
     s = warpgroup_mma(
@@ -94,6 +98,8 @@ def _consume(
     acc = warpgroup_mma(p_prev, v_smem.index(vs), acc, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s,))  # S_i done (groups retire in order)
     mbarrier.arrive(k_empty.index(ks))
+    if TOKEN:
+        s = gl.where(keep, s, float("-inf"))
     p, alpha, m_i, l_i = _softmax(
         s, m_i, l_i, cols0 + lo + i * BLOCK_N, rows, NK, offset, win_left, win_right,
         qk_scale, MASKED=MASKED, HAS_BAND=HAS_BAND,
@@ -105,16 +111,38 @@ def _consume(
 
 
 @gluon.jit
+def _tile_tokens(Tiles, PartTile, idx_off, j, rows, cols0, pred, BQ: gl.constexpr,
+                 BK: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """Pointers at rows ``rows`` of step ``j`` of a block-sparse row's partial blocks
+    (BK // BLOCK_N steps a block): its block's (BQ, BK) token mask (``Tiles``, numbered
+    by ``PartTile``, the row's list from ``idx_off``), keys ``cols0`` of the BLOCK_N
+    along it. ``pred`` false: the list is not read (step ``j`` may not exist) and the
+    pointers are the first token mask's. (The rows' offsets are recomputed each step: a
+    (64, BLOCK_N) int32 tensor kept across the loop would hold 64 registers a thread.)"""
+    tile = gl.load(PartTile + idx_off + j // (BK // BLOCK_N), mask=pred, other=0).to(gl.int64)
+    local = (rows % BQ)[:, None] * BK + ((j % (BK // BLOCK_N)) * BLOCK_N + cols0)[None, :]
+    return Tiles + tile * (BQ * BK) + local
+
+
+@gluon.jit
 def _consumer(
     q_all, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo, n_head, n_bulk, n,
-    NQ, NK, offset, win_left, win_right, qk_scale,
+    NQ, NK, offset, win_left, win_right, qk_scale, Tiles, PartTile, idx_off,
     WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
     HAS_BAND: gl.constexpr, MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
-    STORE_LSE: gl.constexpr,
+    STORE_LSE: gl.constexpr, TOKEN: gl.constexpr, BQ: gl.constexpr, BK: gl.constexpr,
 ):  # fmt: skip
     """Rows start_m + 64 WG .. + 63 of the block: the key tiles, then the epilogue
-    (out = acc / l, lse in natural log; rows with no kept key: 0 and -inf)."""
+    (out = acc / l, lse in natural log; rows with no kept key: 0 and -inf).
+
+    TOKEN (the block-sparse forward of a layout with partial blocks,
+    triton_blocksparse's kernels_gluon): the tiles are a layout row's full blocks'
+    (tiles 0 .. n_bulk - 1, unmasked), then its partial blocks' (n_bulk .. n - 1, the
+    masked tail), each of which applies its block's token
+    mask (``Tiles``, ``PartTile``, ``idx_off``: :func:`_tile_tokens`); ``lo`` is 0 and
+    the band is off, so that the positional masks keep every key. Otherwise those three
+    arguments are not read."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -132,7 +160,12 @@ def _consumer(
     l_i = gl.zeros([_ROWS], gl.float32, layout=s_row)
     acc = gl.zeros([_ROWS, HEAD_D], gl.float32, layout=o_layout)
     if n > 0:
-        # Tile 0 alone (no product in flight yet), masked: it may be an edge.
+        # Tile 0 alone (no product in flight yet), masked: it may be an edge (or, with
+        # TOKEN, a partial block's first step).
+        if TOKEN:
+            first = n_bulk == 0
+            tokens0 = _tile_tokens(Tiles, PartTile, idx_off, 0, rows, cols0, first, BQ, BK, BLOCK_N)
+            keep0 = gl.load(tokens0, mask=first, other=1) != 0
         mbarrier.wait(q_bar, 0)
         mbarrier.wait(k_ready.index(0), 0)
         s = warpgroup_mma(
@@ -141,6 +174,8 @@ def _consumer(
         )  # fmt: skip
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.arrive(k_empty.index(0))
+        if TOKEN:
+            s = gl.where(keep0, s, float("-inf"))
         p, _, m_i, l_i = _softmax(
             s, m_i, l_i, cols0 + lo, rows, NK, offset, win_left, win_right, qk_scale,
             MASKED=True, HAS_BAND=HAS_BAND,
@@ -152,10 +187,15 @@ def _consumer(
             s0, s1 = _segment(seg, 0, n_head, n_bulk, n)
             if _compiled(seg=seg, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL):
                 for i in range(gl.maximum(s0, 1), s1):
+                    tokens = Tiles  # read only where TOKEN and seg == 2
+                    if TOKEN and seg == 2:
+                        tokens = _tile_tokens(Tiles, PartTile, idx_off, i - n_bulk, rows, cols0,
+                                              True, BQ, BK, BLOCK_N)  # fmt: skip
                     acc, m_i, l_i, p = _consume(
                         i, acc, m_i, l_i, p, q_smem, k_smem, v_smem, k_ready, v_ready,
                         k_empty, v_empty, lo, cols0, rows, NK, offset, win_left, win_right,
-                        qk_scale, s_layout, o_row, p_layout, BLOCK_N, STAGES, seg != 1, HAS_BAND,
+                        qk_scale, tokens, s_layout, o_row, p_layout, BLOCK_N, STAGES, seg != 1,
+                        HAS_BAND, TOKEN and seg == 2,
                     )  # fmt: skip
         last = n - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
@@ -178,55 +218,55 @@ def _consumer(
 @gluon.jit
 def _loader(
     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-    start_m, lo, n, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    start_m, lo, n, FullIdx, PartIdx, idx_off, n_full,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, BK: gl.constexpr,
 ):  # fmt: skip
     """Q once, then K and V of tiles 0 .. n-1 into buffer i % STAGES, each after both
-    consumers released that buffer's previous tile."""
+    consumers released that buffer's previous tile. Tile i holds keys lo + i * BLOCK_N
+    on; SPARSE: step i of a layout row's kept blocks, its n_full full blocks
+    (``FullIdx``) then its partial ones (``PartIdx``), both lists from ``idx_off``,
+    BK // BLOCK_N steps a block (else those four arguments are not read)."""
     mbarrier.expect(q_bar, q_desc.block_type.nbytes, pred=n > 0)
     tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_smem, pred=n > 0)
     for i in range(n):
+        if SPARSE:
+            steps: gl.constexpr = BK // BLOCK_N
+            nf = n_full * steps
+            if i < nf:
+                key = gl.load(FullIdx + idx_off + i // steps) * BK + (i % steps) * BLOCK_N
+            else:
+                j = i - nf
+                key = gl.load(PartIdx + idx_off + j // steps) * BK + (j % steps) * BLOCK_N
+        else:
+            key = lo + i * BLOCK_N
         slot = i % STAGES
         reuse = ((i // STAGES) & 1) ^ 1  # the parity of the buffer's previous phase
         mbarrier.wait(k_empty.index(slot), reuse, pred=i >= STAGES)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            k_desc, [lo + i * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot)
-        )
+        tma.async_copy_global_to_shared(k_desc, [key, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), reuse, pred=i >= STAGES)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            v_desc, [lo + i * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot)
-        )
+        tma.async_copy_global_to_shared(v_desc, [key, 0], v_ready.index(slot), v_smem.index(slot))
 
 
-@gluon.jit(do_not_specialize=_DYNAMIC)
-def attn_fwd_gluon_kernel(
-    Q, K, V, Mask, Seed, Out, Lse, CuQ, CuK,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_ob, stride_oh, stride_om, stride_od,
-    H, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-    qk_scale, sm_scale, softcap, dropout_p,
+@gluon.jit
+def _forward_block(
+    Q, K, V, Out, Lse, pid_bh, b, h, hk, start_m, lo, n_head, n_bulk, n,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_od,
+    H, NQ, NK, offset, win_left, win_right, qk_scale,
+    FullIdx, PartIdx, PartTile, Tiles, idx_off, n_full,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    BLOCK_DV: gl.constexpr, EVEN_D: gl.constexpr, HAS_BAND: gl.constexpr,
-    HAS_SOFTCAP: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-    INPUT_PRECISION: gl.constexpr, FOLD_SCALE: gl.constexpr, MASK_HEAD: gl.constexpr,
-    MASK_TAIL: gl.constexpr, STRIDE_KN: gl.constexpr = 0, STRIDE_VN: gl.constexpr = 0,
-    STORE_LSE: gl.constexpr = True, VARLEN: gl.constexpr = False, STAGES: gl.constexpr = 2,
+    STAGES: gl.constexpr, HAS_BAND: gl.constexpr, MASK_HEAD: gl.constexpr,
+    MASK_TAIL: gl.constexpr, STORE_LSE: gl.constexpr, SPARSE: gl.constexpr,
+    TOKEN: gl.constexpr, BQ: gl.constexpr, BK: gl.constexpr,
 ):  # fmt: skip
-    """Out (B, H, NQ, 128) and Lse (B, H, NQ) float32 natural log, for one block of
-    BLOCK_M = 128 query rows, as kernels.attn_fwd_kernel (scale folded: FOLD_SCALE)."""
-    gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
-    gl.static_assert(VARLEN == 0 and not HAS_SOFTCAP and FOLD_SCALE)
-    gl.static_assert(BLOCK_M == 2 * _ROWS and gl.num_warps() == 4)
+    """One program of either kernel: rows start_m .. start_m + 127 of query head ``h`` of
+    batch ``b`` (``pid_bh`` = b * H + h; kv head ``hk``) over its key tiles 0 .. n - 1 (masked head, unmasked
+    bulk, masked tail: n_head, n_bulk; see :func:`_loader` (SPARSE) and
+    :func:`_consumer` (TOKEN) for the tiles' keys, masks and the block-list arguments).
+    Builds the descriptors, the K/V ring and its barriers, then runs the partitions."""
     dtype: gl.constexpr = Q.dtype.element_ty
-    start_m = gl.program_id(0) * BLOCK_M
-    pid_bh = gl.program_id(1).to(gl.int64)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // GROUP
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
     q_desc = tma.make_tensor_descriptor(
@@ -255,13 +295,6 @@ def attn_fwd_gluon_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
         mbarrier.init(v_empty.index(i), count=2)
-    lo, f_lo, f_hi, hi = _key_ranges(
-        start_m, NK, offset, win_left, win_right,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BAND=HAS_BAND,
-    )  # fmt: skip
-    n_head = (f_lo - lo) // BLOCK_N
-    n_bulk = (f_hi - lo) // BLOCK_N
-    n = (hi - lo + BLOCK_N - 1) // BLOCK_N
     out_base = b * stride_ob + h * stride_oh
     lse_base = pid_bh * NQ
     # The partitions' arguments are written out in each tuple: constexprs kept in a
@@ -272,14 +305,59 @@ def attn_fwd_gluon_kernel(
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                          Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo,
                          n_head, n_bulk, n, NQ, NK, offset, win_left, win_right, qk_scale,
-                         0, BLOCK_N, BLOCK_D, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, STORE_LSE)),
+                         Tiles, PartTile, idx_off, 0, BLOCK_N, BLOCK_D, STAGES, HAS_BAND,
+                         MASK_HEAD, MASK_TAIL, STORE_LSE, TOKEN, BQ, BK)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                          Out, Lse, out_base, lse_base, stride_om, stride_od, start_m, lo,
                          n_head, n_bulk, n, NQ, NK, offset, win_left, win_right, qk_scale,
-                         1, BLOCK_N, BLOCK_D, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, STORE_LSE)),
+                         Tiles, PartTile, idx_off, 1, BLOCK_N, BLOCK_D, STAGES, HAS_BAND,
+                         MASK_HEAD, MASK_TAIL, STORE_LSE, TOKEN, BQ, BK)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
-                       v_ready, k_empty, v_empty, start_m, lo, n, BLOCK_N, STAGES)),
+                       v_ready, k_empty, v_empty, start_m, lo, n, FullIdx, PartIdx, idx_off,
+                       n_full, BLOCK_N, STAGES, SPARSE, BK)),
         ],
         [4, 1],
         [_CONSUMER_REGS, _LOADER_REGS],
+    )  # fmt: skip
+
+
+@gluon.jit(do_not_specialize=_DYNAMIC)
+def attn_fwd_gluon_kernel(
+    Q, K, V, Mask, Seed, Out, Lse, CuQ, CuK,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+    qk_scale, sm_scale, softcap, dropout_p,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DV: gl.constexpr, EVEN_D: gl.constexpr, HAS_BAND: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    INPUT_PRECISION: gl.constexpr, FOLD_SCALE: gl.constexpr, MASK_HEAD: gl.constexpr,
+    MASK_TAIL: gl.constexpr, STRIDE_KN: gl.constexpr = 0, STRIDE_VN: gl.constexpr = 0,
+    STORE_LSE: gl.constexpr = True, VARLEN: gl.constexpr = False, STAGES: gl.constexpr = 2,
+):  # fmt: skip
+    """Out (B, H, NQ, 128) and Lse (B, H, NQ) float32 natural log, for one block of
+    BLOCK_M = 128 query rows, as kernels.attn_fwd_kernel (scale folded: FOLD_SCALE)."""
+    gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
+    gl.static_assert(VARLEN == 0 and not HAS_SOFTCAP and FOLD_SCALE)
+    gl.static_assert(BLOCK_M == 2 * _ROWS and gl.num_warps() == 4)
+    start_m = gl.program_id(0) * BLOCK_M
+    pid_bh = gl.program_id(1).to(gl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    lo, f_lo, f_hi, hi = _key_ranges(
+        start_m, NK, offset, win_left, win_right,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BAND=HAS_BAND,
+    )  # fmt: skip
+    _forward_block(
+        Q, K, V, Out, Lse, pid_bh, b, h, h // GROUP, start_m, lo, (f_lo - lo) // BLOCK_N,
+        (f_hi - lo) // BLOCK_N, (hi - lo + BLOCK_N - 1) // BLOCK_N,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_od,
+        H, NQ, NK, offset, win_left, win_right, qk_scale,
+        None, None, None, None, 0, 0,
+        BLOCK_M, BLOCK_N, BLOCK_D, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, STORE_LSE,
+        False, False, BLOCK_M, BLOCK_N,
     )  # fmt: skip
