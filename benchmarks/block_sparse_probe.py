@@ -10,7 +10,8 @@ N8192 D128 bf16, block 128) by default::
     python benchmarks/block_sparse_probe.py [--shape B,H,N,D] [--layouts random:0.05,...]
 
 ``--forward`` times the forward instead: the pointer kernel the table picks, and the
-Gluon forward under a forced Gluon row (``triton_blocksparse.ops._GLUON_FROM_TABLE``),
+Gluon forward under forced Gluon rows of 128 and 64 keys (``--gluon-key-tiles``;
+``triton_blocksparse.ops._GLUON_FROM_TABLE``),
 with the Gluon output's and lse's largest difference from the pointer kernel's, dense
 triton_flash's forward beside them.
 """
@@ -73,11 +74,11 @@ def _kernels(times: dict[str, float]) -> str:
 
 
 def forwards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layouts: str,
-             device: torch.device) -> None:  # fmt: skip
-    """Per layout: the forward's time (ms) on the table's kernel and on the Gluon one (a
-    forced row), and the Gluon output's and lse's largest difference from the table's."""
+             device: torch.device, key_tiles: list[int]) -> None:  # fmt: skip
+    """Per layout: the forward's time (ms) on the table's kernel and on the Gluon one
+    (forced rows of 128 rows and each of ``key_tiles`` keys), and the Gluon output's and
+    lse's largest difference from the table's."""
     b, h, n, d = q.shape
-    gluon_row = LaunchConfig(128, 128, 4, 2, gluon=True)
     with torch.no_grad():
         ms = loop_ms(lambda: attnhub.attention(q, k, v, backend="triton_flash"), device, 20)
         print(f"shape B{b} H{h} N{n} D{d} {q.dtype}, block 128; dense triton_flash forward "
@@ -91,17 +92,22 @@ def forwards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layouts: str,
 
             out_t, lse_t = fwd()
             ms_t, us_t = loop_ms(fwd, device, 20), kernel_us(fwd)
-            with tuning.override(fwd=gluon_row):
-                out_g, lse_g = fwd()
-                ms_g, us_g = loop_ms(fwd, device, 20), kernel_us(fwd)
-                ran = _launched(fwd)
+            print(f"{text}: table {ms_t:.3f} ms ({_kernels(us_t)})")
             finite = torch.isfinite(lse_t)
-            diff_out = (out_g.float() - out_t.float()).abs().max().item()
-            diff_lse = (lse_g[finite] - lse_t[finite]).abs().max().item() if finite.any() else 0.0
-            same_empty = torch.equal(finite, torch.isfinite(lse_g))
-            print(f"{text}: table {ms_t:.3f} ms ({_kernels(us_t)}), forced row ({ran}) {ms_g:.3f} ms "
-                  f"({_kernels(us_g)}): {ms_t / ms_g:.2f}x; forced - table: out {diff_out:.3g}, "
-                  f"lse {diff_lse:.3g}, same rows without keys {same_empty}")  # fmt: skip
+            for block_n in key_tiles:
+                row = LaunchConfig(128, block_n, 4, 2, gluon=True)
+                with tuning.override(fwd=row):
+                    out_g, lse_g = fwd()
+                    ms_g, us_g = loop_ms(fwd, device, 20), kernel_us(fwd)
+                    ran = _launched(fwd)
+                diff_out = (out_g.float() - out_t.float()).abs().max().item()
+                diff_lse = (
+                    (lse_g[finite] - lse_t[finite]).abs().max().item() if finite.any() else 0.0
+                )
+                same_empty = torch.equal(finite, torch.isfinite(lse_g))
+                print(f"    forced {row} ({ran}) {ms_g:.3f} ms ({_kernels(us_g)}): "
+                      f"{ms_t / ms_g:.2f}x the table's speed; forced - table: out {diff_out:.3g}, "
+                      f"lse {diff_lse:.3g}, same rows without keys {same_empty}")  # fmt: skip
 
 
 def main() -> None:
@@ -113,6 +119,8 @@ def main() -> None:
         default="random:1,random:0.25,random:0.1,random:0.05,sliding_window:1024,bigbird:2",
     )
     parser.add_argument("--forward", action="store_true", help="the forwards (see above)")
+    parser.add_argument("--gluon-key-tiles", default="128,64",
+                        help="--forward: the forced Gluon rows' key tiles")  # fmt: skip
     args = parser.parse_args()
     b, h, n, d = (int(x) for x in args.shape.split(","))
     device = torch.device(args.device)
@@ -122,7 +130,7 @@ def main() -> None:
                for _ in range(3))  # fmt: skip
     g = torch.randn_like(q)
     if args.forward:
-        forwards(q, k, v, args.layouts, device)
+        forwards(q, k, v, args.layouts, device, [int(x) for x in args.gluon_key_tiles.split(",")])
         return
     print(f"shape B{b} H{h} N{n} D{d} {dtype}, block 128; backward kernels, us per step")
     for launch in ("merged", "split"):  # dense triton_flash beside it, both launch modes

@@ -428,8 +428,11 @@ def _with_empty_row(layout_mask: torch.Tensor) -> BlockSparseLayout:
 
 # Layouts the Gluon forward serves (bq = 128, Nq and Nk block multiples, no band): full
 # blocks only (some rows without a block), full then partial blocks (a window), partial
-# blocks only, rows with no key inside partial blocks, 128 x 64 blocks, per-head layouts.
+# blocks only, rows with no key inside partial blocks, 128 x 64 blocks, per-head layouts;
+# and 128 x 128 blocks walked in 64-key tiles (the forced row's, _GLUON_KEY_TILES).
+_GLUON_KEY_TILES = {"window_in_64_key_tiles": 64}
 _GLUON_LAYOUTS = {
+    "window_in_64_key_tiles": lambda: BlockSparseLayout.sliding_window(2048, 300, 128),
     "full_blocks_and_an_empty_row": lambda: _with_empty_row(
         torch.rand(2, 4, 16, 16, generator=torch.Generator().manual_seed(31)) < 0.3
     ),
@@ -471,7 +474,8 @@ def test_gpu_gluon_forward(dtype: torch.dtype, name: str, monkeypatch) -> None: 
     if name.startswith(("window", "rect_128x64_random")):  # strided views
         qkv = tuple(torch.randn(b, n, h, 128, dtype=dtype, device="cuda").transpose(1, 2)
                     for h in (hq, hkv, hkv))  # fmt: skip
-    with tuning.override(fwd=configs.LaunchConfig(128, 128, 4, 2, gluon=True)):
+    row = configs.LaunchConfig(128, _GLUON_KEY_TILES.get(name, 128), 4, 2, gluon=True)
+    with tuning.override(fwd=row):
         _check(layout, dtype, b, hq, hkv, n, n, 128, qkv=qkv)
     assert launched[0] == "bs_fwd_gluon_kernel", launched
 
