@@ -230,7 +230,7 @@ def _tiles_meta(
 # GPU was lent when it was written; benchmarks/NOTES.md, 2026-12-04, fifteenth
 # session) only a forced launch row with gluon=True sends a call there
 # (tuning.override(fwd=LaunchConfig(128, 128, 4, 2, gluon=True))), as the GPU tests
-# and benchmarks/block_sparse_probe.py --gluon do.
+# and benchmarks/block_sparse_probe.py --forward do.
 _GLUON_FROM_TABLE = False
 
 
@@ -239,7 +239,7 @@ def _gluon_ok(c: Any, bq: int, bk: int, q: torch.Tensor, k: torch.Tensor, v: tor
     """Whether a forward may run kernels_gluon.bs_fwd_gluon_kernel (where its launch row
     asks for Gluon): what triton_flash's Gluon forward takes (ops._tma_eligible,
     ops._gluon_eligible), EVEN_BLOCKS, 128-row query blocks (one program's rows) and
-    key blocks of 64 or 128 (the sizes tested on the H200)."""
+    key blocks of 64 or 128 (the sizes its GPU test covers: test_gpu_gluon_forward)."""
     return (
         kernels_gluon is not None and bq == 128 and bk in (64, 128)
         and _even_blocks(c.meta, bq, bk, q.shape[2], k.shape[2])

@@ -5,7 +5,9 @@ calls that ops._gluon_eligible admits and the launch table sends here
 (configs._GLUON_2B): dense (no attn_mask, no dropout, no packed sequences or key
 ranges), bf16/fp16, D = Dv = 128, no softcap, on sm_90 (warpgroup MMA is Hopper's), with
 TMA's layout rules (ops._tma_eligible). Causal (either alignment), sliding windows, GQA,
-any lengths, the lse and fully masked rows are kept.
+any lengths, the lse and fully masked rows are kept. Its program (:func:`_forward_block`)
+also serves triton_blocksparse's Gluon forward, whose loader takes the key tiles from a
+layout's block lists and whose consumers apply partial blocks' token masks.
 
 Why Gluon: Triton's pipeliner waits for each tile's score matrix before its softmax and
 for P @ V before the next tile, so in one program the tensor cores idle while the
@@ -261,11 +263,13 @@ def _forward_block(
     MASK_TAIL: gl.constexpr, STORE_LSE: gl.constexpr, SPARSE: gl.constexpr,
     TOKEN: gl.constexpr, BQ: gl.constexpr, BK: gl.constexpr,
 ):  # fmt: skip
-    """One program of either kernel: rows start_m .. start_m + 127 of query head ``h`` of
-    batch ``b`` (``pid_bh`` = b * H + h; kv head ``hk``) over its key tiles 0 .. n - 1 (masked head, unmasked
-    bulk, masked tail: n_head, n_bulk; see :func:`_loader` (SPARSE) and
-    :func:`_consumer` (TOKEN) for the tiles' keys, masks and the block-list arguments).
-    Builds the descriptors, the K/V ring and its barriers, then runs the partitions."""
+    """One program of either kernel (this module's, and triton_blocksparse's
+    bs_fwd_gluon_kernel): rows start_m .. start_m + 127 of query head ``h`` of batch
+    ``b`` (``pid_bh`` = b * H + h; kv head ``hk``) over its key tiles 0 .. n - 1
+    (masked head, unmasked bulk, masked tail: n_head, n_bulk; see :func:`_loader`
+    (SPARSE) and :func:`_consumer` (TOKEN) for the tiles' keys, masks and the
+    block-list arguments). Builds the descriptors, the K/V ring and its barriers, then
+    runs the partitions."""
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
