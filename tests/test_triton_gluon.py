@@ -111,6 +111,19 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+def _recorded_as_on(monkeypatch, capability: tuple[int, int], *modules) -> list[str]:  # type: ignore[no-untyped-def]
+    """Launches recorded, not run (their kernels' names, returned), as a GPU of
+    ``capability`` would make them: triton_flash's ops and each of ``modules`` (ops
+    modules that import ``_capability`` and ``interpreting`` from it) see that device,
+    outside the interpreter."""
+    for module in (ops, *modules):
+        monkeypatch.setattr(module, "_capability", lambda device: capability)
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+    launched: list[str] = []
+    monkeypatch.setattr(ops, "_launcher", _NoLaunch(launched))
+    return launched
+
+
 @pytest.mark.parametrize(
     ("what", "expected"),
     [
@@ -131,12 +144,9 @@ def test_which_forward_an_sm90_call_gets(what: str, expected: str, monkeypatch) 
     half-precision D = Dv = 128 calls past SHORT_N keys, without softcap, on sm_90, take
     the Gluon forward; the rest keep the TMA or pointer kernels they had."""
     capability = {"sm_100": (10, 0), "sm_80": (8, 0)}.get(what, (9, 0))
-    monkeypatch.setattr(ops, "_capability", lambda device: capability)
-    monkeypatch.setattr(ops, "interpreting", lambda: False)
+    launched = _recorded_as_on(monkeypatch, capability)
     if what == "a Triton without Gluon":
         monkeypatch.setattr(ops, "kernels_gluon", None)
-    launched: list[str] = []
-    monkeypatch.setattr(ops, "_launcher", _NoLaunch(launched))
     n = 1000 if what == "at most SHORT_N keys" else 1100
     dtype = torch.float32 if what == "float32" else torch.bfloat16
     q = torch.zeros(1, 2, n, 64 if what == "head dim 64" else 128, dtype=dtype)
@@ -199,14 +209,9 @@ def test_which_block_sparse_forward_an_sm90_call_gets(
     from attnhub.backends.triton_blocksparse import ops as bs_ops
 
     monkeypatch.setattr(bs_ops, "_GLUON_FROM_TABLE", True)
-    capability = (10, 0) if what == "sm_100" else (9, 0)
-    for module in (ops, bs_ops):
-        monkeypatch.setattr(module, "_capability", lambda device: capability)
-        monkeypatch.setattr(module, "interpreting", lambda: False)
+    launched = _recorded_as_on(monkeypatch, (10, 0) if what == "sm_100" else (9, 0), bs_ops)
     if what == "a Triton without Gluon":
         monkeypatch.setattr(bs_ops, "kernels_gluon", None)
-    launched: list[str] = []
-    monkeypatch.setattr(ops, "_launcher", _NoLaunch(launched))
     n = {"at most SHORT_N keys": 1024, "ragged length": 2000}.get(what, 2048)
     block = {"64-row blocks": 64, "128 x 64 blocks": (128, 64), "128 x 32 blocks": (128, 32)}.get(
         what, 128
@@ -233,11 +238,7 @@ def test_block_sparse_gluon_forward_is_opt_in_until_measured(monkeypatch) -> Non
     from attnhub.backends.triton_blocksparse import ops as bs_ops
     from attnhub.backends.triton_flash import tuning
 
-    for module in (ops, bs_ops):
-        monkeypatch.setattr(module, "_capability", lambda device: (9, 0))
-        monkeypatch.setattr(module, "interpreting", lambda: False)
-    launched: list[str] = []
-    monkeypatch.setattr(ops, "_launcher", _NoLaunch(launched))
+    launched = _recorded_as_on(monkeypatch, (9, 0), bs_ops)
     layout = BlockSparseLayout.from_block_mask(torch.ones(1, 1, 16, 16, dtype=torch.bool), 128)
     q = torch.zeros(1, 2, 2048, 128, dtype=torch.bfloat16)
     bs_ops.block_sparse_attention(q, q, q, layout)
