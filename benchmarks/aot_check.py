@@ -415,9 +415,9 @@ def record_blocksparse(
         for dtype, d, block, options in cases:
             options = dict(options)
             # A ragged length runs the per-block loops; an even one without a band
-            # (option "even") the flat loops of EVEN_BLOCKS; "long" (even, past SHORT_N
-            # keys) also a layout of full blocks only: at D=128 in half precision on
-            # sm_90 both take the Gluon forward.
+            # (option "even") the flat loops of EVEN_BLOCKS; "long" (even, 16 blocks: past
+            # SHORT_N keys at block 128) also a layout of full blocks only: at D=128 in
+            # half precision on sm_90 both take the Gluon forward there.
             long = options.pop("long", False)
             n = 16 * block if long else 4 * block if options.pop("even", False) else 2 * block + 40
             layouts = [BlockSparseLayout.sliding_window(n, block + 10, block)]
