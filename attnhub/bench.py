@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from .jsonfile import write_json
-from .request import dtype_name
+from .request import dtype_name, dtype_tag
 
 MODES = ("fwd", "bwd", "fwd_bwd")
 FLEX = "flex_attention"
@@ -171,7 +171,9 @@ class Point:
         return self.layout is not None and self.layout[0] != DENSE[0]
 
     def label(self) -> str:
-        text = f"{_short(self.dtype)} B{self.batch} H{self.heads} N{self.seqlen} D{self.head_dim}"
+        text = (
+            f"{dtype_tag(self.dtype)} B{self.batch} H{self.heads} N{self.seqlen} D{self.head_dim}"
+        )
         text += " causal" if self.causal else ""
         if self.layout is not None:
             text += f" {layout_label(self.layout)}"
@@ -198,12 +200,6 @@ def layout_label(spec: Sequence[Any]) -> str:
     """``random 0.25``, ``sliding_window 1024``, ``dense``: a layout spec for people."""
     kind, param = spec[0], spec[1]
     return kind if kind in (DENSE[0], "causal") else f"{kind} {param:g}"
-
-
-def _short(dtype: str) -> str:
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}.get(
-        dtype, dtype
-    )
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench import AUTO, DEFAULT_BACKENDS, DENSE, FLEX, LAYOUT_KINDS, MODES, layout_label
+from .request import dtype_tag
 
 Row = dict[str, Any]
 
@@ -58,12 +59,6 @@ def _backend_order(names: Iterable[str]) -> list[str]:
     known = [b for b in DEFAULT_BACKENDS if b in names and b != AUTO]
     rest = sorted(names - set(DEFAULT_BACKENDS))
     return known + rest + ([AUTO] if AUTO in names else [])
-
-
-def _short(dtype: str) -> str:
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}.get(
-        dtype, dtype
-    )
 
 
 def _dense(data: dict[str, Any]) -> list[Row]:
@@ -124,7 +119,7 @@ def dense_table(data: dict[str, Any]) -> str:
     for key in sorted(cells):
         dtype, d, causal, mode_index, n, _, _ = key
         by = cells[key]
-        line = [_short(dtype), str(d), str(n), "yes" if causal else "no", MODES[mode_index]]
+        line = [dtype_tag(dtype), str(d), str(n), "yes" if causal else "no", MODES[mode_index]]
         for b in backends:
             cell = by.get(b)
             text = _num(cell["tflops"]) if cell else ""
@@ -155,7 +150,7 @@ def window_table(data: dict[str, Any]) -> str:
     table = [["W", "mode", "dtype", "N", *(f"{b} ms" for b in backends)]]
     for key in sorted(cells):
         w, mode_index, dtype, n = key
-        line = [str(w), MODES[mode_index], _short(dtype), str(n)]
+        line = [str(w), MODES[mode_index], dtype_tag(dtype), str(n)]
         for b in backends:
             cell = cells[key].get(b)
             text = _num(cell["ms"], 3) if cell else ""
@@ -189,7 +184,7 @@ def _shape_key(r: Row) -> tuple[Any, ...]:
 
 def _shape_text(key: tuple[Any, ...]) -> str:
     dtype, b, h, n, d, block = key
-    return f"{_short(dtype)} B{b} H{h} N{n} D{d} block {block}"
+    return f"{dtype_tag(dtype)} B{b} H{h} N{n} D{d} block {block}"
 
 
 def _layout_order(layout: Sequence[Any]) -> tuple[int, float, str]:
@@ -464,8 +459,8 @@ def write_plots(data: dict[str, Any], stem: Path) -> list[Path]:
             # bwd rows carry the fwd_bwd run's peak: plotting them again adds nothing.
             ("peak_mib", "peak MiB beyond inputs", "memory", ("fwd", "fwd_bwd")),
         ):
-            path = stem.with_name(f"{stem.name}-{kind}-{_short(dtype)}.png")
-            title = f"{label}, {_short(dtype)}: {what}"
+            path = stem.with_name(f"{stem.name}-{kind}-{dtype_tag(dtype)}.png")
+            title = f"{label}, {dtype_tag(dtype)}: {what}"
             out = _plot_vs_n(rows, value, label, title, modes, path)
             if out is not None:
                 written.append(out)

@@ -53,7 +53,7 @@ from .cost_model import CostModel, CostModelPolicy
 from .jsonfile import write_json
 from .ranking import DeclaredPriority, RankingPolicy
 from .registry import invalidate_caches
-from .request import AttentionRequest, dtype_name
+from .request import AttentionRequest, dtype_name, dtype_tag
 
 log = logging.getLogger("attnhub")
 
@@ -69,7 +69,6 @@ RANKING_WORDS = (
     ("off", "priority"),
 )
 DTYPE_NAMES = frozenset(dtype_name(d) for d in FLOAT_DTYPES)
-_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 Key = tuple[str, int, int, bool, str]  # (dtype, head_dim, N, causal, mode)
 
@@ -112,7 +111,7 @@ def find_table(device: str) -> Path | None:
 
 def describe_key(key: Key) -> str:
     dtype, d, n, causal, mode = key
-    return f"{_SHORT.get(dtype, dtype)} D{d} N~{n} {'causal' if causal else 'non-causal'} {mode}"
+    return f"{dtype_tag(dtype)} D{d} N~{n} {'causal' if causal else 'non-causal'} {mode}"
 
 
 def _is_int(value: Any) -> bool:

@@ -32,6 +32,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_DTYPE_TAGS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
+def dtype_tag(dtype: torch.dtype | str) -> str:
+    """The short name of a floating dtype in labels and ids (``bf16``, ``fp16``, ``fp32``,
+    ``fp64``), given the dtype or its :func:`dtype_name`; another dtype's name as it is."""
+    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    return _DTYPE_TAGS.get(name, name)
+
+
 @dataclass(frozen=True)
 class AttentionParams:
     """What a backend computes, beyond the tensors.

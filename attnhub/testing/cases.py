@@ -19,17 +19,11 @@ from typing import Any
 import torch
 
 from attnhub.backend import Backend, declared_reasons
-from attnhub.request import AttentionRequest, device_capability
+from attnhub.request import AttentionRequest, device_capability, dtype_tag
 from attnhub.validation import build_request, make_params
 
 MASK_CHOICES = ("none", "bool", "keys", "float", "float32")
 
-_DTYPE_TAGS = {
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float32: "fp32",
-    torch.float64: "fp64",
-}
 # Order in which dtypes receive the feature cases (round robin): half precision first,
 # where kernels differ most from the reference.
 _DTYPE_ORDER = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -110,9 +104,7 @@ class Case:
             shape += f"kv{self.Hkv}"
         shape += f"N{self.Nq}" + (f"x{self.Nk}" if self.Nk != self.Nq else "")
         shape += f"D{self.D}" + (f"v{self.Dv}" if self.Dv != self.D else "")
-        return "-".join(
-            [_DTYPE_TAGS.get(self.dtype, str(self.dtype)), *(self.features or ["plain"]), shape]
-        )
+        return "-".join([dtype_tag(self.dtype), *(self.features or ["plain"]), shape])
 
     def __str__(self) -> str:
         return self.id
