@@ -29,6 +29,9 @@
 #               comma-separated list; WORKLOADS_BUDGET: seconds per competitor, default 0.04;
 #               WORKLOADS_SET: issue16 (default), models or all: --workload-set)
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
+#   BSPROBE_S   block-sparse-probe.txt: benchmarks/block_sparse_probe.py (BSPROBE_ARGS, e.g.
+#               --forward: the pointer forward against the Gluon one, forced rows)
+#   BLOCKSPARSE_S block-sparse.json/md: `attnhub bench --block-sparse --no-grid` (Flex beside it)
 #   TMA_S       tma-sweep.json/log: benchmarks/tma_sweep.py (TMA_ARGS, e.g. --head-dims 128)
 #   SWEEP_S     sweep.json/log: benchmarks/triton_flash_gpu.py's launch-config sweep (B4 H8,
 #               causal and not; SWEEP_DIMS head dims, default 256; SWEEP_SEQLENS, default
@@ -112,6 +115,12 @@ step "${WORKLOADS_S:-0}" workloads python3 -m attnhub bench --workloads --device
     -o "$OUT/workloads.json" > /dev/null 2> "$OUT/workloads.err"
 step "${GRID_S:-0}" grid python3 -m attnhub bench --quick --no-plots --no-progress \
     -o "$OUT/grid-quick.json" > /dev/null 2> "$OUT/grid-quick.err"
+step "${BSPROBE_S:-0}" block-sparse-probe python3 benchmarks/block_sparse_probe.py ${BSPROBE_ARGS:-} \
+    > "$OUT/block-sparse-probe.txt" 2>&1
+cat "$OUT/block-sparse-probe.txt" 2>/dev/null | grep -v Warning | tail -40
+step "${BLOCKSPARSE_S:-0}" block-sparse python3 -m attnhub bench --block-sparse --no-grid --no-progress \
+    -o "$OUT/block-sparse.json" > "$OUT/block-sparse.log" 2>&1
+grep "fwd_bwd" "$OUT/block-sparse.md" 2>/dev/null
 step "${TMA_S:-0}" tma-sweep python3 benchmarks/tma_sweep.py "$OUT/tma-sweep.json" ${TMA_ARGS:-} \
     > "$OUT/tma-sweep.log" 2>&1
 grep -c '"kernel"' "$OUT/tma-sweep.log" 2>/dev/null; grep -m5 error "$OUT/tma-sweep.log" 2>/dev/null | cut -c1-300
