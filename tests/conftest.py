@@ -39,3 +39,24 @@ def cuda_request() -> Callable[..., AttentionRequest]:
         return dataclasses.replace(_CUDA_REQUEST, **changes)
 
     return build
+
+
+@pytest.fixture
+def count_jit_runs(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[str]]:
+    """``count_jit_runs(*kernels)``: a list that gets a Triton kernel's name each time
+    its binder runs it (``JITFunction.run``: a launch on the full path, not a cached
+    plan's), for the test's duration."""
+
+    def count(*kernels: Any) -> list[str]:
+        runs: list[str] = []
+        for kernel in kernels:
+
+            def counting(*args: Any, _run: Any = kernel.run, _name: str = kernel.fn.__name__,
+                         **kwargs: Any) -> Any:  # fmt: skip
+                runs.append(_name)
+                return _run(*args, **kwargs)
+
+            monkeypatch.setattr(kernel, "run", counting)
+        return runs
+
+    return count

@@ -251,7 +251,7 @@ def test_gpu_key_ranges_at_model_sizes(counted, monkeypatch, dtype, d, options, 
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("d", [64, 128])
-def test_gpu_key_range_plans_take_each_calls_ranges(monkeypatch, d):  # type: ignore[no-untyped-def]
+def test_gpu_key_range_plans_take_each_calls_ranges(monkeypatch, count_jit_runs, d):  # type: ignore[no-untyped-def]
     """Key-range calls reuse cached launch plans (ops._PLANS): from a key's third call
     on, forward and backward skip Triton's binder, and each call runs on its own ranges,
     never a recorded call's. Each call's keys outside its ranges are NaN, so a plan that
@@ -259,16 +259,10 @@ def test_gpu_key_range_plans_take_each_calls_ranges(monkeypatch, d):  # type: ig
     path's on the same inputs (dK/dV outside the ranges exactly zero)."""
     from attnhub.backends.triton_flash import kernels, ops
 
-    jit_runs: list[str] = []
-    for name in ("attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_kernel",
-                 "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):  # fmt: skip
-        kernel = getattr(kernels, name)
-
-        def counting(*args, _run=kernel.run, _name=name, **kwargs):  # type: ignore[no-untyped-def]
-            jit_runs.append(_name)
-            return _run(*args, **kwargs)
-
-        monkeypatch.setattr(kernel, "run", counting)
+    jit_runs = count_jit_runs(
+        kernels.attn_fwd_kernel, kernels.attn_bwd_preprocess_kernel, kernels.attn_bwd_kernel,
+        kernels.attn_bwd_dkdv_kernel, kernels.attn_bwd_dq_kernel,
+    )  # fmt: skip
     n = 300
     paddings = [
         [(0, n), (0, 130), (0, 0)],

@@ -483,7 +483,7 @@ def test_gpu_gluon_forward(dtype: torch.dtype, name: str, monkeypatch) -> None: 
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("partial", [False, True], ids=["full_blocks", "partial_blocks"])
-def test_gpu_plans_take_each_calls_layout(monkeypatch, partial: bool) -> None:  # type: ignore[no-untyped-def]
+def test_gpu_plans_take_each_calls_layout(monkeypatch, count_jit_runs, partial: bool) -> None:  # type: ignore[no-untyped-def]
     """Eager block-sparse calls reuse cached launch plans (triton_flash's ops._PLANS):
     from a key's third call on, forward and backward skip Triton's binder, and layouts
     of one geometry and the same facts share the plan, each call launched on its own
@@ -493,16 +493,10 @@ def test_gpu_plans_take_each_calls_layout(monkeypatch, partial: bool) -> None:  
     from attnhub.backends.triton_flash import kernels as flash_kernels
     from attnhub.backends.triton_flash import ops as flash_ops
 
-    jit_runs: list[str] = []
-    for module, name in ((kernels, "bs_fwd_kernel"), (kernels, "bs_bwd_dkdv_kernel"),
-                         (kernels, "bs_bwd_dq_kernel"), (flash_kernels, "attn_bwd_preprocess_kernel")):  # fmt: skip
-        kernel = getattr(module, name)
-
-        def counting(*args, _run=kernel.run, _name=name, **kwargs):  # type: ignore[no-untyped-def]
-            jit_runs.append(_name)
-            return _run(*args, **kwargs)
-
-        monkeypatch.setattr(kernel, "run", counting)
+    jit_runs = count_jit_runs(
+        kernels.bs_fwd_kernel, kernels.bs_bwd_dkdv_kernel, kernels.bs_bwd_dq_kernel,
+        flash_kernels.attn_bwd_preprocess_kernel,
+    )  # fmt: skip
     n, block = 1000, 64  # ragged last blocks
     if partial:  # token masks of their own, 41, 40 and 43 of them (not in the plan's key)
         layouts = [BlockSparseLayout.sliding_window(n, w, block) for w in (200, 200, 250, 130)]

@@ -12,6 +12,7 @@ import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -1191,24 +1192,17 @@ def test_gpu_cuda_graph_replays_a_planned_call_without_lse() -> None:
 @requires_cuda
 @pytest.mark.parametrize("d", [64, 128], ids=["D64_split", "D128_merged"])
 def test_gpu_cached_backward_plans_match_the_full_path(
-    d: int, monkeypatch: pytest.MonkeyPatch
+    d: int, count_jit_runs: Callable[..., list[str]]
 ) -> None:
     """The backward's plan (preprocess, then the merged or the split launches) gives
     bitwise the gradients of the full path, with a gradient on lse too (dlse), and from
     a key's third call on no backward kernel runs through Triton's binder."""
     from attnhub.backends.triton_flash import kernels, tuning
 
-    names = ("attn_bwd_preprocess_kernel", "attn_bwd_kernel", "attn_bwd_dkdv_kernel",
-             "attn_bwd_dq_kernel")  # fmt: skip
-    jit_runs: list[str] = []
-    for name in names:
-        kernel = getattr(kernels, name)
-
-        def counting(*args, _run=kernel.run, _name=name, **kwargs):  # type: ignore[no-untyped-def]
-            jit_runs.append(_name)
-            return _run(*args, **kwargs)
-
-        monkeypatch.setattr(kernel, "run", counting)
+    jit_runs = count_jit_runs(
+        kernels.attn_bwd_preprocess_kernel, kernels.attn_bwd_kernel, kernels.attn_bwd_dkdv_kernel,
+        kernels.attn_bwd_dq_kernel,
+    )  # fmt: skip
     torch.manual_seed(14)
     q = torch.randn(2, 4, 100, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(2, 2, 120, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
