@@ -60,3 +60,21 @@ def count_jit_runs(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[str]]:
         return runs
 
     return count
+
+
+@pytest.fixture
+def launched_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the Triton kernels launched through triton_flash's ``ops._launcher``
+    during the test (triton_blocksparse's launches included), in launch order; they
+    still run. A replaced launcher means no cached plans (``ops._plan_key``)."""
+    from attnhub.backends.triton_flash import ops
+
+    launched: list[str] = []
+    launcher = ops._launcher
+
+    def recording(kernel: Any, like: torch.Tensor) -> Any:
+        launched.append(kernel.fn.__name__)
+        return launcher(kernel, like)
+
+    monkeypatch.setattr(ops, "_launcher", recording)
+    return launched

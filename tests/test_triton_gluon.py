@@ -27,17 +27,6 @@ gpu = pytest.mark.gpu
 GLUON = "attn_fwd_gluon_kernel"
 
 
-def _recording(launched: list[str]):  # type: ignore[no-untyped-def]
-    """ops._launcher that also appends each launched kernel's name."""
-    launcher = ops._launcher
-
-    def recording(kernel, like):  # type: ignore[no-untyped-def]
-        launched.append(kernel.fn.__name__)
-        return launcher(kernel, like)
-
-    return recording
-
-
 def _case(dtype: torch.dtype, hkv: int, nq: int, nk: int, **options) -> Case:  # type: ignore[no-untyped-def]
     return Case(
         dtype=dtype, B=2, Hq=4, Hkv=hkv, Nq=nq, Nk=nk, D=128, Dv=128, return_lse=True, **options
@@ -73,12 +62,10 @@ _CASES = [
 
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("case", _CASES)
-def test_gpu_gluon_forward_keeps_the_contract(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
-    launched: list[str] = []
-    monkeypatch.setattr(ops, "_launcher", _recording(launched))
+def test_gpu_gluon_forward_keeps_the_contract(case: Case, launched_kernels: list[str]) -> None:
     problems = case_problems("triton_flash", case, "cuda")
     assert not problems, f"{case.id}: " + "; ".join(problems)
-    assert launched and launched[0] == GLUON, launched
+    assert launched_kernels and launched_kernels[0] == GLUON, launched_kernels
 
 
 @gpu

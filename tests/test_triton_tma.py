@@ -58,17 +58,6 @@ _CASES = [
 ]
 
 
-def _recording(launched: list[str]):  # type: ignore[no-untyped-def]
-    """ops._launcher that also appends each launched kernel's name."""
-    launcher = ops._launcher
-
-    def recording(kernel, like):  # type: ignore[no-untyped-def]
-        launched.append(kernel.fn.__name__)
-        return launcher(kernel, like)
-
-    return recording
-
-
 def test_some_cases_are_served() -> None:
     # Never pass by generating nothing: GQA, causal both ways, a window, softcap,
     # gradients and transposed layouts are among the kit's cases the kernel serves.
@@ -78,9 +67,8 @@ def test_some_cases_are_served() -> None:
 
 
 @pytest.mark.parametrize("case", _CASES)
-def test_tma_forward_keeps_the_contract(case, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    launched: list[str] = []
-    monkeypatch.setattr(ops, "_launcher", _recording(launched))
+def test_tma_forward_keeps_the_contract(case, launched_kernels: list[str]) -> None:  # type: ignore[no-untyped-def]
+    launched = launched_kernels
     with tuning.override(fwd=FORCED):
         problems = case_problems("triton_flash", case, DEVICE)
     assert not problems, f"{case.id}: " + "; ".join(problems)
@@ -104,7 +92,7 @@ DTYPE = torch.bfloat16 if HAS_CUDA else torch.float16
      "head dim not a power of two", "bool mask", "float32"],
 )  # fmt: skip
 @pytest.mark.parametrize("marks", [pytest.param(None, marks=MARKS, id="")])
-def test_calls_tma_cannot_take_run_the_pointer_kernel(what: str, marks, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_calls_tma_cannot_take_run_the_pointer_kernel(what: str, marks, launched_kernels) -> None:  # type: ignore[no-untyped-def]
     d = 24 if what == "head dim not a power of two" else 32
     q, k, v = _qkv((2, 2, 40, d), torch.float32 if what == "float32" else DTYPE)
     if what == "row stride not a multiple of 16 bytes":  # rows of 36 elements, 32 used
@@ -112,11 +100,9 @@ def test_calls_tma_cannot_take_run_the_pointer_kernel(what: str, marks, monkeypa
     if what == "keys expanded along the sequence":  # one key row, stride 0, 40 times
         k = k[:, :, :1].expand(-1, -1, 40, -1)
     mask = torch.rand(2, 1, 40, 40, device=DEVICE) > 0.3 if what == "bool mask" else None
-    launched: list[str] = []
-    monkeypatch.setattr(ops, "_launcher", _recording(launched))
     with tuning.override(fwd=FORCED):
         out = ops.flash_attention(q, k, v, mask, causal=True)[0]
-    assert launched == [POINTER]
+    assert launched_kernels == [POINTER]
     params = AttentionParams(causal=True, scale=q.shape[-1] ** -0.5)
     expected, _ = contract_attention(q.double(), k.double(), v.double(), mask, params)
     assert (out.double() - expected).abs().max().item() < 2e-2
