@@ -35,6 +35,7 @@ from attnhub.backends.triton_flash.ops import (
     _launch,
     _lookup,
     _plan_key,
+    _planned_delta,
     _remember,
     _row_strides,
     _scratch_allocator,
@@ -127,6 +128,12 @@ class _LayoutTensors(list):
     computed when the list is built (about 20 us of Python a call otherwise)."""
 
     __slots__ = ("plan_key",)
+
+
+# Places in layout_tensors' list: a query row's key blocks (the forward's and dQ's
+# lists), a key column's query blocks (dK/dV's), the token masks, the program orders.
+_BY_ROW, _BY_COLUMN = slice(0, 5), slice(5, 10)
+_TILES, _ROW_ORDER, _COLUMN_ORDER = 10, 11, 12
 
 
 def layout_tensors(layout: BlockSparseLayout, device: torch.device) -> list[torch.Tensor]:
@@ -276,9 +283,6 @@ def _index_key(index: list[torch.Tensor]) -> tuple:
     )
 
 
-_TILES = 10  # the token masks' place in layout_tensors' list
-
-
 def _fwd_impl(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -315,8 +319,8 @@ def _fwd_impl(
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
     c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
                scale, dropout_p)  # fmt: skip
-    fnum, fidx, pnum, pidx, ptile = index[:5]
-    tiles, row_order = index[10:12]
+    fnum, fidx, pnum, pidx, ptile = index[_BY_ROW]
+    tiles, row_order = index[_TILES], index[_ROW_ORDER]
     gluon = _gluon_ok(c, bq, bk, q, k, v, out)
     cfg, block_m, _, launch = _tiles_meta("fwd", bq, bk, c.meta, q, nk, causal,
                                           gluon and _GLUON_FROM_TABLE)  # fmt: skip
@@ -388,10 +392,10 @@ def _bwd_impl(
     record: list | None = [] if key is not None else None
     delta = _delta(out, dout, dlse, c.meta, record)
     seed_t = q if seed is None else seed
-    tiles, row_order, col_order = index[10:13]
+    tiles, row_order, col_order = index[_TILES], index[_ROW_ORDER], index[_COLUMN_ORDER]
     meta = {**c.meta, "HAS_PARTIAL": has_partial}
 
-    fnum, fidx, pnum, pidx, ptile = index[5:10]
+    fnum, fidx, pnum, pidx, ptile = index[_BY_COLUMN]
     _, _, block_n, launch = _tiles_meta("bwd_kv", bq, bk, meta, q, nk, causal)
     args = (
         q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
@@ -402,7 +406,7 @@ def _bwd_impl(
     )  # fmt: skip
     _launch(kernels.bs_bwd_dkdv_kernel, q, (_grid(nk, bk, block_n, b * hkv),), args,
             {**meta, **launch, **_row_strides(Q=q, DO=dout)}, 17, record)  # fmt: skip
-    fnum, fidx, pnum, pidx, ptile = index[:5]
+    fnum, fidx, pnum, pidx, ptile = index[_BY_ROW]
     _, block_m, _, launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal)
     args = (
         q, k, v, c.mask, seed_t, dout, lse, delta, dq,
@@ -438,20 +442,19 @@ class _Plan:
         """The forward: (out, lse)."""
         out, lse = self._allocate()
         self.launches[0](q, k, v, q if mask is None else mask, q if seed is None else seed,
-                         out, lse, *index[:5], index[10], index[11])  # fmt: skip
+                         out, lse, *index[_BY_ROW], index[_TILES], index[_ROW_ORDER])  # fmt: skip
         return out, lse
 
     def backward(self, dout, q, k, v, mask, seed, index, out, lse, dlse):  # type: ignore[no-untyped-def]
         """(dq, dk, dv)."""
         dq, dk, dv = self._allocate()
-        delta = torch.empty(self.delta_shape, dtype=torch.float32, device=self.device)
-        self.launches[0](out, dout, delta, out)
-        if dlse is not None:
-            delta = delta - dlse.float()
+        delta = _planned_delta(self.launches[0], out, dout, dlse, self.delta_shape)
         m, s = q if mask is None else mask, q if seed is None else seed
-        tiles, row_order, col_order = index[10:13]
-        self.launches[1](q, k, v, m, s, dout, lse, delta, dk, dv, *index[5:10], tiles, col_order)
-        self.launches[2](q, k, v, m, s, dout, lse, delta, dq, *index[:5], tiles, row_order)
+        tiles = index[_TILES]
+        self.launches[1](q, k, v, m, s, dout, lse, delta, dk, dv, *index[_BY_COLUMN], tiles,
+                         index[_COLUMN_ORDER])  # fmt: skip
+        self.launches[2](q, k, v, m, s, dout, lse, delta, dq, *index[_BY_ROW], tiles,
+                         index[_ROW_ORDER])  # fmt: skip
         return dq, dk, dv
 
 

@@ -867,6 +867,14 @@ def _bwd_full(
     return dq, dk, dv
 
 
+def _planned_delta(preprocess, out, dout, dlse, shape):  # type: ignore[no-untyped-def]
+    """:func:`_delta` through a plan's recorded preprocess launch (its tensors: out,
+    dout, delta, CuQ), ``shape`` the delta's."""
+    delta = torch.empty(shape, dtype=torch.float32, device=out.device)
+    preprocess(out, dout, delta, out)
+    return delta if dlse is None else delta - dlse.float()
+
+
 class _BackwardPlan:
     """A backward call's gradients' shapes and its cached launches (see _PLANS): the
     preprocess, then the merged launch or the dK/dV and dQ launches."""
@@ -891,10 +899,7 @@ class _BackwardPlan:
             dk.zero_()
             dv.zero_()
             cu_k = key_ranges
-        delta = torch.empty(self.delta_shape, dtype=torch.float32, device=device)
-        self.launches[0](out, dout, delta, out)
-        if dlse is not None:
-            delta = delta - dlse.float()
+        delta = _planned_delta(self.launches[0], out, dout, dlse, self.delta_shape)
         m = q if mask is None else mask
         s = q if seed is None else seed
         if len(self.launches) == 2:  # merged
