@@ -12,6 +12,14 @@ again::
 ``ATTNHUB_MEASUREMENTS`` names another file instead: the one file every rank of a
 ``torch.distributed`` job reads (see :func:`distributed_job`).
 
+Processes sharing a file keep each other's entries: each write re-reads the file and
+merges this process's measurements into it (they win for the same signature) before
+replacing it atomically, under a lock on ``<file>.lock`` where the platform has
+``fcntl``. A file there that is not an attnhub measurement file of this format (a newer
+attnhub's, another program's) is never overwritten: it is ignored, the log says so
+once, and measurements are kept in memory only. A measurement with no times (nothing
+could be timed) is kept in memory only, so the next process measures that call again.
+
 A signature is an :class:`~attnhub.request.AttentionRequest` (its sequence lengths
 bucketed to powers of two). :class:`MeasuredPolicy` ranks a request's eligible backends
 by its measurement, fastest first within each memory class, and hands requests it has
@@ -21,26 +29,34 @@ priority).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
 import json
 import logging
+import math
+import os
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
 from . import env
 from .backend import Backend
-from .cost_table import cache_dir
+from .cost_table import cache_dir, is_time
 from .jsonfile import write_json
 from .ranking import RankingPolicy
 from .registry import invalidate_caches
 from .request import AttentionRequest, dtype_name, seqlen_bucket
+
+try:
+    import fcntl
+except ImportError:  # Windows: writers merge without the lock (see _locked)
+    fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger("attnhub")
 
@@ -108,37 +124,175 @@ def store_path(device: torch.device) -> Path:
     return cache_dir() / _file_name(device.type, index if device.type == "cuda" else None)
 
 
+class _NotOurs(ValueError):
+    """The file exists and is not an attnhub measurement file of :data:`FORMAT` (or
+    cannot be read): another attnhub version's, another program's, a mistyped path."""
+
+
+def _is_map(value: Any, ok: Callable[[Any], bool]) -> TypeGuard[Mapping[str, Any]]:
+    """``value`` maps non-empty names to values that are ``ok``."""
+    return isinstance(value, Mapping) and all(
+        isinstance(k, str) and k and ok(v) for k, v in value.items()
+    )
+
+
+def _is_spread(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
+def _entry(entry: Any) -> Measurement:
+    """One entry of the file, exactly as written: ``ValueError`` saying what is wrong.
+
+    Values are not coerced, as the cost table's loader does not coerce them: a time of
+    ``"1.5"`` or ``true`` is an error, not a guess (a bool is not a number here).
+    """
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"must be an object, got {type(entry).__name__}")
+    ms, when = entry.get("ms"), entry.get("when")
+    failed, spread = entry.get("failed", {}), entry.get("spread", {})
+    if not _is_map(ms, is_time):
+        raise ValueError(f"ms {ms!r:.100} must map backends to finite milliseconds > 0")
+    if not isinstance(when, str):
+        raise ValueError(f"when {when!r:.100} must be a string")
+    if not _is_map(failed, lambda v: isinstance(v, str)):
+        raise ValueError(f"failed {failed!r:.100} must map backends to strings")
+    if not _is_map(spread, _is_spread):
+        raise ValueError(f"spread {spread!r:.100} must map backends to finite numbers >= 0")
+    return Measurement(dict(ms), when, dict(failed), dict(spread))
+
+
+def _load(path: Path) -> tuple[dict[str, Measurement], list[str]]:
+    """The measurements in ``path`` (none where it is absent or blank: a file created
+    empty is ours to fill), and what is wrong with each entry left out.
+
+    An entry with no times (autotune's record of a signature where nothing could be
+    timed) is no measurement: left out without a word, so it is measured again. Raises
+    :class:`_NotOurs` where the file exists and does not say it is :data:`FORMAT`.
+    """
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}, []
+    except (OSError, ValueError) as exc:  # unreadable, a directory, not text
+        raise _NotOurs(f"{type(exc).__name__}: {exc}") from exc
+    if not text.strip():
+        return {}, []
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise _NotOurs(f"not JSON: {exc}") from exc
+    found = data.get("format") if isinstance(data, Mapping) else type(data).__name__
+    if found != FORMAT:
+        raise _NotOurs(f"format {found!r} is not {FORMAT!r}")
+    raw = data.get("entries")
+    if not isinstance(raw, Mapping):
+        return {}, [f"'entries' {raw!r:.100} must be an object"]
+    entries: dict[str, Measurement] = {}
+    problems: list[str] = []
+    for key, entry in raw.items():
+        try:
+            measurement = _entry(entry)
+        except ValueError as exc:
+            problems.append(f"entry {key}: {exc}")
+            continue
+        if measurement.ms:
+            entries[key] = measurement
+    return entries, problems
+
+
+def _to_json(entries: Mapping[str, Measurement]) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "entries": {
+            key: {
+                "ms": dict(m.ms),
+                "when": m.when,
+                "failed": dict(m.failed),
+                "spread": dict(m.spread),
+            }
+            for key, m in sorted(entries.items())
+        },
+    }
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold ``<path>.lock`` exclusively (``fcntl.flock``) for one read-merge-replace of
+    ``path``, so that the processes writing one file take turns.
+
+    Where there is no ``fcntl`` (Windows) or the lock cannot be had (a directory that
+    cannot be written, a file system without locks), it goes on without: every write
+    still merges what the file holds, so writers that overlap can at worst lose a race
+    (an entry written between another's read and its replace, written again at its
+    writer's next measurement), never wipe what was written before them.
+    """
+    fd = None
+    if fcntl is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            if fd is not None:
+                os.close(fd)
+            fd = None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
 class MeasurementStore:
-    """What was measured on one device, read from and written to its file."""
+    """What was measured on one device, read from and written to its file.
+
+    The file is read once, when the store is made; each measurement that :meth:`put`
+    keeps is merged into it (the file re-read, then replaced, under a lock where the
+    platform has one), so that processes sharing the file keep each other's entries.
+    A file that exists and is not an attnhub measurement file (another attnhub
+    version's format, another program's, a mistyped ``ATTNHUB_MEASUREMENTS``) is never
+    overwritten: it is ignored, said once in the log, and the measurements are kept in
+    this process's memory only.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._entries: dict[str, Measurement] = {}
+        # What this process measured and persists: these win over the file's entries
+        # for the same key, the ones read from it do not (another process may have
+        # measured that signature again since).
+        self._mine: dict[str, Measurement] = {}
+        self._said_not_ours = False
         self._lock = threading.Lock()
         self._read()
 
     def _read(self) -> None:
-        if not self.path.is_file():
-            return
+        # A broken file must not break dispatch: what cannot be read is measured again.
         try:
-            data = json.loads(self.path.read_text())
-            if data.get("format") != FORMAT:
-                raise ValueError(f"format {data.get('format')!r} is not {FORMAT!r}")
-            for key, entry in data["entries"].items():
-                ms = {str(b): float(t) for b, t in entry["ms"].items()}
-                if not all(t > 0 and t == t and t != float("inf") for t in ms.values()):
-                    raise ValueError(f"entry {key}: times must be finite and > 0")
-                spread = {str(b): float(x) for b, x in entry.get("spread", {}).items()}
-                if not all(0 <= x < float("inf") for x in spread.values()):
-                    raise ValueError(f"entry {key}: spreads must be finite and >= 0")
-                self._entries[key] = Measurement(
-                    ms, str(entry["when"]), dict(entry.get("failed", {})), spread
-                )
-        except Exception as exc:  # a broken file must not break dispatch: measure again
-            log.warning(
-                "attnhub: ignoring measurements in %s: %s: %s", self.path, type(exc).__name__, exc
-            )
-            self._entries.clear()
+            entries, problems = _load(self.path)
+        except _NotOurs as exc:
+            self._not_ours(exc)
+            return
+        for problem in problems:
+            log.warning("attnhub: ignoring measurements in %s: %s", self.path, problem)
+        self._entries.update(entries)
+
+    def _not_ours(self, exc: _NotOurs) -> None:
+        """Say (once per store) that the file is left alone."""
+        if self._said_not_ours:
+            return
+        self._said_not_ours = True
+        log.warning(
+            "attnhub: ignoring %s, which is not an attnhub measurement file (%s): it is "
+            "left as it is, and measurements are kept in memory only, for this process",
+            self.path,
+            exc,
+        )
 
     def get(self, request: AttentionRequest) -> Measurement | None:
         return self._entries.get(request_key(request))
@@ -147,26 +301,34 @@ class MeasurementStore:
         return len(self._entries)
 
     def put(self, request: AttentionRequest, measurement: Measurement) -> None:
-        """Keep a measurement, write the file, and forget every decision made without it."""
+        """Keep a measurement, merge it into the file, and forget every decision made
+        without it.
+
+        An empty measurement (nothing could be timed: every candidate failed, say out of
+        memory) is kept for this process only, which then does not retry at every call,
+        and not written: the next process measures that signature again.
+        """
+        key = request_key(request)
         with self._lock:
-            self._entries[request_key(request)] = measurement
-            data = {
-                "format": FORMAT,
-                "entries": {
-                    key: {
-                        "ms": dict(m.ms),
-                        "when": m.when,
-                        "failed": dict(m.failed),
-                        "spread": dict(m.spread),
-                    }
-                    for key, m in sorted(self._entries.items())
-                },
-            }
-            try:
-                write_json(data, self.path)
-            except OSError as exc:  # a read-only cache: keep it in memory only
-                log.warning("attnhub: could not write measurements to %s: %s", self.path, exc)
+            self._entries[key] = measurement
+            if measurement.ms:
+                self._mine[key] = measurement
+                self._write()
         invalidate_caches()
+
+    def _write(self) -> None:
+        """Replace the file with its current entries and this process's measurements
+        (ours win for the same key), read and replaced under :func:`_locked`."""
+        try:
+            with _locked(self.path):
+                try:
+                    on_disk, _ = _load(self.path)  # bad entries dropped: readers say so
+                except _NotOurs as exc:
+                    self._not_ours(exc)
+                    return
+                write_json(_to_json({**on_disk, **self._mine}), self.path)
+        except OSError as exc:  # a read-only cache: keep it in memory only
+            log.warning("attnhub: could not write measurements to %s: %s", self.path, exc)
 
 
 _stores: dict[str, MeasurementStore] = {}

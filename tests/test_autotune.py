@@ -4,6 +4,7 @@ the fastest serves it and every later call, the measurement persists and explain
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import ClassVar
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import attnhub
-from attnhub import autotune, dispatch, measured
+from attnhub import autotune, dispatch, measured, timing
 from attnhub import registry as registry_module
 from attnhub.backend import FLOAT_DTYPES, Backend
 from attnhub.backends.torch_reference import reference_attention
@@ -41,6 +42,21 @@ class _Timed(Backend):
         return reference_attention(query, key, value, attn_mask, params)[0]
 
 
+class _VirtualClock:
+    """``time.perf_counter`` and ``time.sleep`` on a clock that sleeping advances, and
+    each reading by a nanosecond (as a real clock would, so no call takes zero time)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-9
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def _backend(name: str, priority: int, delay: float, fails: bool = False) -> _Timed:
     cls = type(
         name.title(),
@@ -53,7 +69,12 @@ def _backend(name: str, priority: int, delay: float, fails: bool = False) -> _Ti
 @pytest.fixture
 def tuned(monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
     """A registry of a slow backend that declared priority prefers and a fast one, on a
-    CPU treated as a measured device, with the measurements in a fresh cache folder."""
+    CPU treated as a measured device, with the measurements in a fresh cache folder.
+    Timing reads a virtual clock that only the backends' delays advance, so what
+    autotune measures is exactly their delays, whatever the machine's load."""
+    clock = _VirtualClock()
+    monkeypatch.setattr(timing, "time", clock)
+    monkeypatch.setattr(sys.modules[__name__], "time", clock)
     fresh = BackendRegistry()
     monkeypatch.setattr(registry_module, "_registry", fresh)
     monkeypatch.setattr(measured, "DEVICES", frozenset({"cpu"}))
