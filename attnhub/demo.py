@@ -17,7 +17,8 @@ patched by the contract's tolerance rule applied to the whole step
 parameter's gradient), says where stock PyTorch gives NaN and attnhub does not, and
 times stock against patched. The exit code is 0 when attnhub's results are finite and
 within that tolerance, 1 when they are not (speed does not decide it: the report says
-which is faster).
+which is faster), 2 when the options cannot be used (a size below 1, a device that is
+not here, ``--model hf`` without transformers).
 
 On a CPU the model is small (seconds in all); on a GPU it is large enough that
 attention matters: 4 layers, hidden 2048, 16 query / 4 key-value heads of 128, 4096
@@ -31,6 +32,7 @@ import contextlib
 import copy
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 from . import patching as _patch_module
 from .api import explain
 from .call_stats import ORIGINAL, reset_stats, stats
+from .cli import positive_int, usable_device
 from .mask_structure import MaskPlan
 from .patching import patch
 from .timing import synchronize
@@ -296,7 +299,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: transformers' Llama when installed, else the built-in model",
     )
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    # Sizes and the device are checked here (argparse: exit 2 naming the option), so that
+    # exit 1 means only what the docstring says: attnhub's results are wrong.
+    parser.add_argument("--device", type=usable_device, default=None, help="default: cuda if available, else cpu")  # fmt: skip
     parser.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
@@ -309,9 +314,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="default: large on cuda (4 layers, hidden 2048, 4096 tokens), small on cpu",
     )
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=None, help="tokens per row (default: the size's)")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=None, help="timed steps of each, interleaved (default: 3 on cpu, 10 on cuda)")  # fmt: skip
+    parser.add_argument("--batch", type=positive_int, default=2, help="rows (default: 2)")
+    parser.add_argument("--seq", type=positive_int, default=None, help="tokens per row (default: the size's)")  # fmt: skip
+    parser.add_argument("--steps", type=positive_int, default=None, help="timed steps of each, interleaved (default: 3 on cpu, 10 on cuda)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,16 +343,24 @@ def _reference_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo with parsed options (see :func:`add_arguments`)."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device if args.device is not None else default_device)
     on_gpu = device.type == "cuda"
     dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
     size = SIZES[args.size or ("large" if on_gpu else "small")]
-    seq = args.seq or size.seq
-    steps = args.steps or (10 if on_gpu else 3)
+    # None is "not given"; a value is honoured as given (add_arguments admits only >= 1).
+    seq = args.seq if args.seq is not None else size.seq
+    steps = args.steps if args.steps is not None else (10 if on_gpu else 3)
     torch.manual_seed(0)
     vocab = 256
-    with torch.device(device):  # initialize on the device: fast for the large model
-        model, label = _build(args.model, size, vocab)
+    try:
+        with torch.device(device):  # initialize on the device: fast for the large model
+            model, label = _build(args.model, size, vocab)
+    except ImportError as exc:
+        if args.model != "hf":  # (auto falls back to the built-in model without it)
+            raise
+        print(f"attnhub demo: --model hf needs transformers ({exc})", file=sys.stderr)
+        return 2
     model = model.to(dtype=dtype)
     ids = torch.randint(1, vocab, (args.batch, seq), device=device)
     mask = torch.ones_like(ids)

@@ -4,6 +4,7 @@ says which backend served each call, and exits 0 only when attnhub is right."""
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 import torch
@@ -137,3 +138,35 @@ def test_demo_on_the_gpu_exits_0_with_an_honest_report(capsys):
     assert "hidden 2048" in out and "x 4096 tokens" in out
     assert re.search(r"patched +PASS", out), out
     assert re.search(r"patched runs at [\d.]+x stock's speed \((faster|slower)\)", out), out
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--batch", "0"), ("--batch", "-1"), ("--seq", "-1"), ("--seq", "0"), ("--steps", "-3"),
+     ("--steps", "0"), ("--steps", "x")],
+)  # fmt: skip
+def test_demo_rejects_sizes_below_1_naming_the_option(option, value, capsys):
+    # Exit 1 means "attnhub's results are wrong": an unusable option is argparse's 2.
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["demo", "--model", "builtin", "--device", "cpu", option, value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {option}: expected an integer >= 1, got {value!r}" in err, err
+
+
+def test_demo_rejects_an_unknown_device(capsys):
+    with pytest.raises(SystemExit) as exited:
+        demo.main(["--model", "builtin", "--device", "tpu"])
+    assert exited.value.code == 2
+    assert "error: argument --device: " in capsys.readouterr().err
+
+
+def test_demo_honours_the_steps_asked_for(capsys):
+    assert demo.main(["--model", "builtin", "--device", "cpu", "--seq", "8", "--steps", "2"]) == 0
+    assert "(median of 2, interleaved)" in capsys.readouterr().out
+
+
+def test_demo_model_hf_without_transformers_exits_2(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
+    assert demo.main(["--model", "hf", *SMALL]) == 2
+    assert "--model hf needs transformers" in capsys.readouterr().err
