@@ -27,7 +27,7 @@ from .backend import Backend
 from .block_sparse import BlockSparseLayout
 from .call_stats import reset_stats, stats
 from .dispatch import Decision, RankingPolicy, set_policy, use_backend
-from .errors import NoBackendError
+from .errors import BrokenBackendError, NoBackendError
 from .hookspecs import hookimpl
 from .patching import PatchHandle, patch
 from .registry import BackendRegistry, get_registry
@@ -45,6 +45,7 @@ __all__ = [
     "Backend",
     "BackendRegistry",
     "BlockSparseLayout",
+    "BrokenBackendError",
     "Decision",
     "NoBackendError",
     "PatchHandle",

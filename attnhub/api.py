@@ -22,6 +22,7 @@ import torch
 
 from . import autotune, call_stats, dispatch
 from .backend import Runner
+from .errors import BrokenBackendError
 from .registry import get_registry, on_invalidate
 from .request import AttentionParams, AttentionRequest
 from .validation import (
@@ -97,9 +98,7 @@ def _decide(request: AttentionRequest, backend: Any) -> dispatch.Decision:
     """The decision for a request under the selection in force (and ``backend=``)."""
     selection = dispatch.current_selection(backend)
     if request.empty:
-        # Empty inputs: the reference returns what the contract says (empty, or
-        # zeros with a log-sum-exp of -inf when there are no keys), whatever was asked.
-        selection = dispatch.Selection((dispatch.REFERENCE,), False, "empty input")
+        selection = dispatch.empty_input_selection(request.describe())
     return dispatch.decide(request, selection)
 
 
@@ -290,7 +289,18 @@ def attention(
     except AttributeError:
         counts = _new_stats_counts()
     counts[name] = counts.get(name, 0) + 1
-    return entry[1](query, key, value, attn_mask)
+    try:
+        return entry[1](query, key, value, attn_mask)
+    except BrokenBackendError as exc:
+        if not exc.inputs_intact:
+            raise
+        # A third-party backend broke the contract and is disabled now (every decided
+        # call with it forgotten): the call is decided and served again without it.
+        return attention(
+            query, key, value, attn_mask, causal=causal, alignment=alignment, window=window,
+            softcap=softcap, scale=scale, dropout_p=dropout_p, block_sparse=block_sparse,
+            return_lse=return_lse, backend=backend,
+        )  # fmt: skip
 
 
 def _cached(
@@ -610,6 +620,10 @@ def explain(
     backend: str | Sequence[str] | None = None,
 ) -> dispatch.Decision:
     """The decision :func:`attention` would make for these arguments, without running it.
+
+    Nothing of the chosen backend runs, its ``prepare`` included: a backend whose
+    ``prepare`` (or, for a third-party backend, whose result) fails at the call is
+    passed over then and disabled, and explain() says so from then on.
 
     ``str(decision)`` is a table of every registered backend (eligible or not, with
     its reasons) and the chosen one with why it ranked first. Bad input raises as

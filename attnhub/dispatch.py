@@ -25,7 +25,8 @@ reference can serve.
 Backend code runs contained: a backend whose ``unavailable_reason``, ``extra_reasons``,
 ``memory_class`` or ``prepare`` raises or returns the wrong type is disabled for the
 process with that reason (``attnhub info`` and ``explain()`` show it) and dispatch goes
-on without it; a ranking policy that raises or returns something other than the
+on without it, and so is a third-party backend whose forward hands back what the call
+did not ask for (:mod:`attnhub.output_check`); a ranking policy that raises or returns something other than the
 eligible backends in some order is replaced, for that decision, by the declared
 priority. Cached decisions are dropped whenever the registry, a backend's availability
 or the policy changes (:func:`attnhub.registry.invalidate_caches`).
@@ -43,7 +44,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import env, measured
+from . import env, measured, output_check
 from . import registry as registry_module
 from .backend import MEMORY_CLASSES, Backend, Runner, declared_reasons
 from .cost_table import default_policy
@@ -108,15 +109,21 @@ def _environment_selection(names: str | None, strict: str | None) -> Selection |
     return Selection(allowed or None, is_strict, env.BACKEND)
 
 
-def normalize_backend_arg(backend: str | Sequence[str] | None) -> tuple[str, ...] | None:
-    """``backend=`` as a tuple of names (None: no restriction)."""
+def normalize_backend_arg(
+    backend: str | Sequence[str] | None, argument: str = "backend"
+) -> tuple[str, ...] | None:
+    """``backend=`` as a tuple of names (None: no restriction). A set (no order) or an
+    empty sequence (which would restrict to nothing) is a ``TypeError`` naming
+    ``argument``."""
     if backend is None:
         return None
     if isinstance(backend, str):
         return (backend,)
     if isinstance(backend, Sequence) and all(isinstance(b, str) for b in backend) and backend:
         return tuple(backend)
-    raise TypeError(f"backend must be None, a backend name or a sequence of names, got {backend!r}")
+    raise TypeError(
+        f"{argument} must be None, a backend name or a sequence of names, got {backend!r}"
+    )
 
 
 def current_selection(backend: str | Sequence[str] | None = None) -> Selection:
@@ -133,6 +140,19 @@ def current_selection(backend: str | Sequence[str] | None = None) -> Selection:
     return Selection(None, strict, "default") if strict else _DEFAULT_SELECTION
 
 
+def empty_input_selection(call: str) -> Selection:
+    """The selection for a call with empty inputs (``call`` describes it): the
+    reference alone, which returns the contract's answer (empty, or zeros with an lse
+    of -inf where there are no keys) whatever was asked; no kernel is handed empty
+    tensors. ``NoBackendError`` where it is not registered (a plugin removed it)."""
+    if REFERENCE not in get_registry():
+        raise NoBackendError(
+            f"empty inputs are served by {REFERENCE} alone, which is not registered",
+            call, [],
+        )  # fmt: skip
+    return Selection((REFERENCE,), False, "empty input")
+
+
 @contextlib.contextmanager
 def use_backend(*names: str | Sequence[str], strict: bool = False) -> Iterator[None]:
     """Restrict and order the backends for the calls inside the block.
@@ -145,9 +165,12 @@ def use_backend(*names: str | Sequence[str], strict: bool = False) -> Iterator[N
     Under ``torch.compile`` the selection in force while the function is *traced* is
     the one that counts: it is baked into the compiled graph.
     """
+    if not isinstance(strict, bool):  # "no" or "false" must not mean on
+        raise TypeError(f"strict must be a bool, got {strict!r}")
     flat: list[str] = []
     for item in names:
-        flat.extend([item] if isinstance(item, str) else list(item))
+        # Each a name or a non-empty ordered sequence of names, as backend= takes.
+        flat.extend(normalize_backend_arg(item, "use_backend's names") or ("",))
     registry = get_registry()
     for name in flat:
         registry.get(name)  # ValueError listing the known names
@@ -503,8 +526,17 @@ def prepare(decision: Decision, params: AttentionParams) -> tuple[Backend, Runne
         backend = choose(decision)
         runner = _prepared(registry, backend, decision.request, params)
         if runner is not _BROKEN:
+            if not _built_in(backend):
+                runner = output_check.checked(runner, backend.name, params.return_lse,
+                                              registry.disable)  # fmt: skip
             return backend, runner
         decision = decide(decision.request, decision.selection)
+
+
+def _built_in(backend: Backend) -> bool:
+    """Shipped with attnhub (``attnhub.backends``), so held to the contract by its
+    conformance suite: its runner's results are not checked call by call."""
+    return type(backend).__module__.startswith(registry_module.BUILTIN_PLUGIN + ".")
 
 
 def _prepared(

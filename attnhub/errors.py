@@ -1,7 +1,8 @@
 """Exceptions raised by attnhub.
 
 Bad input is a plain ``ValueError`` or ``TypeError`` naming the argument; these
-classes are for what only attnhub can say: no backend can serve a call.
+classes are for what only attnhub can say: no backend can serve a call, or a
+third-party backend broke the contract at one.
 """
 
 from __future__ import annotations
@@ -32,3 +33,16 @@ class NoBackendError(RuntimeError):
         for name, why in reasons:
             lines.append(f"  {name:<{width}}  {'; '.join(why) if why else 'eligible'}")
         super().__init__("\n".join(lines))
+
+
+class BrokenBackendError(RuntimeError):
+    """A backend's forward broke the contract at a call (:mod:`attnhub.output_check`).
+
+    ``backend``: its name; ``inputs_intact``: False where it changed its inputs in
+    place (the call cannot be served again from them).
+    """
+
+    def __init__(self, backend: str, why: str, inputs_intact: bool) -> None:
+        self.backend = backend
+        self.inputs_intact = inputs_intact
+        super().__init__(f"backend {backend!r} {why}; it is disabled for this process")

@@ -89,7 +89,7 @@ from . import dispatch
 from .api import attention, sdpa_entry
 from .call_stats import ORIGINAL, record
 from .dispatch import normalize_backend_arg
-from .errors import NoBackendError
+from .errors import BrokenBackendError, NoBackendError
 from .mask_structure import recognize
 from .registry import on_invalidate
 
@@ -466,6 +466,12 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                     _note_original(f"attnhub rejects it ({type(exc).__name__}: {exc})", query, key)
                     return original(query, key, value, attn_mask, dropout_p, is_causal,
                                     scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+                except BrokenBackendError as exc:
+                    if not exc.inputs_intact:
+                        raise
+                    _note_original(str(exc), query, key)
+                    return original(query, key, value, attn_mask, dropout_p, is_causal,
+                                    scale=scale, enable_gqa=enable_gqa)  # fmt: skip
                 finally:
                     _inside.active = False
         why = _outside_domain(query, key, value, attn_mask, is_causal, enable_gqa)
@@ -494,6 +500,10 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                 )  # fmt: skip
             except (ValueError, TypeError) as exc:
                 why = f"attnhub rejects it ({type(exc).__name__}: {exc})"
+            except BrokenBackendError as exc:  # it is disabled now: PyTorch's serves
+                if not exc.inputs_intact:
+                    raise
+                why = str(exc)
             except NoBackendError as exc:
                 if strict:
                     raise

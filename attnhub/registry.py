@@ -17,7 +17,8 @@ Environment (read when the registry loads; grammar in :mod:`attnhub.env`):
 
 ``ATTNHUB_DISABLE_PLUGIN_AUTOLOAD=1``  skip entry-point plugins (built-ins still load)
 ``ATTNHUB_DISABLE_PLUGINS=a,b``        skip the named entry points or distributions
-                                       (blocked through pluggy's ``set_blocked``)
+                                       (blocked through pluggy's ``set_blocked``; never
+                                       the built-ins; a name matching none is logged)
 ``ATTNHUB_TRACE_PLUGINS=1``            log every plugin loaded or skipped, and from where
 
 Caches: everything that changes what dispatch would decide (a backend added, removed
@@ -434,7 +435,11 @@ class BackendRegistry:
         pm.add_hookspecs(hookspecs)
         pm.check_pending()  # a caller's plugin manager must be sound before ours join it
         for name in blocked:
-            pm.set_blocked(name)
+            # Entry points and distributions only: the built-ins are attnhub itself (its
+            # pluggy name is an implementation detail; torch_reference serves what no
+            # other backend can).
+            if name != BUILTIN_PLUGIN:
+                pm.set_blocked(name)
         self._loader = threading.get_ident()
         try:
             if self._load_plugin(pm, BUILTIN_PLUGIN, BUILTIN, _import_builtin_backends) and trace:
@@ -448,8 +453,10 @@ class BackendRegistry:
                         "attnhub: %s is set; skipping entry points", env.DISABLE_PLUGIN_AUTOLOAD
                     )
                 return
+            unmatched = set(blocked)
             for ep in _entry_points():
                 dist = ep.dist.name if ep.dist is not None else "unknown distribution"
+                unmatched -= {ep.name, dist}
                 if pm.is_blocked(ep.name) or pm.is_blocked(dist):
                     self.skipped.append(
                         PluginSkip(ep.name, dist, f"blocked by {env.DISABLE_PLUGINS}")
@@ -459,6 +466,11 @@ class BackendRegistry:
                     continue
                 if self._load_plugin(pm, ep.name, dist, ep.load) and trace:
                     log.warning("attnhub: loaded plugin %s = %s from %s", ep.name, ep.value, dist)
+            if unmatched:  # a typo would otherwise block nothing, silently
+                log.warning(
+                    "attnhub: %s names no installed plugin entry point or distribution: %s",
+                    env.DISABLE_PLUGINS, ", ".join(sorted(unmatched)),
+                )  # fmt: skip
         finally:
             self._loader = None
 

@@ -38,10 +38,8 @@ _Output = Any  # torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 def _decide(request: ServingRequest, backend: str | Sequence[str] | None) -> dispatch.Decision:
     """The decision for a request under the selection in force (as attnhub.attention's)."""
     selection = dispatch.current_selection(backend)
-    if request.empty:
-        # No query rows or no keys anywhere: the reference returns the contract's
-        # answer (empty, or zeros with lse -inf), whatever was asked.
-        selection = dispatch.Selection((dispatch.REFERENCE,), False, "empty input")
+    if request.empty:  # no query rows or no keys anywhere
+        selection = dispatch.empty_input_selection(request.describe())
     return dispatch.decide(request, selection)
 
 

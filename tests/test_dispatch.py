@@ -356,6 +356,48 @@ def test_use_backend_restricts_orders_and_is_thread_local(fake_registry):
     assert attnhub.explain(q, q, q).chosen == "first"
 
 
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        ((), {"strict": "no"}, "strict must be a bool, got 'no'"),
+        ((), {"strict": 1}, "strict must be a bool, got 1"),
+        ((1,), {}, "use_backend's names must be None, a backend name or a sequence of names, got 1"),
+        ((b"first",), {}, "got b'first'"),
+        (({"first", "second"},), {}, "got {"),  # a set has no order to restrict by
+        (([],), {}, "got []"),
+        ((("first", ["second"]),), {}, "got ('first', ['second'])"),
+    ],
+)  # fmt: skip
+def test_use_backend_takes_what_backend_takes_and_a_bool_strict(
+    fake_registry, args, kwargs, message
+):
+    fake_registry.add(fake("first"))
+    fake_registry.add(fake("second"))
+    with pytest.raises(TypeError, match=re.escape(message)), attnhub.use_backend(*args, **kwargs):
+        pass
+
+
+def test_use_backend_accepts_names_sequences_and_strict_alone(fake_registry):
+    fake_registry.add(fake("first", priority=10))
+    fake_registry.add(fake("second", priority=5))
+    q = torch.randn(1, 1, 4, 8)
+    with attnhub.use_backend(["second"], ("first",)):
+        assert attnhub.explain(q, q, q).chosen == "second"
+    with attnhub.use_backend(strict=True):
+        assert attnhub.explain(q, q, q).selection.strict
+
+
+def test_empty_inputs_without_the_reference_are_refused_clearly(fake_registry):
+    fake_registry.add(fake("general"))
+    empty = torch.randn(1, 1, 0, 8)
+    with pytest.raises(
+        attnhub.NoBackendError, match="empty inputs are served by torch_reference alone"
+    ):
+        attnhub.attention(empty, empty, empty)
+    fake_registry.add(fake("torch_reference", memory="quadratic"))
+    assert attnhub.explain(empty, empty, empty).chosen == "torch_reference"
+
+
 def test_environment_variable_selects_process_wide(fake_registry, monkeypatch):
     fake_registry.add(fake("first", priority=10))
     second = fake("second", priority=5)
@@ -544,6 +586,95 @@ def test_a_backend_whose_code_fails_is_disabled_and_the_others_serve(
 
     assert cli.main(["info"]) == 0
     assert f"no: {reason}" in capsys.readouterr().out
+
+
+def _answering(make):  # type: ignore[no-untyped-def]
+    """A forward that computes the right answer, then returns ``make(out, lse, query)``."""
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        from attnhub.backends.torch_reference import reference_attention
+
+        self.calls += 1
+        out, lse = reference_attention(query, key, value, attn_mask, params)
+        return make(out, lse, query)
+
+    return forward
+
+
+_WRONG_RESULTS = [
+    # (what forward returns: out, lse, query -> result; return_lse; the reason's words)
+    (lambda o, lse, q: None, False, "returned NoneType None as its output, not a tensor"),
+    (lambda o, lse, q: o[..., :1], False, "returned an output of shape (1, 2, 6, 1), not (1, 2, 6, 8)"),
+    (lambda o, lse, q: o.double(), False, "returned a torch.float64 output, not torch.float32"),
+    (lambda o, lse, q: o.to("meta"), False, "returned its output on meta, not cpu"),
+    (lambda o, lse, q: (o, lse), False, "returned tuple (tensor("),
+    (lambda o, lse, q: o, True, "returned a tensor, not (output, lse)"),
+    (lambda o, lse, q: (o, lse.half()), True, "returned a torch.float16 lse, not torch.float32"),
+    (lambda o, lse, q: (o, lse[..., 0]), True, "returned an lse of shape (1, 2), not (1, 2, 6)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "return_lse", "reason"), _WRONG_RESULTS)
+def test_a_plugin_whose_forward_returns_the_wrong_thing_is_disabled_and_the_call_served_again(
+    fake_registry, make, return_lse, reason
+):
+    """A broken plugin breaks nothing but itself: its wrong result never reaches the
+    caller; attention() serves the call again, the patched F.sdpa hands it to PyTorch."""
+    broken = type("Broken", (_Fake,), {"name": "broken", "priority": 100, "lse": True,
+                                       "forward": _answering(make)})()  # fmt: skip
+    fake_registry.add(broken)
+    fake_registry.add(fake("general", priority=1, lse=True))
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    got = attnhub.attention(q, k, v, return_lse=return_lse)
+    torch.testing.assert_close(got[0] if return_lse else got, expected)
+    assert broken.calls == 1
+    why = fake_registry.unavailable_reason("broken")
+    assert why is not None and why.startswith("forward ") and reason in why
+    assert attnhub.explain(q, k, v).chosen == "general"
+    with pytest.raises(attnhub.NoBackendError, match=re.escape(reason)):
+        attnhub.attention(q, k, v, backend="broken")
+
+
+def test_the_patched_function_hands_a_broken_plugins_call_to_pytorch(fake_registry):
+    broken = type("Broken", (_Fake,), {"name": "broken", "priority": 100,
+                                       "forward": _answering(lambda o, lse, q: o[..., :1])})()  # fmt: skip
+    fake_registry.add(broken)
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    with attnhub.patch(backend="broken"):
+        got = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(got, expected)
+    assert broken.calls == 1
+    assert "returned an output of shape" in (fake_registry.unavailable_reason("broken") or "")
+
+
+def test_a_plugin_that_changes_its_inputs_in_place_raises_and_is_disabled(fake_registry):
+    def scribble(out, lse, query):  # type: ignore[no-untyped-def]
+        query.mul_(2)
+        return out
+
+    broken = type("Broken", (_Fake,), {"name": "broken", "priority": 100, "forward": _answering(scribble)})()  # fmt: skip
+    fake_registry.add(broken)
+    fake_registry.add(fake("general", priority=1))
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    with pytest.raises(attnhub.BrokenBackendError, match="changed its inputs in place") as raised:
+        attnhub.attention(q, k, v)
+    assert (raised.value.backend, raised.value.inputs_intact) == ("broken", False)
+    assert attnhub.explain(q, k, v).chosen == "general"
+
+
+def test_built_in_runners_are_not_checked_call_by_call():
+    """The per-call check is for third-party backends: the built-ins' hot path (the
+    conformance suite holds them to the contract) keeps its runner as prepared."""
+    from attnhub import api
+
+    q = torch.randn(1, 2, 32, 8)
+    for name in ("torch_sdpa", "torch_reference"):
+        attnhub.attention(q, q, q, backend=name)
+        assert "output_check" not in api._last[1].__qualname__
+    broken_module = type("Elsewhere", (_Fake,), {"name": "elsewhere"})()
+    assert not dispatch._built_in(broken_module)
 
 
 def test_a_ranking_policy_that_fails_falls_back_to_declared_priority(fake_registry, caplog):

@@ -28,7 +28,7 @@ RUNTIME_LAYERS: tuple[frozenset[str], ...] = (
     ),
     frozenset({"backend", "block_sparse", "mask_structure"}),
     frozenset({"registry"}),
-    frozenset({"ranking"}),
+    frozenset({"ranking", "output_check"}),
     frozenset({"cost_model"}),
     frozenset({"cost_table"}),
     frozenset({"measured"}),

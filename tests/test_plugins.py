@@ -316,6 +316,28 @@ def test_disable_named_plugins_by_entry_point_or_distribution(
     assert all("ATTNHUB_DISABLE_PLUGINS" in s.why for s in registry.skipped)
 
 
+@pytest.mark.parametrize("blocked", ["attnhub.backends", "attnhub"])
+def test_disable_plugins_never_takes_the_built_ins_and_reports_names_matching_nothing(
+    clean_env: pytest.MonkeyPatch, caplog: Any, blocked: str
+) -> None:
+    clean_env.setenv("ATTNHUB_DISABLE_PLUGINS", f"{blocked}, one, tpyo")
+    with caplog.at_level(logging.WARNING, logger="attnhub"):
+        registry = _load(
+            clean_env,
+            FakeEntryPoint("one", "attnhub-one", lambda: _plugin(_backend("fake_one"))),
+            FakeEntryPoint("two", "attnhub-two", lambda: _plugin(_backend("fake_two"))),
+        )
+    assert {"torch_reference", "torch_sdpa", "fake_two"} <= set(registry.names())
+    assert "fake_one" not in registry.names()
+    unmatched = [
+        r.getMessage() for r in caplog.records if "names no installed plugin" in r.getMessage()
+    ]
+    assert unmatched == [
+        f"attnhub: ATTNHUB_DISABLE_PLUGINS names no installed plugin entry point or "
+        f"distribution: {', '.join(sorted([blocked, 'tpyo']))}"
+    ]
+
+
 def test_trace_logs_what_was_loaded_from_where(clean_env: pytest.MonkeyPatch, caplog: Any) -> None:
     clean_env.setenv("ATTNHUB_TRACE_PLUGINS", "1")
     clean_env.setenv("ATTNHUB_DISABLE_PLUGINS", "blocked")

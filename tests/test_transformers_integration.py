@@ -272,3 +272,39 @@ def test_sinks_of_the_wrong_shape_are_refused():
         hf.attention_forward(_Module(), q, k, v, None, s_aux=torch.zeros(2))
     with pytest.raises(TypeError, match="s_aux must be a tensor or None, got list"):
         hf.attention_forward(_Module(), q, k, v, None, s_aux=[0.0] * 4)
+
+
+def test_a_model_that_never_calls_the_attention_interface_is_stopped():
+    """transformers accepts attn_implementation="attnhub" for any model; BLOOM's layers
+    never look their attention function up, and read attnhub's boolean mask as an
+    additive one (causality lost, silently). attnhub's mask function sees masks built
+    with no attention call between them and stops it within a few forward passes."""
+    t = transformers
+    config = t.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)
+    model = t.BloomForCausalLM._from_config(config, attn_implementation="attnhub").eval()
+    ids = torch.randint(1, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"bloom.*does not use transformers' attention interface"):  # fmt: skip
+        for _ in range(hf.MASKS_WITHOUT_ATTENTION + 1):
+            model(input_ids=ids)
+    assert attnhub.stats() == {}  # attnhub never served it
+
+
+def test_models_building_several_masks_a_pass_run_on():
+    """Gemma 3 builds a full and a sliding-window mask each pass: the masks between two
+    attention calls stay few, however long the generation."""
+    t = transformers
+    config = t.Gemma3TextConfig(num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                                **COMMON)  # fmt: skip
+    torch.manual_seed(0)
+    stock = t.Gemma3ForCausalLM._from_config(
+        copy.deepcopy(config), attn_implementation="sdpa"
+    ).eval()
+    ours = t.Gemma3ForCausalLM._from_config(
+        copy.deepcopy(config), attn_implementation="attnhub"
+    ).eval()
+    ours.load_state_dict(stock.state_dict())
+    ids, mask = _batch("left", n=6)
+    kwargs = {"attention_mask": mask, "max_new_tokens": 2 * hf.MASKS_WITHOUT_ATTENTION,
+              "do_sample": False, "pad_token_id": 0}  # fmt: skip
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **kwargs), stock.generate(ids, **kwargs))

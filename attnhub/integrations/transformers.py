@@ -68,6 +68,35 @@ def _sliding_window_verified(mask_function: Callable[..., Any], window: int, dev
     )
 
 
+# Masks built since attnhub's attention function last ran, by model type (any thread;
+# only attention_forward resets them, so other threads can only delay the error, never
+# cause it, and one model type's count never counts against another's).
+# transformers 5 accepts attn_implementation="attnhub" for every model, also for those
+# that never look their attention function up (BLOOM, XGLM, MPT, ...): they still build
+# their mask through mask() and then add attnhub's boolean mask to their scores as if it
+# were additive, silently wrong. A model that uses the interface calls attention_forward
+# after its one to three masks of a forward pass; MASKS_WITHOUT_ATTENTION in a row can
+# only be a model that does not.
+MASKS_WITHOUT_ATTENTION = 8
+_masks_since_attention: dict[str, int] = {}
+
+
+def _count_mask(config: Any) -> None:
+    model = str(getattr(config, "model_type", None) or "this model")
+    count = _masks_since_attention.get(model, 0) + 1
+    _masks_since_attention[model] = count
+    if count > MASKS_WITHOUT_ATTENTION:
+        _masks_since_attention.pop(model, None)
+        raise RuntimeError(
+            f"attn_implementation='attnhub': {count} attention masks were built for "
+            f"{model} and its attention never called attnhub: it does not use "
+            "transformers' attention interface, so its own attention code ran with "
+            "attnhub's boolean mask read as an additive one, and its outputs were wrong. "
+            "Load it with attn_implementation='sdpa' (or 'eager') and use attnhub.patch() "
+            "where it calls F.scaled_dot_product_attention."
+        )
+
+
 def mask(
     batch_size: int,
     q_length: int,
@@ -92,6 +121,8 @@ def mask(
         sdpa_mask,
     )
 
+    if not torch.compiler.is_compiling():
+        _count_mask(kwargs.get("config"))
     if mask_function is None:
         mask_function = causal_mask_function
     if (
@@ -146,6 +177,8 @@ def attention_forward(
     Shapes: query (B, Hq, Nq, D), key/value (B, Hkv, Nk, D); returns
     ``(output (B, Nq, Hq, Dv), None)`` (attention weights are never materialized).
     """
+    if _masks_since_attention:
+        _masks_since_attention.clear()
     sinks: torch.Tensor | None = kwargs.get("s_aux")
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor):
@@ -196,8 +229,10 @@ def register(name: str = "attnhub", backend: str | Sequence[str] | None = None) 
     """Register attnhub with transformers as ``attn_implementation=name``; returns the name.
 
     ``backend`` restricts/orders attnhub's backends for this implementation (another
-    name, e.g. ``register("attnhub_flash", backend="triton_flash")``, can hold another
-    choice). Registering the same name again replaces it. Needs transformers >= 4.48.
+    name, e.g. ``register("attnhub_triton", backend="triton_flash")``, can hold another
+    choice; transformers reads any name containing "flash", "sdpa" or "flex" as a
+    request for its own kernels of that kind). Registering the same name again replaces
+    it. Needs transformers >= 4.48.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface

@@ -38,6 +38,7 @@ import torch
 
 import attnhub
 from attnhub.backend import Backend
+from attnhub.output_check import unchecked
 from attnhub.registry import get_registry
 
 from .cases import Case, Inputs, case_reasons, cases_for, make_inputs
@@ -308,7 +309,8 @@ def run_call(
 
     def call() -> Any:
         q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.attn_mask
-        return attnhub.attention(q, k, v, mask, **options, backend=backend_name)
+        with unchecked():  # the kit judges what the backend returned itself
+            return attnhub.attention(q, k, v, mask, **options, backend=backend_name)
 
     returned = _watched(result, inputs, "the call", call, "", backend_name)
     if returned is _RAISED:
