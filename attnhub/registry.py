@@ -54,6 +54,8 @@ from .request import ALIGNMENTS, MASK_KINDS
 log = logging.getLogger("attnhub")
 
 BUILTIN = "attnhub (built-in)"
+# The origin of a backend added by code outside plugin loading (registry.add at run time).
+RUN_TIME = "registry.add at run time"
 BUILTIN_PLUGIN = "attnhub.backends"
 ENTRY_POINT_GROUP = "attnhub"
 LOAD_WAIT_S = 60.0
@@ -299,8 +301,8 @@ class BackendRegistry:
         self._lock = threading.RLock()
         self.failures: list[PluginFailure] = []
         self.skipped: list[PluginSkip] = []
-        self._current_origin = BUILTIN
-        self._current_plugin = BUILTIN_PLUGIN
+        self._current_origin = RUN_TIME  # while no plugin loads
+        self._current_plugin = RUN_TIME
         self._loader: int | None = None  # the thread running load(), while it runs
 
     # -- registration ------------------------------------------------------
@@ -520,7 +522,7 @@ class BackendRegistry:
             log.warning("attnhub plugin %s (%s) failed: %s", plugin_name, distribution, exc)
         finally:
             with self._lock:
-                self._current_plugin, self._current_origin = BUILTIN_PLUGIN, BUILTIN
+                self._current_plugin, self._current_origin = RUN_TIME, RUN_TIME
 
     def _restore(
         self,

@@ -68,13 +68,13 @@ def test_info_shows_broken_backends_and_prints_everything_else(registry, capsys)
     out = capsys.readouterr().out
     backends, capabilities = out.split("declared capabilities:")
     # The backend table: every backend; a priority that raises is shown as such.
-    assert re.search(r"\ntorch_reference +attnhub \(built-in\) +-100 +yes\n", backends), out
+    assert re.search(r"\ntorch_reference +registry.add at run time +-100 +yes\n", backends), out
     assert re.search(
-        r"\npriority_fails +attnhub \(built-in\) +broken: priority raised RuntimeError: "
+        r"\npriority_fails +registry.add at run time +broken: priority raised RuntimeError: "
         r"device query failed +yes\n",
         backends,
     ), out
-    assert re.search(r"\ncaps_raises +attnhub \(built-in\) +-100 +yes\n", backends), out
+    assert re.search(r"\ncaps_raises +registry.add at run time +-100 +yes\n", backends), out
     # The capabilities table: the broken rows say why, the others are whole.
     assert re.search(
         r"\ncaps_raises +broken: capabilities\(\) raised RuntimeError: optional lib missing\n",

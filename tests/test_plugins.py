@@ -237,6 +237,13 @@ def test_name_collision_with_a_builtin_and_between_plugins(clean_env: pytest.Mon
     assert registry.get("fake_dup").description == "first"
 
 
+def test_a_backend_added_at_run_time_is_not_called_built_in(clean_env: pytest.MonkeyPatch) -> None:
+    registry = _load(clean_env)
+    registry.add(_backend("fake_added"))
+    assert registry.origin("fake_added") == registry_module.RUN_TIME
+    assert registry.origin("torch_sdpa") == BUILTIN
+
+
 def test_collision_winner_does_not_depend_on_install_order(clean_env: pytest.MonkeyPatch) -> None:
     first = FakeEntryPoint(
         "a_first", "attnhub-first", lambda: _plugin(_backend("fake_dup", description="first"))
