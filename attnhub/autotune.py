@@ -212,9 +212,10 @@ def measure(
         spread = {name: spread for name, (_, spread) in timed.items()}
         result = measured.Measurement(ms, measured.now(), failed, spread)
         store.put(decision.request, result)
+    times = ", ".join(f"{name} {t:.4g} ms" for name, t in sorted(ms.items(), key=lambda x: x[1]))
+    failures = "; ".join(f"{name}: {why}" for name, why in sorted(failed.items()))
     log.info(
-        "attnhub: measured %s: %s",
-        decision.signature,
-        ", ".join(f"{name} {t:.4g} ms" for name, t in sorted(ms.items(), key=lambda x: x[1])),
-    )
+        "attnhub: measured %s: %s", decision.signature,
+        times or f"nothing could be timed ({failures}); measured again by the next process",
+    )  # fmt: skip
     return result

@@ -14,6 +14,8 @@ variable                             kind    read by
 ``ATTNHUB_MEASUREMENTS``             path    measured, when a store is first read: the
                                              measurement file, instead of the one per
                                              device in the user's cache directory
+                                             (merged into, never overwritten if not
+                                             attnhub's: :mod:`attnhub.measured`)
 ===================================  ======  =======================================
 
 Tuning runs of the Triton backends (forced launch configurations, the backward's launch

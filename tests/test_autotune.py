@@ -211,6 +211,17 @@ def test_a_backend_that_fails_while_timed_is_left_out_with_its_reason(tuned):
     assert "RuntimeError: kernel failed when measured" in note
 
 
+def test_a_signature_where_nothing_could_be_timed_says_so_and_is_not_written(tuned, caplog):
+    for backend in tuned[:2]:
+        type(backend).fails = True  # the classes are the fixture's own
+    q, k, v = _qkv()
+    with caplog.at_level("INFO", logger="attnhub"), pytest.raises(RuntimeError):
+        attnhub.attention(q, k, v)
+    assert "nothing could be timed (fast: RuntimeError: kernel failed; slow:" in caplog.text
+    assert "measured again by the next process" in caplog.text
+    assert not measured.store_path(q.device).exists()  # kept in memory only
+
+
 def test_a_broken_measurement_file_is_ignored(tuned, tmp_path, caplog):
     q, k, v = _qkv()
     path = measured.store_path(q.device)
