@@ -526,17 +526,23 @@ def prepare(decision: Decision, params: AttentionParams) -> tuple[Backend, Runne
         backend = choose(decision)
         runner = _prepared(registry, backend, decision.request, params)
         if runner is not _BROKEN:
-            if not _built_in(backend):
+            if not built_in(backend):
                 runner = output_check.checked(runner, backend.name, params.return_lse,
                                               registry.disable)  # fmt: skip
             return backend, runner
         decision = decide(decision.request, decision.selection)
 
 
-def _built_in(backend: Backend) -> bool:
+def built_in(backend: Backend) -> bool:
     """Shipped with attnhub (``attnhub.backends``), so held to the contract by its
-    conformance suite: its runner's results are not checked call by call."""
-    return type(backend).__module__.startswith(registry_module.BUILTIN_PLUGIN + ".")
+    conformance suite: its results are not checked call by call (:mod:`.output_check`)."""
+    cls: Any = type(backend)  # (mypy reads Backend's __hash__ as the instances')
+    return _built_in_class(cls)
+
+
+@functools.lru_cache(maxsize=256)
+def _built_in_class(cls: type) -> bool:
+    return cls.__module__.startswith(registry_module.BUILTIN_PLUGIN + ".")
 
 
 def _prepared(

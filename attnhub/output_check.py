@@ -9,10 +9,10 @@ with ``return_lse`` also a float32 (B, Hq, Nq) lse; and the call must leave its
 inputs as they were (their version counters, which every in-place change bumps).
 
 A backend that breaks this is disabled for the process (``attnhub info`` and
-``explain()`` show why) and :class:`BrokenBackendError` is raised: :func:`attnhub.attention`
-then serves the call again without it, and the patched
-``F.scaled_dot_product_attention`` hands it to PyTorch's own function, so a broken
-plugin breaks nothing but itself. Where the inputs were changed in place no answer
+``explain()`` show why) and :class:`BrokenBackendError` is raised: :func:`attnhub.attention`,
+:func:`attnhub.attention_varlen` and :func:`attnhub.attention_kvcache` then serve the
+call again without it, and the patched ``F.scaled_dot_product_attention`` hands it to
+PyTorch's own function, so a broken plugin breaks nothing but itself. Where the inputs were changed in place no answer
 can be trusted, and the error reaches the caller. Checking costs 1-2 microseconds of
 host time per call (docs/plugins.md), paid by third-party backends only.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ import torch
 from .backend import Runner
 from .errors import BrokenBackendError
 
-__all__ = ["checked", "unchecked"]
+__all__ = ["call_checked", "checked", "unchecked"]
 
 _UNCHECKED = contextvars.ContextVar("attnhub_output_unchecked", default=False)
 
@@ -49,28 +49,49 @@ def unchecked() -> Iterator[None]:
 def checked(
     runner: Runner, backend: str, return_lse: bool, disable: Callable[[str, str], None]
 ) -> Runner:
-    """``runner`` with each call's result and inputs checked; on a breach,
-    ``disable(backend, reason)`` and :class:`BrokenBackendError`."""
+    """``runner`` with each call's result and inputs checked (see :func:`call_checked`)."""
 
     def run(query: Any, key: Any, value: Any, attn_mask: Any) -> Any:
-        if _UNCHECKED.get():
-            return runner(query, key, value, attn_mask)
         tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
-        before = _versions(tensors)
-        result = runner(query, key, value, attn_mask)
-        why = _result_problem(result, query, value, return_lse)
-        intact = _versions(tensors) == before
-        if why is None and not intact:
-            why = "changed its inputs in place"
-        if why is not None:
-            disable(backend, f"forward {why}")
-            raise BrokenBackendError(backend, f"forward {why}", intact)
-        return result
+        return call_checked(
+            backend, lambda: runner(query, key, value, attn_mask), tensors, query, value,
+            return_lse, disable,
+        )  # fmt: skip
 
     return run
 
 
-def _versions(tensors: tuple[torch.Tensor, ...]) -> Any:
+def call_checked(
+    backend: str,
+    call: Callable[[], Any],
+    tensors: Sequence[Any],
+    query: torch.Tensor,
+    value: torch.Tensor,
+    return_lse: bool,
+    disable: Callable[[str, str], None],
+) -> Any:
+    """``call()``, a backend's forward of any layout, with its result checked: the
+    output shaped like ``query`` but for its last dim, ``value``'s (dense (B, Hq, Nq, Dv),
+    packed (Tq, Hq, Dv)), in the query's dtype on its device; with ``return_lse`` also a
+    float32 lse shaped like ``query`` without its last dim; ``tensors`` (its inputs,
+    caches included; None entries skipped) unchanged. On a breach ``disable(backend,
+    reason)`` and :class:`BrokenBackendError`."""
+    if _UNCHECKED.get():
+        return call()
+    inputs = [t for t in tensors if t is not None]
+    before = _versions(inputs)
+    result = call()
+    why = _result_problem(result, query, value, return_lse)
+    intact = _versions(inputs) == before
+    if why is None and not intact:
+        why = "changed its inputs in place"
+    if why is not None:
+        disable(backend, f"forward {why}")
+        raise BrokenBackendError(backend, f"forward {why}", intact)
+    return result
+
+
+def _versions(tensors: Sequence[torch.Tensor]) -> Any:
     try:
         return [t._version for t in tensors]
     except RuntimeError:  # an inference tensor (torch.inference_mode) keeps no counter

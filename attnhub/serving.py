@@ -18,16 +18,18 @@ dispatch (``_decided_kvcache``).
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from . import call_stats, dispatch
+from . import call_stats, dispatch, output_check
 from .backend import Backend
+from .errors import BrokenBackendError
 from .registry import generation as registry_generation
-from .registry import on_invalidate
+from .registry import get_registry, on_invalidate
 from .serving_validation import KVCacheCall, ServingRequest, VarlenCall, check_kvcache, check_varlen
 
 __all__ = ["attention_kvcache", "attention_varlen", "explain_kvcache", "explain_varlen"]
@@ -47,6 +49,34 @@ def _choose(request: ServingRequest, backend: str | Sequence[str] | None) -> Bac
     chosen = dispatch.choose(_decide(request, backend))
     call_stats.record(chosen.name)
     return chosen
+
+
+def _served(
+    request: ServingRequest,
+    backend: str | Sequence[str] | None,
+    chosen: Backend,
+    forward: Callable[[Backend], Any],
+    inputs: Sequence[Any],
+    query: torch.Tensor,
+    value: torch.Tensor,
+    return_lse: bool,
+) -> Any:
+    """``forward(chosen)``. A third-party backend's result is checked
+    (:func:`attnhub.output_check.call_checked`, ``value`` the tensor whose last dim the
+    output has): one that breaks the contract is disabled, and the call is decided
+    again and served by the next eligible backend (nothing is appended twice: the
+    caches were written before)."""
+    while not dispatch.built_in(chosen):
+        try:
+            return output_check.call_checked(
+                chosen.name, functools.partial(forward, chosen), inputs, query, value, return_lse,
+                get_registry().disable,
+            )  # fmt: skip
+        except BrokenBackendError as exc:
+            if not exc.inputs_intact:
+                raise
+        chosen = _choose(request, backend)
+    return forward(chosen)
 
 
 def _varlen_call(
@@ -132,9 +162,11 @@ def attention_varlen(
         causal, alignment, window, softcap, scale, return_lse, check_indices,
     )  # fmt: skip
     chosen = _choose(call.request, backend)
-    return chosen.forward_varlen(
-        query, key, value, cu_seqlens_q, cu_seqlens_k,
-        call.max_seqlen_q, call.max_seqlen_k, call.params,
+    return _served(
+        call.request, backend, chosen,
+        lambda b: b.forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k,
+                                   call.max_seqlen_q, call.max_seqlen_k, call.params),
+        (query, key, value, cu_seqlens_q, cu_seqlens_k), query, value, call.params.return_lse,
     )  # fmt: skip
 
 
@@ -274,7 +306,7 @@ def attention_kvcache(
         )  # fmt: skip
         # Decided (and so refused, if nothing serves it) before anything is written.
         chosen = dispatch.choose(_decide(call.request, backend))
-        entry = (chosen, call.params, call.new)
+        entry = (chosen, call.params, call.new, call.request)
         if key is not None:
             with _decided_lock:
                 if len(_decided_kvcache) >= _DECIDED_LIMIT:
@@ -282,13 +314,19 @@ def attention_kvcache(
                 # Not where the registry or policy changed meanwhile (a stale decision).
                 if generation == registry_generation():
                     _decided_kvcache[key] = entry
-    chosen, params, new = entry
+    chosen, params, new, request = entry
     call_stats.record(chosen.name)
     seqlens_k = cache_seqlens
     if new:
         append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)  # type: ignore[arg-type]
         seqlens_k = cache_seqlens + new
-    return chosen.forward_kvcache(query, k_cache, v_cache, seqlens_k, block_table, params)
+    if dispatch.built_in(chosen):  # the decode loop's path: nothing more
+        return chosen.forward_kvcache(query, k_cache, v_cache, seqlens_k, block_table, params)
+    return _served(
+        request, backend, chosen,
+        lambda b: b.forward_kvcache(query, k_cache, v_cache, seqlens_k, block_table, params),
+        (query, k_cache, v_cache, seqlens_k, block_table), query, v_cache, params.return_lse,
+    )  # fmt: skip
 
 
 # Decided unchecked KV-cache calls (check_indices=False), keyed on everything their
@@ -297,7 +335,7 @@ def attention_kvcache(
 # 21 us checked (validation, one transfer, a decision), 5 us unchecked and seen before.
 # A checked call reads the index values anyway and is decided every time. Cleared on
 # any registry, policy or cost-table change.
-_decided_kvcache: dict[tuple[Any, ...], tuple[Backend, Any, int]] = {}
+_decided_kvcache: dict[tuple[Any, ...], tuple[Backend, Any, int, ServingRequest]] = {}
 _decided_lock = threading.Lock()
 _DECIDED_LIMIT = 1024
 

@@ -674,7 +674,7 @@ def test_built_in_runners_are_not_checked_call_by_call():
         attnhub.attention(q, q, q, backend=name)
         assert "output_check" not in api._last[1].__qualname__
     broken_module = type("Elsewhere", (_Fake,), {"name": "elsewhere"})()
-    assert not dispatch._built_in(broken_module)
+    assert not dispatch.built_in(broken_module)
 
 
 def test_a_ranking_policy_that_fails_falls_back_to_declared_priority(fake_registry, caplog):

@@ -528,3 +528,63 @@ def test_strided_query_and_cache_views_give_the_contiguous_answer(backend):
     got = view.call(False, causal=True, backend=backend)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(view.k_cache, base.k_cache, rtol=0, atol=0)
+
+
+def _serving_plugin(name: str, broken: Any) -> Any:
+    """A third-party KV-cache backend (this test module's class, ranked first) whose
+    forward_kvcache computes with torch_reference, then hands ``broken(out, lse,
+    k_cache)`` back."""
+    from attnhub.backends.torch_reference import TorchReference
+
+    def forward_kvcache(self, query, k_cache, v_cache, seqlens_k, block_table, params):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        result = TorchReference.forward_kvcache(
+            self, query, k_cache, v_cache, seqlens_k, block_table, params
+        )
+        out, lse = result if params.return_lse else (result, None)
+        return broken(out, lse, k_cache)
+
+    attributes = {"name": name, "priority": 1000, "calls": 0, "forward_kvcache": forward_kvcache}
+    return type("Plugin", (TorchReference,), attributes)()
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_a_plugin_returning_the_wrong_output_is_disabled_and_the_step_served_once(
+    monkeypatch, paged
+):
+    """The step is served again by the next backend, and the new keys are appended once."""
+    registry = attnhub.get_registry()
+    plugin = _serving_plugin("kv_wrong_shape", lambda out, lse, k_cache: out[..., :1])
+    registry.add(plugin)
+    try:
+        setup = Setup([0, 9, 3], 2, 3, seed=5)
+        expected_k, _ = setup.expected_caches()
+        out = setup.call(paged)
+        assert plugin.calls == 1
+        assert "forward returned an output of shape" in (
+            registry.unavailable_reason(plugin.name) or ""
+        )
+        reference, _ = setup.oracle({}, float64=False)
+        torch.testing.assert_close(out, reference)
+        if not paged:
+            assert torch.equal(setup.k_cache, expected_k)  # appended once
+    finally:
+        registry.remove(plugin.name)
+
+
+def test_a_plugin_writing_into_the_cache_is_stopped():
+    registry = attnhub.get_registry()
+
+    def scribble(out, lse, k_cache):  # type: ignore[no-untyped-def]
+        k_cache.zero_()
+        return out
+
+    plugin = _serving_plugin("kv_scribbles", scribble)
+    registry.add(plugin)
+    try:
+        setup = Setup([4, 2], 1, 0, seed=6)
+        with pytest.raises(attnhub.BrokenBackendError, match="changed its inputs in place"):
+            setup.call(False)
+        assert registry.unavailable_reason(plugin.name) is not None
+    finally:
+        registry.remove(plugin.name)

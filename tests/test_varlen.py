@@ -400,6 +400,35 @@ def test_a_backend_declaring_varlen_must_implement_it():
     assert Backend.layouts == frozenset({"dense"})  # existing backends and plugins unchanged
 
 
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_plugin_returning_the_wrong_dtype_is_disabled_and_the_call_served_again(return_lse):
+    from attnhub.backends.torch_reference import TorchReference
+
+    def forward_varlen(self, *args):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        result = TorchReference.forward_varlen(self, *args)
+        return (result[0].double(), result[1]) if return_lse else result.double()
+
+    attributes = {"name": "varlen_wrong_dtype", "priority": 1000, "calls": 0,
+                  "forward_varlen": forward_varlen}  # fmt: skip
+    plugin = type("Plugin", (TorchReference,), attributes)()
+    registry = attnhub.get_registry()
+    registry.add(plugin)
+    try:
+        got = _call(return_lse=return_lse)
+        expected = attnhub.attention_varlen(
+            **_good(), return_lse=return_lse, backend="torch_reference"
+        )
+        for g, e in zip(got if return_lse else [got], expected if return_lse else [expected]):
+            assert g.dtype == e.dtype and torch.equal(g, e)
+        assert plugin.calls == 1
+        assert "torch.float64 output, not torch.float32" in (
+            registry.unavailable_reason(plugin.name) or ""
+        )
+    finally:
+        registry.remove(plugin.name)
+
+
 def test_stats_count_the_serving_backend():
     attnhub.reset_stats()
     _call()
