@@ -98,7 +98,14 @@ def _to_arguments(
     (``benchmarks/results/workloads-h200.md``: patched 1.14 ms, auto 0.26).
     """
     if offset >= nk - 1:  # no upper bound within the keys
-        return False, "top_left", None if left is None else (left, None)
+        if left is None:
+            return False, "top_left", None
+        # A lower bound alone: from the top-left diagonal, else from the bottom-right one
+        # (a windowed decoding step: one query, the window's keys the newest).
+        for alignment, diagonal in (("top_left", 0), ("bottom_right", nk - nq)):
+            if left + diagonal >= 0:
+                return False, alignment, (left + diagonal, None)
+        return None
     windows = []
     for alignment, diagonal in (("top_left", 0), ("bottom_right", nk - nq)):
         # Relative to the diagonal p = i + diagonal: keys p - lower <= j <= p + upper.

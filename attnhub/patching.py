@@ -531,12 +531,21 @@ STRUCTURED_MASK_DEVICES = frozenset({"cuda"})
 
 
 def _reads_mask(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
-    """Whether :func:`mask_arguments` reads the mask's values (else: its metadata decides)."""
+    """Whether :func:`mask_arguments` reads the mask's values (else: its metadata decides).
+
+    Only a mask that broadcasts over the query's leading dims: one that does not is
+    PyTorch's error to raise (the dense path keeps it), never dropped by a plan that
+    needs no key mask.
+    """
     return (
         attn_mask is not None
         and attn_mask.device.type in STRUCTURED_MASK_DEVICES
-        and attn_mask.dim() >= 2
+        and 2 <= attn_mask.dim() <= query.dim()
         and attn_mask.shape[-2:] == (query.shape[-2], key.shape[-2])
+        and all(
+            m == 1 or m == q
+            for m, q in zip(reversed(attn_mask.shape[:-2]), reversed(query.shape[:-2]))
+        )
     )
 
 
@@ -552,9 +561,17 @@ def mask_arguments(
     ``STRUCTURED_MASK_DEVICES``: on a CPU, PyTorch's kernel (the one that serves there)
     takes the dense mask as fast as any other form. Only a mask with a row per query
     and a column per key is read (one broadcast over queries has no diagonal), and
-    never while torch.compile traces (the structure depends on the values).
+    never while torch.compile traces (the structure depends on the values) or a CUDA
+    graph is captured (reading values synchronizes, which capture forbids, and a plan
+    made before would fix its derived key mask into the graph, blind to later writes
+    into the captured mask).
     """
-    if attn_mask is None or _is_compiling() or not _reads_mask(query, key, attn_mask):
+    if (
+        attn_mask is None
+        or _is_compiling()
+        or not _reads_mask(query, key, attn_mask)
+        or (attn_mask.is_cuda and torch.cuda.is_current_stream_capturing())
+    ):
         return attn_mask, {"causal": is_causal}
     plan = recognize(attn_mask)
     if plan is None:

@@ -5,7 +5,9 @@ values on the host, one device synchronization each; the layers of one forward p
 share their mask, so the answer is kept per mask tensor. An entry is keyed by the
 tensor's id (a view's: its base's, with the view's shape, strides and offset) and
 checked against a weak reference (an id is reused once the tensor is gone) and the
-version counter (an in-place change makes it another mask). Inference tensors
+version counter (an in-place change makes it another mask; writes that bypass the
+counter, through ``.data``, a NumPy or DLPack view or the untyped storage, are not
+seen, as autograd does not see them). Inference tensors
 (``torch.inference_mode``) have no version counter: their answers are computed at
 every call, never kept (one synchronization per layer then).
 """

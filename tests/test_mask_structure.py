@@ -13,7 +13,9 @@ from attnhub.request import AttentionParams
 
 
 def _rebuilt(plan: mask_structure.MaskPlan, nq: int, nk: int) -> torch.Tensor:
-    """The keep-mask that attnhub's arguments in ``plan`` mean (torch_reference's rule)."""
+    """The keep-mask that attnhub's arguments in ``plan`` mean (torch_reference's rule),
+    which must be arguments attnhub.attention takes (window sides >= 0)."""
+    assert plan.window is None or all(side is None or side >= 0 for side in plan.window), plan
     params = AttentionParams(causal=plan.causal, alignment=plan.alignment, window=plan.window)
     keep = keep_mask(nq, nk, params, torch.device("cpu"))
     keep = torch.ones(nq, nk, dtype=torch.bool) if keep is None else keep

@@ -101,3 +101,77 @@ def test_structure_is_read_only_on_the_listed_devices():
     q = torch.randn(2, 2, 8, 8)
     assert "cpu" not in patching.STRUCTURED_MASK_DEVICES
     assert patching.mask_arguments(q, q, mask, False) == (mask, {"causal": False})
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        torch.ones(3, 1, 4, 4, dtype=torch.bool).tril(),  # a batch of 3 for 2 queries
+        torch.ones(1, 3, 4, 4, dtype=torch.bool),  # 3 heads for 1
+        torch.ones(1, 1, 1, 4, 4, dtype=torch.bool).tril(),  # more dims than the query
+    ],
+    ids=["batch", "heads", "rank"],
+)
+def test_a_structured_mask_that_does_not_broadcast_fails_as_stock(structured_on_cpu, mask):
+    """A plan that needs no key mask dropped the mask, and its shape with it: the call
+    succeeded where PyTorch's function raises."""
+    q = k = v = torch.randn(2, 1, 4, 8)
+    with pytest.raises(RuntimeError) as stock:
+        STOCK(q, k, v, attn_mask=mask)
+    with attnhub.patch(), pytest.raises(RuntimeError) as patched:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert str(patched.value) == str(stock.value)
+
+
+def test_a_windowed_decoding_step_runs_as_a_window(structured_on_cpu):
+    """One query whose window's keys are the newest (a sliding-window model's decode
+    step from a static cache) read as a negative top-left window, which attention()
+    refused, so every such step went to PyTorch's function."""
+    nk, width = 10, 4
+    mask = (torch.arange(nk) >= nk - width).reshape(1, 1, 1, nk)
+    q, k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, nk, 8), torch.randn(1, 2, nk, 8)
+    attnhub.reset_stats()
+    # On a CPU only the reference takes a window (on CUDA triton_flash's decode kernel).
+    with attnhub.patch(backend="torch_reference"):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, STOCK(q, k, v, attn_mask=mask))
+    assert attnhub.stats() == {"torch_reference": 1}
+    assert structured_on_cpu[-1]["window"] == (width - 1, None)
+    assert structured_on_cpu[-1]["alignment"] == "bottom_right"
+
+
+@pytest.mark.gpu
+def test_gpu_a_captured_call_runs_its_mask_dense():
+    """Under CUDA graph capture the mask is not read (a synchronization capture forbids)
+    and no plan made before is used (its derived key mask would be fixed into the graph):
+    a replay after new values are copied into the captured mask sees them."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    b, h, n, d = 2, 4, 64, 64
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+    i, j = torch.arange(n, device="cuda")[:, None], torch.arange(n, device="cuda")[None]
+
+    def hf_mask(lengths):  # type: ignore[no-untyped-def]
+        # Causal, right-padded: every row keeps a key (no fully masked rows, where
+        # PyTorch's kernels and attnhub differ by design).
+        valid = torch.stack([j[0] < length for length in lengths])[:, None, None, :]
+        return (j <= i)[None, None] & valid
+
+    mask = hf_mask([n, n])  # unpadded: its plan is causal with no key mask
+    with attnhub.patch():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        fresh = hf_mask([n, 50])
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):  # a mask never seen: no read
+            F.scaled_dot_product_attention(q, k, v, attn_mask=fresh)
+    mask.copy_(hf_mask([n, 40]))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, STOCK(q, k, v, attn_mask=mask), atol=2e-3, rtol=2e-3)

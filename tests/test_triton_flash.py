@@ -255,6 +255,40 @@ def test_nan_canary(dtype: torch.dtype) -> None:
     _check_all(case, dtype, got, q, k, v, mask, dout)
 
 
+def test_a_float_mask_beyond_the_log2_range_is_not_a_masked_key() -> None:
+    """finfo.min entries (float32's; bfloat16's is as low) overflowed to -inf in log2
+    units, so a row whose every key carried one gave zeros, where the contract's softmax
+    of equal scores gives the mean of the values (as torch_reference). Floored now:
+    outputs, and gradients where such rows get no output gradient (padding rows), as
+    the reference's; such a row's lse is -FP32_MAX / log2(e) (docs/contract.md)."""
+    import attnhub
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 5, 16, device=DEVICE)
+    k, v = torch.randn(2, 2, 7, 16, device=DEVICE), torch.randn(2, 2, 7, 16, device=DEVICE)
+    low = torch.finfo(torch.float32).min
+    mask = torch.zeros(2, 1, 5, 7, device=DEVICE)
+    mask[..., 0, :] = low  # every key: the mean of the values
+    mask[..., 1, ::2] = -3e38  # half the keys: weight 0
+    mask[..., 2, 3:] = low
+    mask[..., 4, :] = float("-inf")  # fully masked: zeros
+    dout = torch.randn(2, 2, 5, 16, device=DEVICE)
+    dout[..., 0, :] = 0
+    results = []
+    for backend in ("torch_reference", "triton_flash"):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = attnhub.attention(*inputs, mask, backend=backend, return_lse=True)
+        out.backward(dout)
+        results.append((out, lse, *(t.grad for t in inputs)))
+    (ref_out, ref_lse, *ref_grads), (out, lse, *grads) = results
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(out[..., 0, :], v.mean(2).expand_as(out[..., 0, :]))
+    torch.testing.assert_close(lse[..., 1:], ref_lse[..., 1:])
+    torch.testing.assert_close(lse[..., 0], torch.full_like(lse[..., 0], -2.3586574e38))
+    for got, expected in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, expected)
+
+
 def test_forward_and_backward_bitwise_repeatable() -> None:
     case = Case("repeat", 1, 4, 2, 70, 70, 40, causal=True, softcap=4.0)
     torch.manual_seed(2)

@@ -250,7 +250,14 @@ def _scores(
             allowed = tl.load(mptrs, mask=inb, other=0) != 0
             s = tl.where(allowed, s, float("-inf"))
         else:
-            s = s + tl.load(mptrs, mask=inb, other=0.0).to(tl.float32) * LOG2E
+            # In log2 units a float mask below -FP32_MAX / LOG2E (-2.36e38: finfo.min
+            # padding masks of float32 and bfloat16) overflowed to -inf, turning a row
+            # whose every key carries it into a fully masked row (zeros) where the
+            # contract's softmax of equal scores is the mean of the values: such
+            # entries are floored at -FP32_MAX; -inf stays -inf, NaN stays NaN.
+            bias = tl.load(mptrs, mask=inb, other=0.0).to(tl.float32)
+            bias2 = bias * LOG2E
+            s = s + tl.where((bias2 < -FP32_MAX) & (bias != float("-inf")), -FP32_MAX, bias2)
     if MASKED:
         keep = (cols < NK) & (rows < NQ)
         if HAS_BAND:
