@@ -31,6 +31,8 @@
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
 #   BSPROBE_S   block-sparse-probe.txt: benchmarks/block_sparse_probe.py (BSPROBE_ARGS, e.g.
 #               --forward: the pointer forward against the Gluon one, forced rows)
+#   MASKPROBE_S masked-fwd-probe.txt: benchmarks/masked_fwd_probe.py (MASKPROBE_ARGS, e.g.
+#               --shape 4,16,4096,128): the dense-mask forward under forced configurations
 #   BLOCKSPARSE_S block-sparse.json/md: `attnhub bench --block-sparse --no-grid` (Flex beside it)
 #   TMA_S       tma-sweep.json/log: benchmarks/tma_sweep.py (TMA_ARGS, e.g. --head-dims 128)
 #   SWEEP_S     sweep.json/log: benchmarks/triton_flash_gpu.py's launch-config sweep (B4 H8,
@@ -118,6 +120,9 @@ step "${GRID_S:-0}" grid python3 -m attnhub bench --quick --no-plots --no-progre
 step "${BSPROBE_S:-0}" block-sparse-probe python3 benchmarks/block_sparse_probe.py ${BSPROBE_ARGS:-} \
     > "$OUT/block-sparse-probe.txt" 2>&1
 cat "$OUT/block-sparse-probe.txt" 2>/dev/null | grep -v Warning | tail -40
+step "${MASKPROBE_S:-0}" masked-fwd-probe python3 benchmarks/masked_fwd_probe.py ${MASKPROBE_ARGS:-} \
+    > "$OUT/masked-fwd-probe.txt" 2>&1
+grep -v Warning "$OUT/masked-fwd-probe.txt" 2>/dev/null | tail -20
 step "${BLOCKSPARSE_S:-0}" block-sparse python3 -m attnhub bench --block-sparse --no-grid --no-progress \
     -o "$OUT/block-sparse.json" > "$OUT/block-sparse.log" 2>&1
 grep "fwd_bwd" "$OUT/block-sparse.md" 2>/dev/null
