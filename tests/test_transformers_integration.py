@@ -308,3 +308,20 @@ def test_models_building_several_masks_a_pass_run_on():
               "do_sample": False, "pad_token_id": 0}  # fmt: skip
     with torch.no_grad():
         assert torch.equal(ours.generate(ids, **kwargs), stock.generate(ids, **kwargs))
+
+
+def test_attnhubs_mask_paired_with_another_attention_function_is_not_counted():
+    """The check counts only implementations register() made: a user pairing attnhub's
+    mask function with an attention function of their own is not stopped."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("paired_elsewhere", sdpa_attention_forward)
+    AttentionMaskInterface.register("paired_elsewhere", hf.mask)
+    cls, config = CONFIGS["llama-gqa"]
+    model = cls._from_config(copy.deepcopy(config), attn_implementation="paired_elsewhere").eval()
+    ids = torch.randint(1, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for _ in range(hf.MASKS_WITHOUT_ATTENTION + 2):
+            model(input_ids=ids)

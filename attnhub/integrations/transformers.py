@@ -79,9 +79,14 @@ def _sliding_window_verified(mask_function: Callable[..., Any], window: int, dev
 # only be a model that does not.
 MASKS_WITHOUT_ATTENTION = 8
 _masks_since_attention: dict[str, int] = {}
+# The names register() gave attnhub's pair of functions: a config naming another
+# implementation (this mask function paired with someone else's attention) is not counted.
+_registered: set[str] = set()
 
 
 def _count_mask(config: Any) -> None:
+    if getattr(config, "_attn_implementation", None) not in _registered:
+        return
     model = str(getattr(config, "model_type", None) or "this model")
     count = _masks_since_attention.get(model, 0) + 1
     _masks_since_attention[model] = count
@@ -244,4 +249,5 @@ def register(name: str = "attnhub", backend: str | Sequence[str] | None = None) 
         functools.update_wrapper(function, attention_forward)
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, mask)
+    _registered.add(name)
     return name
