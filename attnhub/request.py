@@ -21,6 +21,8 @@ import torch
 
 MASK_KINDS = ("none", "bool", "float")
 ALIGNMENTS = ("top_left", "bottom_right")
+# float32's largest over log2(e): the largest |scale| whose scale * log2(e) float32 holds.
+LOG2_SCALE_LIMIT = 3.4028234663852886e38 / 1.4426950408889634
 
 
 def seqlen_bucket(n: int) -> int:
@@ -119,6 +121,9 @@ class AttentionRequest:
     # The scale is > 0 as float32 holds it (at most 2**-150 rounds to 0): kernels that
     # mask or take row maxima before scaling need it (backends/torch_sdpa.py).
     scale_positive: bool = True
+    # |scale| <= FP32_MAX / log2(e) (2.36e38): kernels that keep scores in log2 units
+    # (scale * log2 e in float32) overflow beyond it, whatever q.k is.
+    scale_in_log2_range: bool = True
 
     @property
     def lse_needs_grad(self) -> bool:
@@ -156,6 +161,8 @@ class AttentionRequest:
             flags[flags.index("softcap")] = f"softcap <= 2**{self.softcap_log2}"
         if not self.scale_positive:
             flags.append("scale <= 0")
+        if not self.scale_in_log2_range:
+            flags.append("|scale| > 2.36e38")
         if self.block_sparse:
             flags.append(
                 "block_sparse" + ("{}x{}".format(*self.block_size) if self.block_size else "")

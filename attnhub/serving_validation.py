@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .request import (
+    LOG2_SCALE_LIMIT,
     AttentionParams,
     AttentionRequest,
     device_capability,
@@ -206,6 +207,7 @@ def _request(
         last_dim_contiguous=contiguous,
         return_lse=params.return_lse,
         scale_positive=params.scale > 2.0**-150,
+        scale_in_log2_range=abs(params.scale) <= LOG2_SCALE_LIMIT,
         layout=layout,
         page_size=page_size,
     )

@@ -515,6 +515,9 @@ def request_facts(
         ("block_size", layout.block_size if layout is not None else None),
         ("return_lse", params.return_lse),
         ("scale_positive", params.scale > 2.0**-150),
+        # request.LOG2_SCALE_LIMIT written out: Dynamo folds a literal to a constant,
+        # not a global imported from another module (a test checks they agree).
+        ("scale_in_log2_range", -2.3586574916681825e38 <= params.scale <= 2.3586574916681825e38),
     )
 
 

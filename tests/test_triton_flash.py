@@ -255,10 +255,11 @@ def test_nan_canary(dtype: torch.dtype) -> None:
     _check_all(case, dtype, got, q, k, v, mask, dout)
 
 
-def test_a_float_mask_beyond_the_log2_range_is_not_a_masked_key() -> None:
+def test_a_float_mask_beyond_the_log2_range_is_clamped_not_overflowed() -> None:
     """finfo.min entries (float32's; bfloat16's is as low) overflowed to -inf in log2
     units, so a row whose every key carried one gave zeros, where the contract's softmax
-    of equal scores gives the mean of the values (as torch_reference). Floored now:
+    of equal scores gives the mean of the values (as torch_reference); one beyond
+    +2.36e38 overflowed to +inf and made its row NaN. Clamped now:
     outputs, and gradients where such rows get no output gradient (padding rows), as
     the reference's; such a row's lse is -FP32_MAX / log2(e) (docs/contract.md)."""
     import attnhub
@@ -272,6 +273,7 @@ def test_a_float_mask_beyond_the_log2_range_is_not_a_masked_key() -> None:
     mask[..., 1, ::2] = -3e38  # half the keys: weight 0
     mask[..., 2, 3:] = low
     mask[..., 4, :] = float("-inf")  # fully masked: zeros
+    mask[..., 3, 5] = 3e38  # one key far above the rest: its value (it was NaN)
     dout = torch.randn(2, 2, 5, 16, device=DEVICE)
     dout[..., 0, :] = 0
     results = []
@@ -283,10 +285,36 @@ def test_a_float_mask_beyond_the_log2_range_is_not_a_masked_key() -> None:
     (ref_out, ref_lse, *ref_grads), (out, lse, *grads) = results
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(out[..., 0, :], v.mean(2).expand_as(out[..., 0, :]))
-    torch.testing.assert_close(lse[..., 1:], ref_lse[..., 1:])
+    torch.testing.assert_close(out[..., 3, :], v[:, :, 5].expand_as(out[..., 3, :]))
+    torch.testing.assert_close(lse[..., (1, 2, 4)], ref_lse[..., (1, 2, 4)])
     torch.testing.assert_close(lse[..., 0], torch.full_like(lse[..., 0], -2.3586574e38))
     for got, expected in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, expected)
+
+
+def test_a_scale_beyond_the_log2_range_is_declined() -> None:
+    """scale * log2(e) overflowed float32 for |scale| in (2.36e38, 3.4e38], which the
+    contract admits: every output was NaN even where each score is a plain float32."""
+    import attnhub
+
+    q, k, v = (torch.randn(1, 2, 6, 16, device=DEVICE) * 0.05 for _ in range(3))
+    for scale in (3e38, -3e38):
+        decision = attnhub.explain(q, k, v, scale=scale)
+        assert decision.reasons()["triton_flash"] == [
+            "|scale| above 2.36e38: the kernels' scores in log2 units (scale * log2 e) "
+            "overflow float32 there, whatever q.k is"
+        ]
+        reference = attnhub.attention(q.double(), k.double(), v.double(), scale=scale,
+                                      backend="torch_reference")  # fmt: skip
+        torch.testing.assert_close(attnhub.attention(q, k, v, scale=scale).double(), reference)
+    assert attnhub.explain(q, k, v, scale=2e38).reasons()["triton_flash"] == []
+    # validation writes the limit out (for Dynamo): the same number as the request's.
+    from pathlib import Path
+
+    from attnhub import request, validation
+
+    written = repr(request.LOG2_SCALE_LIMIT).replace("e+", "e")
+    assert f"-{written} <= params.scale <= {written}" in Path(validation.__file__).read_text()
 
 
 def test_forward_and_backward_bitwise_repeatable() -> None:

@@ -321,7 +321,7 @@ def bs_bwd_dq_kernel(
     q, do, lse2, delta = _dq_operands(
         Q, DO, Lse, Delta, b, h, pid_bh * NQ, offs_m, offs_d, offs_dv,
         stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-        NQ, HEAD_D, HEAD_DV, EVEN_D=EVEN_D,
+        NQ, HEAD_D, HEAD_DV, EVEN_D=EVEN_D, MASK_KIND=MASK_KIND,
     )  # fmt: skip
     k_base, v_base = _kv_bases(
         K, V, b, hk, offs_n0, offs_d, offs_dv,

@@ -108,6 +108,11 @@ class TritonFlash(Backend):
             # Seen with triton 3.6: tl.dot on bf16 returns values near 1e10 in the
             # interpreter (shared/gpu.md). Lift when the interpreter handles bf16.
             return ["bfloat16 is not reliable in Triton's CPU interpreter"]
+        if not request.scale_in_log2_range and not request.softcap:  # (softcap: clamped)
+            return [
+                "|scale| above 2.36e38: the kernels' scores in log2 units (scale * log2 e) "
+                "overflow float32 there, whatever q.k is"
+            ]
         limit = _SOFTCAP_LOG2_LIMIT.get(request.dtype)
         if request.softcap_log2 is not None and limit is not None and request.softcap_log2 > limit:
             return [

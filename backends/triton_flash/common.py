@@ -35,6 +35,9 @@ LN2 = tl.constexpr(0.6931471805599453)  # ln(2): natural lse = log2-domain lse *
 
 
 FP32_MAX = tl.constexpr(3.4028234663852886e38)  # float32's largest finite value
+# The natural lse of a row at +-FP32_MAX in log2 units (float32(FP32_MAX / LOG2E) is
+# 2.3586574e38; a little below it, so that every such row is caught).
+LSE_AT_FP32_MAX = tl.constexpr(2.358e38)
 
 
 # Triton's interpreter runs these kernels (TRITON_INTERPRET=1 when this module is
@@ -250,14 +253,16 @@ def _scores(
             allowed = tl.load(mptrs, mask=inb, other=0) != 0
             s = tl.where(allowed, s, float("-inf"))
         else:
-            # In log2 units a float mask below -FP32_MAX / LOG2E (-2.36e38: finfo.min
-            # padding masks of float32 and bfloat16) overflowed to -inf, turning a row
-            # whose every key carries it into a fully masked row (zeros) where the
-            # contract's softmax of equal scores is the mean of the values: such
-            # entries are floored at -FP32_MAX; -inf stays -inf, NaN stays NaN.
+            # In log2 units a finite float mask beyond FP32_MAX / LOG2E (2.36e38 either
+            # way: finfo.min padding masks of float32 and bfloat16) overflowed to +-inf:
+            # a row whose every key carried -finfo.min read as fully masked (zeros) where
+            # the contract's softmax of equal scores is the mean of the values, and one
+            # past +2.36e38 made its row NaN. Such entries are clamped to +-FP32_MAX;
+            # +-inf and NaN stay what they are (|NaN| < inf is false).
             bias = tl.load(mptrs, mask=inb, other=0.0).to(tl.float32)
             bias2 = bias * LOG2E
-            s = s + tl.where((bias2 < -FP32_MAX) & (bias != float("-inf")), -FP32_MAX, bias2)
+            clamp = (tl.abs(bias2) > FP32_MAX) & (tl.abs(bias) < float("inf"))
+            s = s + tl.where(clamp, tl.where(bias2 > 0, FP32_MAX, -FP32_MAX), bias2)
     if MASKED:
         keep = (cols < NK) & (rows < NQ)
         if HAS_BAND:
@@ -365,14 +370,23 @@ def _fwd_inner(
 
 
 @triton.jit
-def _load_lse2(lse_ptrs, rows, NQ, CHECK: tl.constexpr):
+def _load_lse2(lse_ptrs, rows, NQ, CHECK: tl.constexpr, CLAMPED: tl.constexpr):
     """lse in log2 units; rows with no kept key (lse = -inf) get 0, so that
-    exp2(-inf - 0) = 0 gives them zero weights and zero gradients instead of NaN."""
+    exp2(-inf - 0) = 0 gives them zero weights and zero gradients instead of NaN.
+
+    CLAMPED (a float mask, whose entries _scores clamps): an lse at +-FP32_MAX / LOG2E
+    (a row whose scores sit at the clamp) comes back as exactly +-FP32_MAX, its forward
+    value: lse * LOG2E may round to below FP32_MAX, and a clamped score minus it then
+    gave exp2(2e31) = inf. (Other calls skip the test: no score of theirs is clamped.)"""
     if CHECK:
         lse = tl.load(lse_ptrs, mask=rows < NQ, other=0.0)
     else:
         lse = tl.load(lse_ptrs)
-    return tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    lse2 = lse * LOG2E
+    if CLAMPED:
+        lse2 = tl.where(tl.abs(lse) >= LSE_AT_FP32_MAX, tl.where(lse > 0, FP32_MAX, -FP32_MAX),
+                        lse2)  # fmt: skip
+    return tl.where(lse == float("-inf"), 0.0, lse2)
 
 
 @triton.jit
@@ -391,7 +405,7 @@ def _bwd_kv_step(
     offs_m = start_m + offs_m0
     q = _load_rows(q_ptrs, offs_m, NQ, offs_d, HEAD_D, CHECK_ROWS=MASKED, CHECK_COLS=not EVEN_D)
     do = _load_rows(do_ptrs, offs_m, NQ, offs_dv, HEAD_DV, CHECK_ROWS=MASKED, CHECK_COLS=not EVEN_D)
-    lse2 = _load_lse2(lse_ptrs, offs_m, NQ, CHECK=MASKED)
+    lse2 = _load_lse2(lse_ptrs, offs_m, NQ, CHECK=MASKED, CLAMPED=MASK_KIND == 2)
     if MASKED:
         delta = tl.load(delta_ptrs, mask=offs_m < NQ, other=0.0)
     else:
@@ -602,7 +616,7 @@ def _fwd_finish(
 def _dq_operands(
     Q, DO, Lse, Delta, b, h, lse_row, offs_m, offs_d, offs_dv,
     stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-    NQ, HEAD_D, HEAD_DV, EVEN_D: tl.constexpr,
+    NQ, HEAD_D, HEAD_DV, EVEN_D: tl.constexpr, MASK_KIND: tl.constexpr,
 ):  # fmt: skip
     """(q, do, lse2, delta) of rows ``offs_m`` of (b, h), resident in a dQ program
     (lse and delta at ``lse_row + offs_m``)."""
@@ -611,7 +625,7 @@ def _dq_operands(
                    offs_m, NQ, offs_d, HEAD_D, CHECK_ROWS=True, CHECK_COLS=not EVEN_D)  # fmt: skip
     do = _load_rows(DO + b * stride_dob + h * stride_doh + rows * stride_dom + offs_dv[None, :] * stride_dod,
                     offs_m, NQ, offs_dv, HEAD_DV, CHECK_ROWS=True, CHECK_COLS=not EVEN_D)  # fmt: skip
-    lse2 = _load_lse2(Lse + lse_row + offs_m, offs_m, NQ, CHECK=True)
+    lse2 = _load_lse2(Lse + lse_row + offs_m, offs_m, NQ, CHECK=True, CLAMPED=MASK_KIND == 2)
     delta = tl.load(Delta + lse_row + offs_m, mask=offs_m < NQ, other=0.0)
     return q, do, lse2, delta
 

@@ -477,7 +477,7 @@ def _bwd_dq_program(
     q, do, lse2, delta = _dq_operands(
         Q, DO, Lse, Delta, b, h, _lse_row(pid_bh, h, NQ, q0, VARLEN=VARLEN), offs_m, offs_d,
         offs_dv, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
-        stride_dod, nq, HEAD_D, HEAD_DV, EVEN_D=EVEN_D,
+        stride_dod, nq, HEAD_D, HEAD_DV, EVEN_D=EVEN_D, MASK_KIND=MASK_KIND,
     )  # fmt: skip
     k_base, v_base = _kv_bases(
         K, V, b, hk, offs_n0, offs_d, offs_dv,
