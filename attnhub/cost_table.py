@@ -118,13 +118,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_finite_number(value: Any) -> bool:
+    """An int or float (not a bool: nothing is coerced) that is finite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def is_time(value: Any) -> bool:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )
+    return is_finite_number(value) and value > 0
 
 
 # What each part of an entry must be: (field, check, what it must be).

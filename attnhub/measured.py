@@ -35,7 +35,6 @@ import datetime
 import functools
 import json
 import logging
-import math
 import os
 import re
 import threading
@@ -47,7 +46,7 @@ import torch
 
 from . import env
 from .backend import Backend
-from .cost_table import cache_dir, is_time
+from .cost_table import cache_dir, is_finite_number, is_time
 from .jsonfile import write_json
 from .ranking import RankingPolicy
 from .registry import invalidate_caches
@@ -137,12 +136,7 @@ def _is_map(value: Any, ok: Callable[[Any], bool]) -> TypeGuard[Mapping[str, Any
 
 
 def _is_spread(value: Any) -> bool:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value >= 0
-    )
+    return is_finite_number(value) and value >= 0
 
 
 def _entry(entry: Any) -> Measurement:
