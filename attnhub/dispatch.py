@@ -323,15 +323,21 @@ def _memory_ok(value: Any) -> list[str] | None:
     return [] if isinstance(value, str) and value in MEMORY_CLASSES else None
 
 
+def _priority_ok(value: Any) -> list[str] | None:
+    return [] if registry_module.is_priority(value) else None
+
+
 # What dispatch asks a backend about a request, in order, after its availability; the
-# first step with reasons decides. Ranking reads memory_class, so an eligible backend's
-# is checked here, once per decision. (method, call, read, what the result must be)
+# first step with reasons decides. Ranking reads memory_class and priority, so an
+# eligible backend's are checked here, once per decision (registration checked the
+# priority, but a property can break later). (method, call, read, what the result must be)
 _STEPS: tuple[
     tuple[str, Callable[[Backend, AttentionRequest], Any], Callable[[Any], Any], str], ...
 ] = (
     ("its declarations", declared_reasons, _reason_list, "a list of str"),
     ("extra_reasons", lambda b, r: b.extra_reasons(r), _reason_list, "a list of str"),
     ("memory_class", lambda b, r: b.memory_class(r), _memory_ok, f"one of {MEMORY_CLASSES}"),
+    ("priority", lambda b, r: b.priority, _priority_ok, "a finite int or float"),
 )
 
 

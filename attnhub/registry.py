@@ -136,7 +136,7 @@ def _is_name(value: Any) -> bool:
     return isinstance(value, str) and value.isidentifier() and value == value.lower()
 
 
-def _is_priority(value: Any) -> bool:
+def is_priority(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -176,7 +176,7 @@ _DECLARATIONS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("description", lambda v: isinstance(v, str), "description must be a str, got {value!r}"),
     (
         "priority",
-        _is_priority,
+        is_priority,
         "priority must be a finite int or float (not a bool), got {value!r}",
     ),
     (

@@ -588,6 +588,43 @@ def test_a_backend_whose_code_fails_is_disabled_and_the_others_serve(
     assert f"no: {reason}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("later", "reason"),
+    [
+        (RuntimeError("config gone"), "priority raised RuntimeError: config gone"),
+        (float("nan"), "priority returned nan, not a finite int or float"),
+        ("high", "priority returned 'high', not a finite int or float"),
+    ],
+)
+def test_a_priority_that_breaks_after_registration_disables_only_its_backend(
+    fake_registry, later, reason
+):
+    """Registration checks the priority, but ranking reads it again at every decision: a
+    property that raises (or turns into a non-number) later failed every call, the
+    declared-priority fallback included."""
+
+    def priority(self):  # type: ignore[no-untyped-def]
+        if not self.registered:
+            return 100
+        if isinstance(later, Exception):
+            raise later
+        return later
+
+    broken = type("Late", (_Fake,), {"name": "late", "registered": False,
+                                     "priority": property(priority)})()  # fmt: skip
+    fake_registry.add(broken)
+    broken.registered = True
+    fake_registry.add(fake("general", priority=1))
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    torch.testing.assert_close(
+        attnhub.attention(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    )
+    decision = attnhub.explain(q, k, v)
+    assert decision.chosen == "general"
+    assert decision.reasons()["late"] == [f"unavailable: {reason}"]
+    assert broken.calls == 0
+
+
 def _answering(make):  # type: ignore[no-untyped-def]
     """A forward that computes the right answer, then returns ``make(out, lse, query)``."""
 
