@@ -407,17 +407,17 @@ def record_blocksparse(
     from attnhub.block_sparse import BlockSparseLayout
 
     launches: list = []
-    originals = ops._launcher, ops._capability, bs_ops._capability, bs_ops._GLUON_FROM_TABLE
+    originals = ops._launcher, ops._capability, bs_ops._capability
     ops._launcher = lambda kernel, like: _Recorder(kernel, launches)  # type: ignore[assignment]
     ops._capability = bs_ops._capability = lambda device: divmod(capability, 10)  # type: ignore[assignment]
-    bs_ops._GLUON_FROM_TABLE = True  # compiled in CI before the table sends calls there
     try:
         for dtype, d, block, options in cases:
             options = dict(options)
             # A ragged length runs the per-block loops; an even one without a band
             # (option "even") the flat loops of EVEN_BLOCKS; "long" (even, 16 blocks: past
             # SHORT_N keys at block 128) also a layout of full blocks only: at D=128 in
-            # half precision on sm_90 both take the Gluon forward there.
+            # half precision on sm_90 it takes the Gluon forward (its rows keep 2048 keys,
+            # past ops._GLUON_MIN_KEYS at block 128).
             long = options.pop("long", False)
             n = 16 * block if long else 4 * block if options.pop("even", False) else 2 * block + 40
             layouts = [BlockSparseLayout.sliding_window(n, block + 10, block)]
@@ -434,7 +434,7 @@ def record_blocksparse(
                 out, _ = bs_ops.block_sparse_attention(q, k, k, layout, mask, **options)
                 out.sum().backward()
     finally:
-        ops._launcher, ops._capability, bs_ops._capability, bs_ops._GLUON_FROM_TABLE = originals  # type: ignore[assignment]
+        ops._launcher, ops._capability, bs_ops._capability = originals  # type: ignore[assignment]
     return launches
 
 
@@ -468,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--causal", action="store_true")
     one.add_argument("--bottom-right", action="store_true")
     one.add_argument("--window", help="LEFT,RIGHT (empty side: unbounded)")
+    one.add_argument("--mask", choices=("bool", "float"),
+                     help="an attn_mask: bool (1, 1, Nq, Nk) or float (Nq, Nk)")  # fmt: skip
     parser.add_argument(
         "--config", type=_config, action="append", default=[],
         help="force a launch config: fwd|bwd_kv|bwd_q=BLOCK_M,BLOCK_N,WARPS,STAGES[,MAXNREG] (repeatable)",
@@ -504,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
             options["bottom_right"] = True
         if args.window:
             options["window"] = tuple(int(v) if v else None for v in args.window.split(","))
+        if args.mask:
+            options["mask"] = args.mask
         cases = [(_DTYPES[args.dtype], args.head_dim, options)]
     with tuning.override(**dict(args.config)):
         launches = record(

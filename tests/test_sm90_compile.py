@@ -44,3 +44,27 @@ def test_kernels_compile_for_sm90(backend: str) -> None:
         kernels = ("bs_fwd_kernel", "bs_fwd_gluon_kernel", "bs_bwd_dkdv_kernel", "bs_bwd_dq_kernel")
     for kernel in kernels:
         assert f"ok {kernel} " in result.stdout, kernel
+
+
+@pytest.mark.parametrize("mask", ["bool", "float"])
+def test_the_dense_mask_forward_loads_its_mask_in_vectors(mask: str, tmp_path: Path) -> None:
+    """The forward with an attn_mask at D=128 bf16, compiled for sm_90: the mask tile of
+    an unmasked key tile is read in vectors (asynchronous copies), not one entry a load,
+    and nothing spills. Its load mask varied along the keys until 2026-12-05: 32 scalar
+    loads a tile (LDG.E.U8 / .U16) and 516-836 bytes of spills, 0.16-0.19x F.sdpa's
+    speed on an H200 (benchmarks/results/archive/masked-fwd-probe-h200-2026-12-05-*)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, str(AOT_CHECK), "--dtype", "bf16", "--head-dim", "128",
+         "--shape", "2,4,4,256,256", "--mask", mask, "--kernel", "fwd", "--registers",
+         "--sass-dir", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("ok attn_fwd_kernel ")]
+    assert lines and all("spill_stores=0 " in line for line in lines), result.stdout
+    sass = [p.read_text() for p in tmp_path.glob("attn_fwd_kernel-*.sass")]
+    if not sass or any("cuobjdump failed" in text for text in sass):
+        pytest.skip("cuobjdump did not run")
+    for text in sass:
+        assert "LDG.E.U8" not in text and "LDG.E.U16" not in text, text[:200]

@@ -248,7 +248,15 @@ def _scores(
             mptrs = mask_rows[:, None] + cols.to(tl.int64) * stride_mn
         else:
             mptrs = mask_rows[None, :] + cols.to(tl.int64) * stride_mn
-        inb = (rows < NQ) & (cols < NK)
+        # Only a tile that may pass the keys' end (MASKED) bounds the mask's columns: a
+        # load mask that varies along the keys, its contiguous axis, makes each entry
+        # its own scalar load (sm_90 SASS: 32 LDG.E.U8 a tile at D=128 bf16 instead of
+        # vectors). Rows past the queries' end are cut in every tile (the last query
+        # block's rows would read past the mask).
+        if MASKED:
+            inb = (rows < NQ) & (cols < NK)
+        else:
+            inb = rows < NQ
         if MASK_KIND == 1:
             allowed = tl.load(mptrs, mask=inb, other=0) != 0
             s = tl.where(allowed, s, float("-inf"))
@@ -301,6 +309,17 @@ def _softmax_update(
 
 
 @triton.jit
+def _tile_keys(start_n, offs_n0):
+    """The keys of the tile that starts at ``start_n``: ``start_n + offs_n0``. Every tile
+    starts on a multiple of its width (the segments of :func:`_key_ranges`, block-sparse
+    blocks and their sub-tiles), and the compiler is told so: an attn_mask row's entries
+    for the tile are then aligned vectors, not one load each."""
+    # (A hint on the scalar start is lost where it is a loop's induction variable: it
+    # has no defining op to carry the attribute. The tensor's addition has one.)
+    return tl.multiple_of(start_n + offs_n0, offs_n0.shape[0])
+
+
+@triton.jit
 def _fwd_step(
     acc, l_i, m_i, q, k_ptrs, v_ptrs, tile_ptrs, mask_rows, drop_rows, seed,
     start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn,
@@ -320,7 +339,7 @@ def _fwd_step(
     multiply and a subtract: about a tenth of the main loop's instructions at D=64
     (SASS, sm_90), in a loop that issues about as many instructions as its matrix
     products take cycles."""
-    offs_n = start_n + offs_n0
+    offs_n = _tile_keys(start_n, offs_n0)
     k = _load_rows(k_ptrs, offs_n, NK, offs_d, HEAD_D, CHECK_ROWS=MASKED, CHECK_COLS=not EVEN_D)
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
     s, _t = _scores(
@@ -477,7 +496,7 @@ def _bwd_q_step(
 ):  # fmt: skip
     """One key tile (pointers at its first row) added to dQ. HAS_TILE: also apply a
     (rows, keys) token mask read at tile_ptrs."""
-    offs_n = start_n + offs_n0
+    offs_n = _tile_keys(start_n, offs_n0)
     k = _load_rows(k_ptrs, offs_n, NK, offs_d, HEAD_D, CHECK_ROWS=MASKED, CHECK_COLS=not EVEN_D)
     v = _load_rows(v_ptrs, offs_n, NK, offs_dv, HEAD_DV, CHECK_ROWS=MASKED, CHECK_COLS=not EVEN_D)
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
