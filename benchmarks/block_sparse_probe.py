@@ -10,8 +10,8 @@ N8192 D128 bf16, block 128) by default::
     python benchmarks/block_sparse_probe.py [--shape B,H,N,D] [--layouts random:0.05,...]
 
 ``--forward`` times the forward instead: the pointer kernel the table picks, and the
-Gluon forward under forced Gluon rows of 128 and 64 keys (``--gluon-key-tiles``;
-``triton_blocksparse.ops._GLUON_FROM_TABLE``),
+Gluon forward under forced Gluon rows of 128 and 64 keys (``--gluon-key-tiles``; the
+table sends layouts with long rows there: ``triton_blocksparse.ops._GLUON_MIN_KEYS``),
 with the Gluon output's and lse's largest difference from the pointer kernel's, dense
 triton_flash's forward beside them.
 """
@@ -19,15 +19,14 @@ triton_flash's forward beside them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import attnhub
 from attnhub.backends.triton_blocksparse import ops as bs_ops
-from attnhub.backends.triton_flash import ops as flash_ops
 from attnhub.backends.triton_flash import tuning
 from attnhub.backends.triton_flash.configs import LaunchConfig
 from attnhub.bench import build_layout
@@ -50,39 +49,27 @@ def kernel_us(step, iters: int = 10) -> dict[str, float]:  # type: ignore[no-unt
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
-def _launched(call: Callable[[], Any]) -> str:
-    """The kernels ``call`` launches through triton_flash's launcher (the full path: the
-    launch plans are cleared first)."""
-    names: list[str] = []
-    original = flash_ops._launcher
-
-    def recording(kernel: Any, like: torch.Tensor) -> Any:
-        names.append(kernel.fn.__name__)
-        return original(kernel, like)
-
-    flash_ops.clear_plans()
-    flash_ops._launcher = recording
-    try:
-        call()
-    finally:
-        flash_ops._launcher = original
-    return ", ".join(names)
-
-
 def _kernels(times: dict[str, float]) -> str:
     return ", ".join(f"{name[:24]} {us:.0f} us" for name, us in times.items())
 
 
 def forwards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layouts: str,
              device: torch.device, key_tiles: list[int]) -> None:  # fmt: skip
-    """Per layout: the forward's time (ms) on the table's kernel and on the Gluon one
-    (forced rows of 128 rows and each of ``key_tiles`` keys), and the Gluon output's and
-    lse's largest difference from the table's."""
+    """Per layout: the forward's time (ms) on the pointer kernel (the table's row without
+    Gluon, forced), on what the table picks, and on the Gluon one (forced rows of 128 rows
+    and each of ``key_tiles`` keys), and each one's largest output and lse difference from
+    the pointer kernel's."""
     b, h, n, d = q.shape
+    pointer_row = bs_ops._launch_config("fwd", d, q, False, n, gluon=False)
     with torch.no_grad():
-        ms = loop_ms(lambda: attnhub.attention(q, k, v, backend="triton_flash"), device, 20)
+
+        def dense() -> torch.Tensor:
+            return attnhub.attention(q, k, v, backend="triton_flash")  # type: ignore[no-any-return]
+
+        dense()  # compiles (the first call's compile read 129 ms a call over 20 calls)
+        ms = loop_ms(dense, device, 20)
         print(f"shape B{b} H{h} N{n} D{d} {q.dtype}, block 128; dense triton_flash forward "
-              f"{ms:.3f} ms")  # fmt: skip
+              f"{ms:.3f} ms; pointer row {pointer_row}")  # fmt: skip
         for text in layouts.split(","):
             kind, param = text.split(":")
             layout = build_layout((kind, float(param)), n, 128, device=device)
@@ -90,24 +77,28 @@ def forwards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layouts: str,
             def fwd(layout: Any = layout) -> tuple[torch.Tensor, torch.Tensor]:
                 return bs_ops.block_sparse_attention(q, k, v, layout)  # type: ignore[no-any-return]
 
-            out_t, lse_t = fwd()
-            ms_t, us_t = loop_ms(fwd, device, 20), kernel_us(fwd)
-            print(f"{text}: table {ms_t:.3f} ms ({_kernels(us_t)})")
-            finite = torch.isfinite(lse_t)
-            for block_n in key_tiles:
-                row = LaunchConfig(128, block_n, 4, 2, gluon=True)
-                with tuning.override(fwd=row):
+            with tuning.override(fwd=pointer_row):
+                out_p, lse_p = fwd()
+                ms_p = loop_ms(fwd, device, 20)
+            bs_ops.layout_tensors(layout, device)
+            kept = bs_ops._facts[layout].long_rows
+            print(f"{text}: pointer {ms_p:.3f} ms; long rows (Gluon from the table) {kept}")
+            finite = torch.isfinite(lse_p)
+            ways = [("table", None)] + [
+                ("forced", LaunchConfig(128, block_n, 4, 2, gluon=True)) for block_n in key_tiles
+            ]
+            for what, row in ways:
+                with tuning.override(fwd=row) if row else contextlib.nullcontext():
                     out_g, lse_g = fwd()
                     ms_g, us_g = loop_ms(fwd, device, 20), kernel_us(fwd)
-                    ran = _launched(fwd)
-                diff_out = (out_g.float() - out_t.float()).abs().max().item()
+                diff_out = (out_g.float() - out_p.float()).abs().max().item()
                 diff_lse = (
-                    (lse_g[finite] - lse_t[finite]).abs().max().item() if finite.any() else 0.0
+                    (lse_g[finite] - lse_p[finite]).abs().max().item() if finite.any() else 0.0
                 )
                 same_empty = torch.equal(finite, torch.isfinite(lse_g))
-                print(f"    forced {row} ({ran}) {ms_g:.3f} ms ({_kernels(us_g)}): "
-                      f"{ms_t / ms_g:.2f}x the table's speed; forced - table: out {diff_out:.3g}, "
-                      f"lse {diff_lse:.3g}, same rows without keys {same_empty}")  # fmt: skip
+                print(f"    {what} {row or ''} {ms_g:.3f} ms ({_kernels(us_g)}): "
+                      f"{ms_p / ms_g:.2f}x the pointer kernel's speed; - pointer: out "
+                      f"{diff_out:.3g}, lse {diff_lse:.3g}, same rows without keys {same_empty}")  # fmt: skip
 
 
 def main() -> None:

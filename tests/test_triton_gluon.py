@@ -172,6 +172,7 @@ def test_the_table_takes_the_gluon_row_only_where_the_call_allows_it() -> None:
         ("served", "bs_fwd_gluon_kernel"),
         ("128 x 64 blocks", "bs_fwd_gluon_kernel"),
         ("partial blocks", "bs_fwd_gluon_kernel"),
+        ("short rows", "bs_fwd_kernel"),
         ("64-row blocks", "bs_fwd_kernel"),
         ("128 x 32 blocks", "bs_fwd_kernel"),
         ("ragged length", "bs_fwd_kernel"),
@@ -188,14 +189,14 @@ def test_the_table_takes_the_gluon_row_only_where_the_call_allows_it() -> None:
 def test_which_block_sparse_forward_an_sm90_call_gets(
     what: str, expected: str, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
-    """triton_blocksparse's forward (recorded, not run), with the table's Gluon rows open
-    to it (ops._GLUON_FROM_TABLE): the Gluon kernel takes what triton_flash's Gluon
-    forward takes, on layouts with 128-row blocks and 64- or 128-key blocks that divide
-    both lengths, without a band; every other call keeps the pointer kernel."""
+    """triton_blocksparse's forward (recorded, not run): the Gluon kernel takes what
+    triton_flash's Gluon forward takes, on layouts with 128-row blocks and 64- or 128-key
+    blocks that divide both lengths, without a band, whose rows keep 1536 keys or more on
+    average (ops._GLUON_MIN_KEYS; "short rows": a 300-key window); every other call
+    keeps the pointer kernel."""
     from attnhub import BlockSparseLayout
     from attnhub.backends.triton_blocksparse import ops as bs_ops
 
-    monkeypatch.setattr(bs_ops, "_GLUON_FROM_TABLE", True)
     launched = _recorded_as_on(monkeypatch, (10, 0) if what == "sm_100" else (9, 0), bs_ops)
     if what == "a Triton without Gluon":
         monkeypatch.setattr(bs_ops, "kernels_gluon", None)
@@ -203,7 +204,10 @@ def test_which_block_sparse_forward_an_sm90_call_gets(
     block = {"64-row blocks": 64, "128 x 64 blocks": (128, 64), "128 x 32 blocks": (128, 32)}.get(
         what, 128
     )
-    if what == "partial blocks":
+    if what == "partial blocks":  # rows of 1700-3400 keys, partial blocks on both edges
+        n = 4096
+        layout = BlockSparseLayout.sliding_window(n, 1700, block, causal=False)
+    elif what == "short rows":
         layout = BlockSparseLayout.sliding_window(n, 300, block)
     else:
         bq, bk = (block, block) if isinstance(block, int) else block
@@ -218,15 +222,15 @@ def test_which_block_sparse_forward_an_sm90_call_gets(
     assert launched == [expected]
 
 
-def test_block_sparse_gluon_forward_is_opt_in_until_measured(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Until it is checked on an H200, the table's rows never send a block-sparse call to
-    the Gluon forward; a forced Gluon row does (what the GPU tests use)."""
+def test_a_forced_gluon_row_serves_short_rows_too(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Short rows keep the pointer kernel by the table's choice only: a forced Gluon row
+    sends them to the Gluon forward (what the GPU tests and block_sparse_probe.py use)."""
     from attnhub import BlockSparseLayout
     from attnhub.backends.triton_blocksparse import ops as bs_ops
     from attnhub.backends.triton_flash import tuning
 
     launched = _recorded_as_on(monkeypatch, (9, 0), bs_ops)
-    layout = BlockSparseLayout.from_block_mask(torch.ones(1, 1, 16, 16, dtype=torch.bool), 128)
+    layout = BlockSparseLayout.sliding_window(2048, 300, 128)
     q = torch.zeros(1, 2, 2048, 128, dtype=torch.bfloat16)
     bs_ops.block_sparse_attention(q, q, q, layout)
     with tuning.override(fwd=configs.LaunchConfig(128, 128, 4, 2, gluon=True)):

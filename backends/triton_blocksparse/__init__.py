@@ -10,9 +10,9 @@ linear in N for layouts with O(N) partial blocks (see ops.py for the accounting)
 
 Runs on CUDA (sm_90, checked on the H200: tests/test_triton_blocksparse.py -m gpu) and,
 under ``TRITON_INTERPRET=1``, on CPU tensors like triton_flash. A warp-specialized
-Gluon forward (kernels_gluon.py, for 128-row blocks at D=128) is compiled for sm_90 in
-CI but takes calls only under a forced launch row until it has been checked and timed
-on an H200 (ops._GLUON_FROM_TABLE).
+Gluon forward (kernels_gluon.py, for 128-row blocks at D=128) takes the calls whose
+layout rows keep 1536 keys or more on average (ops._GLUON_MIN_KEYS: where it was
+measured faster on an H200); a forced Gluon launch row sends any admitted call there.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 blocks.
 
 :func:`bs_fwd_gluon_kernel` computes what ``kernels.bs_fwd_kernel`` computes, for the
-calls that ops._gluon_ok admits (and, until it has run on an H200, only under a forced
-Gluon launch row: ops._GLUON_FROM_TABLE): EVEN_BLOCKS (no band, Nq and Nk multiples of the
+calls that ops._gluon_ok admits, where the layout's rows are long enough for it to pay
+(ops._GLUON_MIN_KEYS) or a forced Gluon launch row asks for it: EVEN_BLOCKS (no band, Nq and Nk multiples of the
 block), 128-row query blocks, key blocks of 64 or 128, and what triton_flash's Gluon
 forward takes (no attn_mask, no dropout, no softcap, bf16/fp16, D = Dv = 128, sm_90,
 TMA's layout rules). Its program is one 128-row query block (two consumer warpgroups

@@ -72,6 +72,7 @@ class LayoutFacts(NamedTuple):
     has_partial: bool  # any partial block (the HAS_PARTIAL constexpr)
     heavy_rows: int  # leading entries of the row order that run heads interleaved
     heavy_cols: int  # the same for the column order (dK/dV)
+    long_rows: bool  # rows keep _GLUON_MIN_KEYS keys or more on average (the Gluon forward's)
 
 
 _cache: weakref.WeakKeyDictionary[BlockSparseLayout, dict[str, list[torch.Tensor]]] = (
@@ -152,7 +153,9 @@ def layout_tensors(layout: BlockSparseLayout, device: torch.device) -> list[torc
     partial = block & ~full
     row_order, heavy_rows = _heaviest_first(block)
     col_order, heavy_cols = _heaviest_first(block.mT)
-    _facts[layout] = LayoutFacts(bool(partial.any()), heavy_rows, heavy_cols)
+    kept_keys = float(block.sum(-1).float().mean()) * layout.block_size[1]
+    _facts[layout] = LayoutFacts(bool(partial.any()), heavy_rows, heavy_cols,
+                                 kept_keys >= _GLUON_MIN_KEYS)  # fmt: skip
     tile_id = torch.full(block.shape, -1, dtype=torch.int32, device=device)
     tile_id[partial] = torch.arange(int(partial.sum()), dtype=torch.int32, device=device)
     out: list[torch.Tensor] = []
@@ -232,13 +235,14 @@ def _tiles_meta(
     return cfg, block_m, block_n, launch
 
 
-# The Gluon forward takes calls from triton_flash's table (its Gluon rows) only once it
-# has been checked and timed on an H200: until then (it compiles for sm_90 in CI, but no
-# GPU was lent when it was written; benchmarks/NOTES.md, 2026-12-04, fifteenth
-# session) only a forced launch row with gluon=True sends a call there
-# (tuning.override(fwd=LaunchConfig(128, 128, 4, 2, gluon=True))), as the GPU tests
-# and benchmarks/block_sparse_probe.py --forward do.
-_GLUON_FROM_TABLE = False
+# The Gluon forward takes calls from triton_flash's table (its Gluon rows) where the
+# layout's rows keep this many keys or more on average (LayoutFacts.long_rows): its
+# warp-specialized pipeline pays over long rows and costs over short ones. Against the
+# pointer kernel on an H200 (B2 H16 N8192 D128 bf16, 128-key blocks; benchmarks/results/
+# archive/block-sparse-probe-fwd-h200-2026-12-05-1096702.txt): 1.42x at 8192 kept keys a
+# row, 1.24x at 2048, 0.98-1.02x at 820-1150 (random 0.1, a 1024 window, BigBird), 0.85x
+# at 410.
+_GLUON_MIN_KEYS = 1536
 
 
 def _gluon_ok(c: Any, bq: int, bk: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -295,6 +299,7 @@ def _fwd_impl(
     has_partial: bool,
     heavy_rows: int,
     heavy_cols: int,
+    long_rows: bool,
     causal: bool,
     bottom_right: bool,
     window_left: int,
@@ -304,7 +309,7 @@ def _fwd_impl(
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward over the kept blocks; shapes and conventions as triton_flash's op."""
-    scalars = (bq, bk, has_partial, heavy_rows, heavy_cols, causal, bottom_right,
+    scalars = (bq, bk, has_partial, heavy_rows, heavy_cols, long_rows, causal, bottom_right,
                window_left, window_right, softcap, scale, dropout_p)  # fmt: skip
     key = None
     if not is_wrap_triton_enabled():
@@ -323,7 +328,7 @@ def _fwd_impl(
     tiles, row_order = index[_TILES], index[_ROW_ORDER]
     gluon = _gluon_ok(c, bq, bk, q, k, v, out)
     cfg, block_m, _, launch = _tiles_meta("fwd", bq, bk, c.meta, q, nk, causal,
-                                          gluon and _GLUON_FROM_TABLE)  # fmt: skip
+                                          gluon and long_rows)  # fmt: skip
     record: list | None = [] if key is not None else None
     args = (
         q, k, v, c.mask, q if seed is None else seed, out, lse,
@@ -364,6 +369,7 @@ def _bwd_impl(
     has_partial: bool,
     heavy_rows: int,
     heavy_cols: int,
+    long_rows: bool,
     causal: bool,
     bottom_right: bool,
     window_left: int,
@@ -373,7 +379,7 @@ def _bwd_impl(
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward over the kept blocks: (dq, dk, dv); deterministic, no atomics."""
-    scalars = (bq, bk, has_partial, heavy_rows, heavy_cols, causal, bottom_right,
+    scalars = (bq, bk, has_partial, heavy_rows, heavy_cols, long_rows, causal, bottom_right,
                window_left, window_right, softcap, scale, dropout_p)  # fmt: skip
     key = None
     if not is_wrap_triton_enabled():
@@ -460,9 +466,9 @@ class _Plan:
 
 triton_blocksparse_fwd = _define("attnhub::triton_blocksparse_fwd", _fwd_impl)
 triton_blocksparse_bwd = _define("attnhub::triton_blocksparse_bwd", _bwd_impl)
-# bq, bk, has_partial, heavy_rows, heavy_cols, causal, bottom_right, window_left,
-# window_right, softcap, scale, p
-_N_SCALARS = 12
+# bq, bk, has_partial, heavy_rows, heavy_cols, long_rows, causal, bottom_right,
+# window_left, window_right, softcap, scale, p
+_N_SCALARS = 13
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
