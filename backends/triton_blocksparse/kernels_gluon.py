@@ -4,13 +4,14 @@ blocks.
 
 :func:`bs_fwd_gluon_kernel` computes what ``kernels.bs_fwd_kernel`` computes, for the
 calls that ops._gluon_ok admits, where the layout's rows are long enough for it to pay
-(ops._GLUON_MIN_KEYS) or a forced Gluon launch row asks for it: EVEN_BLOCKS (no band,
-Nq and Nk multiples of the block), 128-row query blocks, key blocks of 64 or 128, and
-what triton_flash's Gluon forward takes (no attn_mask, no dropout, no softcap,
-bf16/fp16, D = Dv = 128, sm_90, TMA's layout rules). Its program is one 128-row query
-block (two consumer warpgroups of 64 rows); the loader streams the row's full blocks' key tiles, then its partial
-blocks', each from the block lists (no mask for the full ones, each partial block's
-token mask for the others). Programs run in ``kernels._program_tile``'s order.
+(ops._GLUON_MIN_KEYS) or a forced Gluon launch row asks for it: EVEN_BLOCKS (no band, Nq
+and Nk multiples of the block), 128-row query blocks, key blocks of 64 or 128, and what
+triton_flash's Gluon forward takes (no attn_mask, no dropout, no softcap, bf16/fp16, D =
+Dv = 128, sm_90, TMA's layout rules). Its program is one 128-row query block (two
+consumer warpgroups of 64 rows); the loader streams the row's full blocks' key tiles,
+then its partial blocks', each from the block lists (no mask for the full ones, each
+partial block's token mask for the others). Programs run in ``kernels._program_tile``'s
+order.
 
 Why: at density 1 the pointer kernel's forward took 1.46x the time of dense
 triton_flash's (the Gluon forward) on the same work (results/block-sparse-h200.md,
