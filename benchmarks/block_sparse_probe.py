@@ -9,11 +9,11 @@ N8192 D128 bf16, block 128) by default::
 
     python benchmarks/block_sparse_probe.py [--shape B,H,N,D] [--layouts random:0.05,...]
 
-``--forward`` times the forward instead: the pointer kernel the table picks, and the
-Gluon forward under forced Gluon rows of 128 and 64 keys (``--gluon-key-tiles``; the
-table sends layouts with long rows there: ``triton_blocksparse.ops._GLUON_MIN_KEYS``),
-with the Gluon output's and lse's largest difference from the pointer kernel's, dense
-triton_flash's forward beside them.
+``--forward`` times the forward instead: the pointer kernel (the table's row without
+Gluon, forced), what the table picks (the Gluon forward on layouts with long rows:
+``triton_blocksparse.ops._GLUON_MIN_KEYS``) and the Gluon forward under forced rows of
+128 and 64 keys (``--gluon-key-tiles``), each with its output's and lse's largest
+difference from the pointer kernel's, dense triton_flash's forward beside them.
 """
 
 from __future__ import annotations
@@ -80,9 +80,8 @@ def forwards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layouts: str,
             with tuning.override(fwd=pointer_row):
                 out_p, lse_p = fwd()
                 ms_p = loop_ms(fwd, device, 20)
-            bs_ops.layout_tensors(layout, device)
-            kept = bs_ops._facts[layout].long_rows
-            print(f"{text}: pointer {ms_p:.3f} ms; long rows (Gluon from the table) {kept}")
+            long_rows = bs_ops._facts[layout].long_rows  # (the calls above built the facts)
+            print(f"{text}: pointer {ms_p:.3f} ms; long rows (Gluon from the table) {long_rows}")
             finite = torch.isfinite(lse_p)
             ways = [("table", None)] + [
                 ("forced", LaunchConfig(128, block_n, 4, 2, gluon=True)) for block_n in key_tiles
