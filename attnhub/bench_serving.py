@@ -36,20 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import attnhub
-
-
-def _time(fn: Callable[[], Any], iters: int) -> float:
-    """Milliseconds per call (CUDA events around ``iters`` calls, after 3 warm-ups)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+from attnhub.timing import event_ms
 
 
 def _eligible(decision: attnhub.Decision) -> list[str]:
@@ -97,7 +84,7 @@ def run_decode(case: dict[str, Any], iters: int) -> list[dict[str, Any]]:
                     attnhub.attention_kvcache, q, k, v, seqlens, block_table=table,
                     backend=name, check_indices=checked, **options,
                 )  # fmt: skip
-                ms = _time(call, iters)
+                ms = event_ms(call, iters)
                 row.update(ms=ms, tb_s=read / ms / 1e9)
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -105,7 +92,7 @@ def run_decode(case: dict[str, Any], iters: int) -> list[dict[str, Any]]:
     try:  # the raw op: the API's host path is the difference
         from attnhub.backends.triton_flash.decode import decode_attention
 
-        ms = _time(
+        ms = event_ms(
             lambda: decode_attention(
                 q, k, v, seqlens, block_table=table, scale=1 / math.sqrt(d), window=window,
                 softcap=options.get("softcap"), causal=options.get("causal", False),
@@ -153,7 +140,7 @@ def run_varlen(iters: int, quick: bool) -> list[dict[str, Any]]:
                 attnhub.attention_varlen, q, k, v, cu, cu, causal=True, backend=name
             )
             try:
-                row["ms"] = _time(functools.partial(_step, call, grad if train else None), iters)
+                row["ms"] = event_ms(functools.partial(_step, call, grad if train else None), iters)
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
@@ -170,7 +157,7 @@ def run_varlen(iters: int, quick: bool) -> list[dict[str, Any]]:
             F.scaled_dot_product_attention, qp, kp, vp, is_causal=True, enable_gqa=hq != hkv
         )
         grad_padded = torch.randn(n_docs, hq, n, d, device="cuda", dtype=dtype)
-        ms = _time(functools.partial(_step, padded, grad_padded if train else None), iters)
+        ms = event_ms(functools.partial(_step, padded, grad_padded if train else None), iters)
         rows.append({**case, "backend": "sdpa padded", "ms": ms})
         del q, k, v, qp, kp, vp
     return rows
@@ -207,7 +194,7 @@ def _raw_varlen_attn(
         varlen_attn, q, k, v, cu, cu, longest, longest, **kwargs
     )
     try:
-        row["ms"] = _time(functools.partial(_step, call, grad if train else None), iters)
+        row["ms"] = event_ms(functools.partial(_step, call, grad if train else None), iters)
     except Exception as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"[:300]
     return row

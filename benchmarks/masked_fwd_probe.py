@@ -24,22 +24,7 @@ import torch.nn.functional as F
 
 from attnhub.backends.triton_flash import ops, tuning
 from attnhub.backends.triton_flash.configs import LaunchConfig
-
-
-def _ms(fn: Callable[[], Any], iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):  # the fastest of five windows: the host's noise out
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / iters)
-    return best
+from attnhub.timing import event_ms
 
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> Any:
@@ -103,7 +88,7 @@ def main() -> None:
         base = None
         for name, fn in ways.items():
             try:
-                ms = _ms(fn)
+                ms = event_ms(fn, 30, windows=5)  # the fastest of five windows
                 diff = (fn().float() - stock.float()).abs().max().item()
             except Exception as exc:  # a configuration that does not fit: say so
                 print(f"  {kind:5s} {name:28s} failed: {type(exc).__name__}: {str(exc)[:120]}")

@@ -20,19 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import attnhub
-
-
-def _step_ms(fn, q, k, v, g, iters: int = 50) -> float:  # type: ignore[no-untyped-def]
-    for _ in range(5):
-        torch.autograd.grad(fn(q, k, v), (q, k, v), g)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        torch.autograd.grad(fn(q, k, v), (q, k, v), g)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+from attnhub.timing import event_ms
 
 
 def main() -> None:
@@ -62,7 +50,8 @@ def main() -> None:
     }  # fmt: skip
     print(f"shape B{b} H{h} N{n} D{d} bf16, lengths {n // 4}..{n}; fwd+bwd ms per step")
     for name, fn in ways.items():
-        print(f"  {name:26s} {_step_ms(fn, q, k, v, g):.3f}")
+        step = lambda fn=fn: torch.autograd.grad(fn(q, k, v), (q, k, v), g)  # noqa: E731
+        print(f"  {name:26s} {event_ms(step, 50, warmup=5):.3f}")
     fn = ways["triton_flash keys"]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
