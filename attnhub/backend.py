@@ -13,6 +13,8 @@ with it exactly as contract.md says, and the conformance suite
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
@@ -31,6 +33,13 @@ FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.fl
 LAYOUTS = ("dense", "varlen", "kvcache", "paged")
 MEMORY_CLASSES = ("linear", "quadratic")
 _NO_LIMIT = 1 << 30
+
+
+def is_finite_number(value: object) -> bool:
+    """A real number that is finite, not a bool (nothing is coerced): what a backend's
+    ``priority`` and the numbers of the cost files must be."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
 
 Runner = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"],

@@ -32,7 +32,6 @@ estimates.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ from typing import Any
 
 import torch
 
-from .backend import MEMORY_CLASSES, Backend
+from .backend import MEMORY_CLASSES, Backend, is_finite_number
 from .ranking import DeclaredPriority
 from .request import AttentionRequest
 
@@ -64,7 +63,7 @@ class KernelCost:
     def __post_init__(self) -> None:
         for name in ("host_us", "fwd_tflops", "fwd_bwd_tflops", "tbps"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            if not (is_finite_number(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
             if name != "host_us" and value == 0:
                 raise ValueError(f"{name} must be > 0")

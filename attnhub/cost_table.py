@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from . import env
-from .backend import FLOAT_DTYPES, MEMORY_CLASSES, Backend
+from .backend import FLOAT_DTYPES, MEMORY_CLASSES, Backend, is_finite_number
 from .cost_model import CostModel, CostModelPolicy
 from .jsonfile import write_json
 from .ranking import DeclaredPriority, RankingPolicy
@@ -116,11 +116,6 @@ def describe_key(key: Key) -> str:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_finite_number(value: Any) -> bool:
-    """An int or float (not a bool: nothing is coerced) that is finite."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def is_time(value: Any) -> bool:

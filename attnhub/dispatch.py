@@ -46,7 +46,7 @@ from typing import Any
 
 from . import env, measured, output_check
 from . import registry as registry_module
-from .backend import MEMORY_CLASSES, Backend, Runner, declared_reasons
+from .backend import MEMORY_CLASSES, Backend, Runner, declared_reasons, is_finite_number
 from .cost_table import default_policy
 from .errors import NoBackendError
 from .ranking import DeclaredPriority, RankingPolicy
@@ -324,7 +324,7 @@ def _memory_ok(value: Any) -> list[str] | None:
 
 
 def _priority_ok(value: Any) -> list[str] | None:
-    return [] if registry_module.is_priority(value) else None
+    return [] if is_finite_number(value) else None
 
 
 # What dispatch asks a backend about a request, in order, after its availability; the

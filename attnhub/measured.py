@@ -45,8 +45,8 @@ from typing import Any, TypeGuard
 import torch
 
 from . import env
-from .backend import Backend
-from .cost_table import cache_dir, is_finite_number, is_time
+from .backend import Backend, is_finite_number
+from .cost_table import cache_dir, is_time
 from .jsonfile import write_json
 from .ranking import RankingPolicy
 from .registry import invalidate_caches

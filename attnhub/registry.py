@@ -33,7 +33,6 @@ import contextlib
 import importlib
 import importlib.util
 import logging
-import math
 import numbers
 import sys
 import threading
@@ -48,7 +47,7 @@ import pluggy
 import torch
 
 from . import env, hookspecs, mkl_vml
-from .backend import FLOAT_DTYPES, LAYOUTS, MEMORY_CLASSES, Backend
+from .backend import FLOAT_DTYPES, LAYOUTS, MEMORY_CLASSES, Backend, is_finite_number
 from .request import ALIGNMENTS, MASK_KINDS
 
 log = logging.getLogger("attnhub")
@@ -136,10 +135,6 @@ def _is_name(value: Any) -> bool:
     return isinstance(value, str) and value.isidentifier() and value == value.lower()
 
 
-def is_priority(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _is_capability(value: Any) -> bool:
     return value is None or (
         isinstance(value, tuple) and len(value) == 2 and all(_is_int(v) and v >= 0 for v in value)
@@ -176,7 +171,7 @@ _DECLARATIONS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("description", lambda v: isinstance(v, str), "description must be a str, got {value!r}"),
     (
         "priority",
-        is_priority,
+        is_finite_number,
         "priority must be a finite int or float (not a bool), got {value!r}",
     ),
     (

@@ -54,7 +54,16 @@ def test_estimates_follow_the_roofline_and_the_host(cuda_request):
     assert COMPUTE.ms(decode) == pytest.approx(0.08 + decode.bytes / 1e9)
 
 
-@pytest.mark.parametrize("bad", [{"host_us": -1.0}, {"tbps": 0.0}, {"fwd_tflops": float("nan")}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"host_us": -1.0},
+        {"tbps": 0.0},
+        {"fwd_tflops": float("nan")},
+        {"tbps": True},
+        {"host_us": "1"},
+    ],
+)
 def test_constants_that_cannot_be_right_are_rejected(bad):
     good = {"host_us": 1.0, "fwd_tflops": 1.0, "fwd_bwd_tflops": 1.0, "tbps": 1.0}
     with pytest.raises(ValueError, match="must be"):
