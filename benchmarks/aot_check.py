@@ -57,6 +57,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from attnhub.backends.triton_flash import configs, ops, tuning
 
+GLUON_BWD = configs.LaunchConfig(64, 128, 4, 2, gluon=True)  # the Gluon dK/dV kernel's tiles
 SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KiB)
 _TYPES = {
     torch.float16: "fp16",
@@ -89,7 +90,8 @@ def record(
 ) -> list:
     """Run forward+backward for each (dtype, head dim, options) on CPU, recording launches.
 
-    ``options`` may hold ``shape``: (B, Hq, Hkv, Nq, Nk), default (1, 2, 1, 40, 50); the
+    ``options`` may hold ``bwd_kv``, a LaunchConfig forced for dK/dV (the Gluon one,
+    which no table row asks for), and ``shape``: (B, Hq, Hkv, Nq, Nk), default (1, 2, 1, 40, 50); the
     shape decides the JIT's specialization (ints equal to 1, multiples of 16), so a GPU
     test's launch is reproduced exactly by passing its shape. The backward gets a
     contiguous grad_out, as in training and in the conformance tests. Each case runs
@@ -113,7 +115,7 @@ def record(
                 mask = torch.randn(nq, nk, dtype=dtype)
             elif mask == "bool":
                 mask = torch.rand(1, 1, nq, nk) > 0.5
-            with tuning.override(backward_launch=mode):
+            with tuning.override(backward_launch=mode, bwd_kv=options.pop("bwd_kv", None)):
                 out, _ = ops.flash_attention(q, k, k, mask, **options)
                 out.backward(torch.randn_like(out))
     finally:
@@ -167,15 +169,19 @@ def variants(quick: bool) -> list[tuple[torch.dtype, int, dict]]:
     # the D=128 forward takes the Gluon row (kernels_gluon), bottom-right and ragged.
     tma = {"causal": True, "shape": (1, 4, 2, 400, 500)}
     gluon = {"causal": True, "bottom_right": True, "shape": (1, 2, 1, 1030, 1100)}
+    # The Gluon dK/dV kernel (kernels_gluon_bwd), forced: GQA, bottom-right, ragged.
+    gluon_bwd = {**gluon, "shape": (1, 4, 2, 1030, 1100), "bwd_kv": GLUON_BWD}
     if quick:
         return [(torch.bfloat16, 128, {"causal": True}), (torch.float32, 40, full),
-                (torch.bfloat16, 128, tma), (torch.bfloat16, 128, gluon)]  # fmt: skip
+                (torch.bfloat16, 128, tma), (torch.bfloat16, 128, gluon),
+                (torch.bfloat16, 128, gluon_bwd)]  # fmt: skip
     cases: list[tuple[torch.dtype, int, dict]] = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for d in (64, 128, 256, 96):
             cases += [(dtype, d, {}), (dtype, d, {"causal": True})]
         cases += [(dtype, 40, full), (dtype, 128, {"mask": "bool", "window": (3, 4)}),
-                  (dtype, 128, tma), (dtype, 128, gluon)]  # fmt: skip
+                  (dtype, 128, tma), (dtype, 128, gluon), (dtype, 128, gluon_bwd),
+                  (dtype, 128, {**gluon_bwd, "causal": False, "window": (300, 40)})]  # fmt: skip
     return cases
 
 
@@ -338,7 +344,9 @@ def compile_all(
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _KV, _Q, _MERGED = "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel", "attn_bwd_kernel"
-_KERNELS = {"fwd": ("attn_fwd_kernel", "attn_fwd_tma_kernel", "attn_fwd_gluon_kernel"), "bwd": (_KV, _Q, _MERGED), "bwd_kv": (_KV,),
+_KV_GLUON = "attn_bwd_dkdv_gluon_kernel"
+_KERNELS = {"fwd": ("attn_fwd_kernel", "attn_fwd_tma_kernel", "attn_fwd_gluon_kernel"),
+            "bwd": (_KV, _KV_GLUON, _Q, _MERGED), "bwd_kv": (_KV, _KV_GLUON),
             "bwd_q": (_Q,), "bwd_merged": (_MERGED,),
             "pre": ("attn_bwd_preprocess_kernel",)}  # fmt: skip
 
@@ -390,7 +398,9 @@ def _config(text: str) -> tuple[str, configs.LaunchConfig]:
     direction, _, values = text.partition("=")
     if direction not in ("fwd", "bwd_kv", "bwd_q"):
         raise argparse.ArgumentTypeError(f"{direction!r}: not one of fwd, bwd_kv, bwd_q")
-    return direction, configs.LaunchConfig(*(int(v) for v in values.split(",")))
+    parts = values.split(",")
+    flags = {f: f in parts for f in ("tma", "gluon")}  # e.g. 64,128,4,2,gluon
+    return direction, configs.LaunchConfig(*(int(v) for v in parts if v not in flags), **flags)
 
 
 # ---------------------------------------------------------------- triton_blocksparse
@@ -472,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="an attn_mask: bool (1, 1, Nq, Nk) or float (Nq, Nk)")  # fmt: skip
     parser.add_argument(
         "--config", type=_config, action="append", default=[],
-        help="force a launch config: fwd|bwd_kv|bwd_q=BLOCK_M,BLOCK_N,WARPS,STAGES[,MAXNREG] (repeatable)",
+        help="force a launch config: fwd|bwd_kv|bwd_q=BLOCK_M,BLOCK_N,WARPS,STAGES[,MAXNREG][,tma|gluon] (repeatable)",
     )  # fmt: skip
     parser.add_argument("--kernel", choices=sorted(_KERNELS), help="compile only these kernels")
     parser.add_argument(

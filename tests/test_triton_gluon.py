@@ -68,6 +68,75 @@ def test_gpu_gluon_forward_keeps_the_contract(case: Case, launched_kernels: list
     assert launched_kernels and launched_kernels[0] == GLUON, launched_kernels
 
 
+GLUON_BWD = "attn_bwd_dkdv_gluon_kernel"
+# The Gluon dK/dV kernel, forced (no table row asks for it yet).
+_GLUON_BWD_ROW = configs.LaunchConfig(64, 128, 4, 2, gluon=True)
+_BWD_CASES = [
+    pytest.param(case, marks=gpu, id=case.id)
+    for case in (
+        _case(dtype, hkv, nq, nk, backward=True, **options)
+        for dtype in (torch.bfloat16, torch.float16)
+        for hkv, nq, nk, options in (
+            (4, 1100, 1100, {}),
+            (2, 1500, 1100, {"causal": True}),
+            (1, 1700, 1100, {"causal": True, "alignment": "bottom_right"}),
+            (4, 1100, 1700, {"causal": True, "alignment": "bottom_right", "strided": True}),
+            (2, 1300, 1300, {"window": (300, 40)}),
+            (1, 1025, 4000, {"scale": -0.3}),
+        )
+    )
+]
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", _BWD_CASES)
+def test_gpu_gluon_backward_keeps_the_contract(case: Case, launched_kernels: list[str]) -> None:
+    """The Gluon dK/dV kernel (kernels_gluon_bwd), forced: gradients within the
+    contract's tolerance of the float64 reference, for either alignment, windows, GQA,
+    ragged lengths, rows without keys, strided views and a negative scale."""
+    from attnhub.backends.triton_flash import tuning
+
+    with tuning.override(bwd_kv=_GLUON_BWD_ROW):
+        problems = case_problems("triton_flash", case, "cuda")
+    assert not problems, f"{case.id}: " + "; ".join(problems)
+    assert GLUON_BWD in launched_kernels, launched_kernels
+
+
+@pytest.mark.parametrize(
+    ("what", "expected"),
+    [
+        ("served", GLUON_BWD),
+        ("softcap", "attn_bwd_dkdv_kernel"),
+        ("head dim 64", "attn_bwd_dkdv_kernel"),
+        ("bool mask", "attn_bwd_dkdv_kernel"),
+        ("float32", "attn_bwd_dkdv_kernel"),
+        ("sm_100", "attn_bwd_dkdv_kernel"),
+        ("a Triton without Gluon", "attn_bwd_dkdv_kernel"),
+        ("no Gluon row", "attn_bwd_kernel"),
+    ],
+)
+def test_which_dkdv_kernel_an_sm90_backward_gets(what: str, expected: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The backward's launches on an sm_90 (recorded, not run) with the Gluon dK/dV row
+    forced: calls that the Gluon kernel cannot serve keep the pointer kernel on the same
+    tiles, split; without the row, D = 128 keeps its merged launch."""
+    from attnhub.backends.triton_flash import tuning
+
+    launched = _recorded_as_on(monkeypatch, (10, 0) if what == "sm_100" else (9, 0))
+    if what == "a Triton without Gluon":
+        monkeypatch.setattr(ops, "kernels_gluon_bwd", None)
+    dtype = torch.float32 if what == "float32" else torch.bfloat16
+    d = 64 if what == "head dim 64" else 128
+    q, k, v = (torch.zeros(1, 4, 1100, d, dtype=dtype, requires_grad=True) for _ in range(3))
+    mask = torch.ones(1, 1, 1100, 1100, dtype=torch.bool) if what == "bool mask" else None
+    row = None if what == "no Gluon row" else _GLUON_BWD_ROW
+    with tuning.override(bwd_kv=row):
+        out, _ = ops.flash_attention(q, k, v, mask, causal=True,
+                                     softcap=30.0 if what == "softcap" else 0.0)  # fmt: skip
+    launched.clear()  # the forward's
+    out.backward(torch.ones_like(out))
+    assert launched[1] == expected, launched  # after the preprocess
+
+
 @gpu
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 def test_gpu_gluon_plans_match_the_full_path() -> None:

@@ -43,9 +43,9 @@ from triton.runtime import _allocation
 from . import kernels, kernels_tma, tuning
 
 try:  # Gluon's Hopper API (warpgroup MMA, mbarriers, warp_specialize): Triton 3.6 has it
-    from . import kernels_gluon
+    from . import kernels_gluon, kernels_gluon_bwd
 except ImportError:  # an older Triton: the D=128 forward keeps the TMA and pointer kernels
-    kernels_gluon = None  # type: ignore[assignment]
+    kernels_gluon = kernels_gluon_bwd = None  # type: ignore[assignment]
 from .common import interpreting
 from .configs import LaunchConfig, backward_configs, backward_launch, launch_config, merged_meta
 from .launch import CachedLaunch
@@ -654,6 +654,21 @@ def _gluon_eligible(c: _Setup, q: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
+def _gluon_bwd_eligible(c: _Setup, lse: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether a backward's dK/dV may run kernels_gluon_bwd.attn_bwd_dkdv_gluon_kernel
+    (where its launch row asks for it): ``tensors`` (q, k, v, dout) as
+    :func:`_tma_eligible` admits them for a dense call, D = Dv = 128, no softcap, on
+    sm_90 with Gluon's Hopper API, and an lse whose rows the kernel's 1-D descriptor
+    reaches (16-byte aligned, B * Hq * Nq within int32)."""
+    meta, q = c.meta, tensors[0]
+    return (
+        _tma_eligible(c, 0, *tensors) and meta["BLOCK_D"] == meta["BLOCK_DV"] == 128
+        and not meta["HAS_SOFTCAP"] and not interpreting() and kernels_gluon_bwd is not None
+        and _capability(q.device) == (9, 0) and lse.data_ptr() % 16 == 0
+        and lse.numel() < 2**31 - 128
+    )  # fmt: skip
+
+
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global scratch for a launch (Triton's allocator protocol): the in-kernel tensor
     descriptors of kernels_tma and kernels_gluon, on the current CUDA device, from PyTorch's allocator
@@ -851,8 +866,15 @@ def _bwd_full(
         )  # fmt: skip
         meta = {**c.meta, **kv_cfg.meta(), **_edge_segments(False, nq, nk, kv_cfg, *band, ragged=ragged),
                 **_row_strides(Q=q, DO=dout), "VARLEN": varlen}  # fmt: skip
-        _launch(kernels.attn_bwd_dkdv_kernel, q, (cdiv(rows_k, kv_cfg.block_n), b * hkv), args,
-                meta, 12, record)  # fmt: skip
+        grid = (cdiv(rows_k, kv_cfg.block_n), b * hkv)
+        if kv_cfg.gluon and not ragged and _gluon_bwd_eligible(c, lse, q, k, v, dout):
+            # Descriptors built in the kernel, in scratch the launch allocates (as the
+            # Gluon forward's); its ring holds num_stages query tiles.
+            with _scratch_allocator():
+                _launch(kernels_gluon_bwd.attn_bwd_dkdv_gluon_kernel, q, grid, args,
+                        {**meta, "STAGES": kv_cfg.num_stages}, 12, record)  # fmt: skip
+        else:
+            _launch(kernels.attn_bwd_dkdv_kernel, q, grid, args, meta, 12, record)
         args = (
             q, k, v, c.mask, seed_t, dout, lse, delta, views[0], cu_q, cu_k,
             *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(),

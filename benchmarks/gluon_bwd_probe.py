@@ -1,0 +1,98 @@
+"""triton_flash's backward with the Gluon dK/dV kernel (kernels_gluon_bwd) forced, beside
+the table's backward and PyTorch's cuDNN and flash kernels, in one process.
+
+For each shape (bf16, D = 128), causal and not: the backward alone (the forward run
+once, its graph kept) of the table's launch and of the Gluon dK/dV kernel at each
+``--stages`` (dQ from the table's pointer kernel, the backward split), the time of each
+in ms and TFLOP/s (2.5 x the forward's FLOPs, causal halved), and each gradient's
+largest difference from the table's. The ratios: the table's time, cuDNN's and
+flash's over each way's (> 1: the way is faster).
+
+    python benchmarks/gluon_bwd_probe.py [--shapes "4,16,16,4096;2,32,8,8192"] [--stages 2,3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attnhub.backends.triton_flash import ops, tuning
+from attnhub.backends.triton_flash.configs import LaunchConfig
+from attnhub.timing import event_ms
+
+
+def _backward(forward: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, ...],
+              grad: torch.Tensor) -> tuple[Callable[[], tuple], tuple]:  # fmt: skip
+    """(a step that runs the backward of one forward again, that step's gradients)."""
+    out = forward()
+
+    def step() -> tuple:
+        return torch.autograd.grad(out, inputs, grad, retain_graph=True)
+
+    return step, step()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="4,16,16,4096;2,32,8,8192", help="B,Hq,Hkv,N;...")
+    parser.add_argument("--stages", default="2,3")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for text in args.shapes.split(";"):
+        b, hq, hkv, n = (int(x) for x in text.split(","))
+        for causal in (False, True):
+            q = torch.randn(b, hq, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(b, hkv, n, 128, device="cuda", dtype=torch.bfloat16,
+                                requires_grad=True) for _ in range(2))  # fmt: skip
+            grad = torch.randn_like(q)
+            flops = 4 * b * hq * n * n * 128 * 2.5 / (2 if causal else 1)
+            print(f"B{b} Hq{hq} Hkv{hkv} N{n} D128 bf16 {'causal' if causal else 'non-causal'}:"
+                  " backward ms, TFLOP/s, ratios (other's time / this way's)")  # fmt: skip
+
+            def flash(q=q, k=k, v=v, causal=causal) -> torch.Tensor:  # type: ignore[no-untyped-def]
+                return ops.flash_attention(q, k, v, causal=causal)[0]
+
+            ways: dict[str, tuple[Callable[[], tuple], tuple]] = {}
+            ways["table"] = _backward(flash, (q, k, v), grad)
+            for backend, name in ((SDPBackend.CUDNN_ATTENTION, "cudnn"),
+                                  (SDPBackend.FLASH_ATTENTION, "sdpa flash")):  # fmt: skip
+                try:
+                    with sdpa_kernel(backend):
+                        sdpa = functools.partial(F.scaled_dot_product_attention, q, k, v,
+                                                 is_causal=causal, enable_gqa=hq != hkv)  # fmt: skip
+                        ways[name] = _backward(sdpa, (q, k, v), grad)
+                except RuntimeError as exc:
+                    print(f"  {name}: {str(exc)[:100]}")
+            for stages in (int(s) for s in args.stages.split(",")):
+                cfg = LaunchConfig(64, 128, 4, stages, gluon=True)
+                with tuning.override(bwd_kv=cfg):
+                    try:
+                        ways[f"gluon dK/dV, {stages} stages"] = _backward(flash, (q, k, v), grad)
+                    except Exception as exc:  # a configuration that does not fit: say so
+                        print(
+                            f"  gluon {stages} stages failed: {type(exc).__name__}: {str(exc)[:200]}"
+                        )
+            times = {}
+            for name, (step, _) in ways.items():  # each graph keeps its forward's kernel
+                times[name] = event_ms(step, args.iters, windows=3)
+            reference = ways["table"][1]
+            for name, (_, grads) in ways.items():
+                diffs = " ".join(
+                    f"{label} {(g.float() - r.float()).abs().max().item():.2e}"
+                    for label, g, r in zip(("dq", "dk", "dv"), grads, reference)
+                )
+                ms = times[name]
+                ratios = " ".join(f"{times[o] / ms:.2f}x {o}" for o in ("table", "cudnn", "sdpa flash")
+                                  if o in times and o != name)  # fmt: skip
+                print(f"  {name:22s} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TF/s  {ratios}  "
+                      f"max|diff| vs table: {diffs}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
