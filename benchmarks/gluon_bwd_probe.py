@@ -27,14 +27,26 @@ from attnhub.timing import event_ms
 
 
 def _backward(forward: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, ...],
-              grad: torch.Tensor) -> tuple[Callable[[], tuple], tuple]:  # fmt: skip
-    """(a step that runs the backward of one forward again, that step's gradients)."""
+              grad: torch.Tensor) -> tuple[Callable[[], tuple], tuple, list[str]]:  # fmt: skip
+    """(a step that runs the backward of one forward again, that step's gradients, the
+    Triton kernels its first run launched)."""
     out = forward()
 
     def step() -> tuple:
         return torch.autograd.grad(out, inputs, grad, retain_graph=True)
 
-    return step, step()
+    launcher, launched = ops._launcher, []
+
+    def recording(kernel, like):  # type: ignore[no-untyped-def]
+        launched.append(kernel.fn.__name__)
+        return launcher(kernel, like)
+
+    ops._launcher = recording  # the first backward's kernels (the full path), named
+    try:
+        grads = step()
+    finally:
+        ops._launcher = launcher
+    return step, grads, launched
 
 
 def main() -> None:
@@ -58,7 +70,7 @@ def main() -> None:
             def flash(q=q, k=k, v=v, causal=causal) -> torch.Tensor:  # type: ignore[no-untyped-def]
                 return ops.flash_attention(q, k, v, causal=causal)[0]
 
-            ways: dict[str, tuple[Callable[[], tuple], tuple]] = {}
+            ways: dict[str, tuple[Callable[[], tuple], tuple, list[str]]] = {}
             ways["table"] = _backward(flash, (q, k, v), grad)
             for backend, name in ((SDPBackend.CUDNN_ATTENTION, "cudnn"),
                                   (SDPBackend.FLASH_ATTENTION, "sdpa flash")):  # fmt: skip
@@ -79,10 +91,10 @@ def main() -> None:
                             f"  gluon {stages} stages failed: {type(exc).__name__}: {str(exc)[:200]}"
                         )
             times = {}
-            for name, (step, _) in ways.items():  # each graph keeps its forward's kernel
+            for name, (step, _, _) in ways.items():  # each graph keeps its forward's kernel
                 times[name] = event_ms(step, args.iters, windows=3)
             reference = ways["table"][1]
-            for name, (_, grads) in ways.items():
+            for name, (_, grads, kernels) in ways.items():
                 diffs = " ".join(
                     f"{label} {(g.float() - r.float()).abs().max().item():.2e}"
                     for label, g, r in zip(("dq", "dk", "dv"), grads, reference)
@@ -91,7 +103,7 @@ def main() -> None:
                 ratios = " ".join(f"{times[o] / ms:.2f}x {o}" for o in ("table", "cudnn", "sdpa flash")
                                   if o in times and o != name)  # fmt: skip
                 print(f"  {name:22s} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TF/s  {ratios}  "
-                      f"max|diff| vs table: {diffs}")  # fmt: skip
+                      f"max|diff| vs table: {diffs}  {' '.join(kernels)}")  # fmt: skip
 
 
 if __name__ == "__main__":
