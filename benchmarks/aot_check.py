@@ -57,7 +57,9 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from attnhub.backends.triton_flash import configs, ops, tuning
 
-GLUON_BWD = configs.LaunchConfig(64, 128, 4, 2, gluon=True)  # the Gluon dK/dV kernel's tiles
+# The Gluon backward kernels' tiles (kernels_gluon_bwd): dK/dV, dQ.
+GLUON_BWD_KV = configs.LaunchConfig(64, 128, 4, 2, gluon=True)
+GLUON_BWD_Q = configs.LaunchConfig(128, 64, 4, 2, gluon=True)
 SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KiB)
 _TYPES = {
     torch.float16: "fp16",
@@ -90,8 +92,8 @@ def record(
 ) -> list:
     """Run forward+backward for each (dtype, head dim, options) on CPU, recording launches.
 
-    ``options`` may hold ``bwd_kv``, a LaunchConfig forced for dK/dV (the Gluon one,
-    which no table row asks for), and ``shape``: (B, Hq, Hkv, Nq, Nk), default (1, 2, 1, 40, 50); the
+    ``options`` may hold ``bwd_kv`` and ``bwd_q``, LaunchConfigs forced for dK/dV and dQ
+    (the Gluon ones, which no table row asks for), and ``shape``: (B, Hq, Hkv, Nq, Nk), default (1, 2, 1, 40, 50); the
     shape decides the JIT's specialization (ints equal to 1, multiples of 16), so a GPU
     test's launch is reproduced exactly by passing its shape. The backward gets a
     contiguous grad_out, as in training and in the conformance tests. Each case runs
@@ -115,7 +117,8 @@ def record(
                 mask = torch.randn(nq, nk, dtype=dtype)
             elif mask == "bool":
                 mask = torch.rand(1, 1, nq, nk) > 0.5
-            with tuning.override(backward_launch=mode, bwd_kv=options.pop("bwd_kv", None)):
+            forced = {role: options.pop(role, None) for role in ("bwd_kv", "bwd_q")}
+            with tuning.override(backward_launch=mode, **forced):
                 out, _ = ops.flash_attention(q, k, k, mask, **options)
                 out.backward(torch.randn_like(out))
     finally:
@@ -169,8 +172,9 @@ def variants(quick: bool) -> list[tuple[torch.dtype, int, dict]]:
     # the D=128 forward takes the Gluon row (kernels_gluon), bottom-right and ragged.
     tma = {"causal": True, "shape": (1, 4, 2, 400, 500)}
     gluon = {"causal": True, "bottom_right": True, "shape": (1, 2, 1, 1030, 1100)}
-    # The Gluon dK/dV kernel (kernels_gluon_bwd), forced: GQA, bottom-right, ragged.
-    gluon_bwd = {**gluon, "shape": (1, 4, 2, 1030, 1100), "bwd_kv": GLUON_BWD}
+    # The Gluon backward kernels (kernels_gluon_bwd), forced: GQA, bottom-right, ragged.
+    gluon_bwd = {**gluon, "shape": (1, 4, 2, 1030, 1100), "bwd_kv": GLUON_BWD_KV,
+                 "bwd_q": GLUON_BWD_Q}  # fmt: skip
     if quick:
         return [(torch.bfloat16, 128, {"causal": True}), (torch.float32, 40, full),
                 (torch.bfloat16, 128, tma), (torch.bfloat16, 128, gluon),
@@ -344,10 +348,10 @@ def compile_all(
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _KV, _Q, _MERGED = "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel", "attn_bwd_kernel"
-_KV_GLUON = "attn_bwd_dkdv_gluon_kernel"
+_KV_GLUON, _Q_GLUON = "attn_bwd_dkdv_gluon_kernel", "attn_bwd_dq_gluon_kernel"
 _KERNELS = {"fwd": ("attn_fwd_kernel", "attn_fwd_tma_kernel", "attn_fwd_gluon_kernel"),
-            "bwd": (_KV, _KV_GLUON, _Q, _MERGED), "bwd_kv": (_KV, _KV_GLUON),
-            "bwd_q": (_Q,), "bwd_merged": (_MERGED,),
+            "bwd": (_KV, _KV_GLUON, _Q, _Q_GLUON, _MERGED), "bwd_kv": (_KV, _KV_GLUON),
+            "bwd_q": (_Q, _Q_GLUON), "bwd_merged": (_MERGED,),
             "pre": ("attn_bwd_preprocess_kernel",)}  # fmt: skip
 
 

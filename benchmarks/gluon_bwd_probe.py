@@ -1,12 +1,13 @@
-"""triton_flash's backward with the Gluon dK/dV kernel (kernels_gluon_bwd) forced, beside
-the table's backward and PyTorch's cuDNN and flash kernels, in one process.
+"""triton_flash's backward with the Gluon kernels (kernels_gluon_bwd) forced, beside the
+table's backward and PyTorch's cuDNN and flash kernels, in one process.
 
 For each shape (bf16, D = 128), causal and not: the backward alone (the forward run
-once, its graph kept) of the table's launch and of the Gluon dK/dV kernel at each
-``--stages`` (dQ from the table's pointer kernel, the backward split), the time of each
-in ms and TFLOP/s (2.5 x the forward's FLOPs, causal halved), and each gradient's
-largest difference from the table's. The ratios: the table's time, cuDNN's and
-flash's over each way's (> 1: the way is faster).
+once, its graph kept) of the table's launch and, at each ``--stages``, of the Gluon
+dK/dV kernel, the Gluon dQ kernel (each beside the other role's pointer kernel) and
+both (the backward then runs split): the time of each in ms and TFLOP/s (2.5 x the
+forward's FLOPs, causal halved), each gradient's largest difference from the table's,
+and the Triton kernels it launched. The ratios: the table's time, cuDNN's and flash's
+over each way's (> 1: the way is faster).
 
     python benchmarks/gluon_bwd_probe.py [--shapes "4,16,16,4096;2,32,8,8192"] [--stages 2,3]
 """
@@ -52,7 +53,7 @@ def _backward(forward: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, .
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="4,16,16,4096;2,32,8,8192", help="B,Hq,Hkv,N;...")
-    parser.add_argument("--stages", default="2,3")
+    parser.add_argument("--stages", default="2")
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -82,14 +83,16 @@ def main() -> None:
                 except RuntimeError as exc:
                     print(f"  {name}: {str(exc)[:100]}")
             for stages in (int(s) for s in args.stages.split(",")):
-                cfg = LaunchConfig(64, 128, 4, stages, gluon=True)
-                with tuning.override(bwd_kv=cfg):
-                    try:
-                        ways[f"gluon dK/dV, {stages} stages"] = _backward(flash, (q, k, v), grad)
-                    except Exception as exc:  # a configuration that does not fit: say so
-                        print(
-                            f"  gluon {stages} stages failed: {type(exc).__name__}: {str(exc)[:200]}"
-                        )
+                rows = {"bwd_kv": LaunchConfig(64, 128, 4, stages, gluon=True),
+                        "bwd_q": LaunchConfig(128, 64, 4, stages, gluon=True)}  # fmt: skip
+                for label, roles in (("dK/dV", ("bwd_kv",)), ("dQ", ("bwd_q",)),
+                                     ("both", ("bwd_kv", "bwd_q"))):  # fmt: skip
+                    name = f"gluon {label}, {stages} stages"
+                    with tuning.override(**{role: rows[role] for role in roles}):
+                        try:
+                            ways[name] = _backward(flash, (q, k, v), grad)
+                        except Exception as exc:  # a configuration that does not fit: say so
+                            print(f"  {name} failed: {type(exc).__name__}: {str(exc)[:200]}")
             times = {}
             for name, (step, _, _) in ways.items():  # each graph keeps its forward's kernel
                 times[name] = event_ms(step, args.iters, windows=3)

@@ -40,7 +40,8 @@ def test_kernels_compile_for_sm90(backend: str) -> None:
             "attn_fwd_kernel",
             "attn_fwd_tma_kernel",
             "attn_fwd_gluon_kernel",
-            "attn_bwd_dkdv_gluon_kernel",  # forced: no table row asks for it
+            "attn_bwd_dkdv_gluon_kernel",  # forced, as the next: no table row asks for them
+            "attn_bwd_dq_gluon_kernel",
         )
     else:  # every kernel of the family, recorded through triton_flash's launcher
         kernels = ("bs_fwd_kernel", "bs_fwd_gluon_kernel", "bs_bwd_dkdv_kernel", "bs_bwd_dq_kernel")

@@ -68,11 +68,15 @@ def test_gpu_gluon_forward_keeps_the_contract(case: Case, launched_kernels: list
     assert launched_kernels and launched_kernels[0] == GLUON, launched_kernels
 
 
-GLUON_BWD = "attn_bwd_dkdv_gluon_kernel"
-# The Gluon dK/dV kernel, forced (no table row asks for it yet).
-_GLUON_BWD_ROW = configs.LaunchConfig(64, 128, 4, 2, gluon=True)
+GLUON_KV, GLUON_Q = "attn_bwd_dkdv_gluon_kernel", "attn_bwd_dq_gluon_kernel"
+# The Gluon backward kernels' rows, forced (no table row asks for them yet).
+_GLUON_ROWS = {
+    "bwd_kv": configs.LaunchConfig(64, 128, 4, 2, gluon=True),
+    "bwd_q": configs.LaunchConfig(128, 64, 4, 2, gluon=True),
+}
 _BWD_CASES = [
-    pytest.param(case, marks=gpu, id=case.id)
+    pytest.param(case, roles, marks=gpu, id=f"{'+'.join(roles)}-{case.id}")
+    for roles in (("bwd_kv",), ("bwd_q",), ("bwd_kv", "bwd_q"))
     for case in (
         _case(dtype, hkv, nq, nk, backward=True, **options)
         for dtype in (torch.bfloat16, torch.float16)
@@ -89,36 +93,42 @@ _BWD_CASES = [
 
 
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("case", _BWD_CASES)
-def test_gpu_gluon_backward_keeps_the_contract(case: Case, launched_kernels: list[str]) -> None:
-    """The Gluon dK/dV kernel (kernels_gluon_bwd), forced: gradients within the
-    contract's tolerance of the float64 reference, for either alignment, windows, GQA,
-    ragged lengths, rows without keys, strided views and a negative scale."""
+@pytest.mark.parametrize(("case", "roles"), _BWD_CASES)
+def test_gpu_gluon_backward_keeps_the_contract(
+    case: Case, roles: tuple[str, ...], launched_kernels: list[str]
+) -> None:
+    """The Gluon backward kernels (kernels_gluon_bwd), forced, each alone and both:
+    gradients within the contract's tolerance of the float64 reference, for either
+    alignment, windows, GQA, ragged lengths, rows without keys, strided views and a
+    negative scale."""
     from attnhub.backends.triton_flash import tuning
 
-    with tuning.override(bwd_kv=_GLUON_BWD_ROW):
+    with tuning.override(**{role: _GLUON_ROWS[role] for role in roles}):
         problems = case_problems("triton_flash", case, "cuda")
     assert not problems, f"{case.id}: " + "; ".join(problems)
-    assert GLUON_BWD in launched_kernels, launched_kernels
+    for role, kernel in (("bwd_kv", GLUON_KV), ("bwd_q", GLUON_Q)):
+        assert (kernel in launched_kernels) == (role in roles), launched_kernels
 
 
 @pytest.mark.parametrize(
     ("what", "expected"),
     [
-        ("served", GLUON_BWD),
-        ("softcap", "attn_bwd_dkdv_kernel"),
-        ("head dim 64", "attn_bwd_dkdv_kernel"),
-        ("bool mask", "attn_bwd_dkdv_kernel"),
-        ("float32", "attn_bwd_dkdv_kernel"),
-        ("sm_100", "attn_bwd_dkdv_kernel"),
-        ("a Triton without Gluon", "attn_bwd_dkdv_kernel"),
-        ("no Gluon row", "attn_bwd_kernel"),
+        ("served", (GLUON_KV, GLUON_Q)),
+        ("softcap", ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")),
+        ("head dim 64", ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")),
+        ("bool mask", ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")),
+        ("float32", ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")),
+        ("sm_100", ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")),
+        ("a Triton without Gluon", ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")),
+        ("dQ row only", ("attn_bwd_dkdv_kernel", GLUON_Q)),
+        ("no Gluon row", ("attn_bwd_kernel",)),
     ],
 )
-def test_which_dkdv_kernel_an_sm90_backward_gets(what: str, expected: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The backward's launches on an sm_90 (recorded, not run) with the Gluon dK/dV row
-    forced: calls that the Gluon kernel cannot serve keep the pointer kernel on the same
-    tiles, split; without the row, D = 128 keeps its merged launch."""
+def test_which_backward_kernels_an_sm90_call_gets(what: str, expected: tuple[str, ...],
+                                                  monkeypatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    """The backward's launches on an sm_90 (recorded, not run) with the Gluon rows
+    forced: calls that the Gluon kernels cannot serve keep the pointer kernels on the
+    same tiles, split; without the rows, D = 128 keeps its merged launch."""
     from attnhub.backends.triton_flash import tuning
 
     launched = _recorded_as_on(monkeypatch, (10, 0) if what == "sm_100" else (9, 0))
@@ -128,13 +138,15 @@ def test_which_dkdv_kernel_an_sm90_backward_gets(what: str, expected: str, monke
     d = 64 if what == "head dim 64" else 128
     q, k, v = (torch.zeros(1, 4, 1100, d, dtype=dtype, requires_grad=True) for _ in range(3))
     mask = torch.ones(1, 1, 1100, 1100, dtype=torch.bool) if what == "bool mask" else None
-    row = None if what == "no Gluon row" else _GLUON_BWD_ROW
-    with tuning.override(bwd_kv=row):
+    rows = {"no Gluon row": {}, "dQ row only": {"bwd_q": _GLUON_ROWS["bwd_q"]}}.get(
+        what, _GLUON_ROWS
+    )
+    with tuning.override(**rows):
         out, _ = ops.flash_attention(q, k, v, mask, causal=True,
                                      softcap=30.0 if what == "softcap" else 0.0)  # fmt: skip
     launched.clear()  # the forward's
     out.backward(torch.ones_like(out))
-    assert launched[1] == expected, launched  # after the preprocess
+    assert tuple(launched[1:]) == expected, launched  # after the preprocess
 
 
 @gpu

@@ -38,9 +38,10 @@ class LaunchConfig:
     else it runs the pointer kernel on the same tiles. ``gluon``: the warp-specialized
     Gluon kernel of its direction, with ``num_stages`` buffers: the forward
     (kernels_gluon.attn_fwd_gluon_kernel, K/V tiles; only calls that ops._gluon_eligible
-    admits get such a row) or dK/dV (kernels_gluon_bwd.attn_bwd_dkdv_gluon_kernel, Q/dO
-    tiles; tiles (64, 128) on 4 warps, for calls that ops._gluon_bwd_eligible admits,
-    else the pointer kernel on the same tiles; such a backward runs split)."""
+    admits get such a row), dK/dV (kernels_gluon_bwd.attn_bwd_dkdv_gluon_kernel, Q/dO
+    tiles; tiles (64, 128) on 4 warps) or dQ (attn_bwd_dq_gluon_kernel, K/V tiles; tiles
+    (128, 64) on 4 warps): the backward's for calls that ops._gluon_bwd_eligible admits,
+    else the pointer kernel on the same tiles; such a backward runs split."""
 
     block_m: int
     block_n: int
@@ -361,11 +362,11 @@ def backward_launch(
     ``_LEAN_LAUNCH_2B`` for a lean call (:func:`launch_config`) with a 2-byte dtype and
     padded head dim ``block_d``, else ``BWD_DEFAULT``. A merged launch is used only
     where ``kv`` and ``q`` have the same launch options (num_warps, num_stages, maxnreg:
-    a launch has one of each; the 2-byte D=256 rows have 4 vs 8 warps) and ``kv`` is not
-    a Gluon row (``LaunchConfig.gluon``: its own kernel); elsewhere the backward is
-    split whatever was asked.
+    a launch has one of each; the 2-byte D=256 rows have 4 vs 8 warps) and neither is a
+    Gluon row (``LaunchConfig.gluon``: its own kernel); elsewhere the backward is split
+    whatever was asked.
     """
-    if kv.gluon:  # a Gluon dK/dV kernel is its own launch
+    if kv.gluon or q.gluon:  # a Gluon kernel is its own launch
         return "split"
     tuned = tuning.current()
     mode = tuned.backward_launch if tuned is not None else None

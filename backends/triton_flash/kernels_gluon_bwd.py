@@ -1,32 +1,34 @@
-"""The D=128 dK/dV backward for Hopper in Gluon: a TMA loader warp and two consumer
-warpgroups that split the program's keys.
+"""The D=128 backward for Hopper in Gluon: dK/dV and dQ kernels, each a TMA loader warp
+and two consumer warpgroups.
 
-:func:`attn_bwd_dkdv_gluon_kernel` computes what ``kernels.attn_bwd_dkdv_kernel``
-computes, for the calls that the Gluon forward takes (ops._gluon_eligible: dense, no
-attn_mask, no dropout, no softcap, bf16/fp16, D = Dv = 128, sm_90, TMA's layout rules)
-and whose launch row asks for it. Causal (either alignment), sliding windows, GQA, any
-lengths and rows without keys are kept. dQ stays with ``kernels.attn_bwd_dq_kernel``:
-the backward then runs split.
+:func:`attn_bwd_dkdv_gluon_kernel` and :func:`attn_bwd_dq_gluon_kernel` compute what
+``kernels.attn_bwd_dkdv_kernel`` and ``kernels.attn_bwd_dq_kernel`` compute, for the
+calls that ops._gluon_bwd_eligible admits (dense, no attn_mask, no dropout, no softcap,
+bf16/fp16, D = Dv = 128, sm_90, TMA's layout rules) and whose launch row for that role
+asks for it (LaunchConfig.gluon); either may run beside the other role's pointer
+kernel, and the backward then runs split. Causal (either alignment), sliding windows,
+GQA, any lengths, rows without keys and negative scales are kept. FlashAttention-3's
+roles, written for this project; the consumers of a program never synchronize with
+each other, and a loader reuses a buffer once both consumers released it.
 
-The program owns BLOCK_N = 128 keys of one kv head, K and V resident in shared memory,
-and walks the query tiles of each of the GROUP query heads that read them (the band's
-segments, as the pointer kernel). FlashAttention-3's backward structure, written for
-this project:
+dK/dV: a program owns BLOCK_N = 128 keys of one kv head, K and V resident in shared
+memory, and walks the query tiles of each of the GROUP query heads that read them (the
+band's segments, as the pointer kernel). The loader copies K and V once, then streams
+each query tile's Q, dO, lse and delta into ``STAGES`` buffers. Each consumer owns 64
+of the keys, its dK and dV accumulators in registers; per query tile it issues
+S^T = K Q^T and dP^T = V dO^T, takes P^T from S^T (the lse), issues dV += P^T dO while
+dP^T finishes, then dS^T = P^T (dP^T - delta) and dK += dS^T Q.
 
-* a loader partition (one warp) copies K and V once, then streams each query tile's Q
-  and dO into ``STAGES`` shared buffers through TMA, reusing a buffer once both
-  consumers released it;
-* two consumer partitions (four warps each) own 64 keys apiece, with their dK and dV
-  accumulators in registers. Per query tile of BLOCK_M rows each issues S^T = K Q^T and
-  dP^T = V dO^T, takes P^T from S^T (the lse), issues dV += P^T dO while dP^T finishes,
-  then dS^T = P^T (dP^T - delta) and dK += dS^T Q, and releases the tile's buffers.
-  The two consumers never synchronize with each other.
+dQ: a program owns BLOCK_M = 128 query rows, Q, dO, lse and delta resident, and walks
+the band's key tiles, which the loader streams (K and V) into ``STAGES`` buffers. Each
+consumer owns 64 of the rows, its dQ accumulator in registers; per key tile it issues
+S = Q K^T and dP = dO V^T, takes P from S, then dS = P (dP - delta) and dQ += dS K.
 
-Arguments are attn_bwd_dkdv_kernel's plus ``STAGES`` (so the split backward's argument
-list and its cached plan serve either kernel); what this kernel does not support it
-rejects at compile time. Descriptors are built in the kernel (global scratch, which the
-launch allocates: ops._scratch_allocator). Gluon has no interpreter: the CPU suite
-compiles this kernel for sm_90; its numbers are checked on the GPU
+Arguments are the pointer kernels' plus ``STAGES`` (so the split backward's argument
+lists and its cached plan serve either kernel); what a kernel does not support it
+rejects at compile time. Descriptors are built in the kernel (global scratch, which
+the launch allocates: ops._scratch_allocator). Gluon has no interpreter: the CPU
+suite compiles these kernels for sm_90; their numbers are checked on the GPU
 (tests/test_triton_gluon.py).
 """
 
@@ -41,10 +43,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import _DYNAMIC, _compiled, _query_ranges, _segment
+from .common import _DYNAMIC, _compiled, _key_ranges, _query_ranges, _segment
 
 LOG2E = gl.constexpr(1.4426950408889634)
-_KEYS = gl.constexpr(64)  # keys per consumer warpgroup (one wgmma M tile of 4 warps)
+_KEYS = gl.constexpr(64)  # dK/dV: keys per consumer warpgroup (one wgmma M tile of 4 warps)
+_ROWS = gl.constexpr(64)  # dQ: query rows per consumer warpgroup
 _CONSUMER_REGS = gl.constexpr(240)  # registers per thread: consumers, then the loader
 _LOADER_REGS = gl.constexpr(24)
 
@@ -302,6 +305,230 @@ def attn_bwd_dkdv_gluon_kernel(
                           start_n, lo, n, b, hk, H, GROUP, NQ,
                           stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
                           BLOCK_M, BLOCK_D, STAGES)),
+        ],
+        [4, 1],
+        [_CONSUMER_REGS, _LOADER_REGS],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _q_tile(
+    i, dq, q_smem, do_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lse2, delta,
+    rows, start_n, NQ, NK, offset, win_left, win_right, qk_scale,
+    s_layout: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, MASKED: gl.constexpr, HAS_BAND: gl.constexpr,
+):  # fmt: skip
+    """Key tile ``i`` of the walk (keys start_n .. start_n + BLOCK_N - 1, K and V in
+    buffer i % STAGES) added to this consumer's dQ: S = Q K^T and dP = dO V^T issued
+    together, P from S (the lse), dS = P (dP - delta), dQ += dS K. V's buffer is
+    released once dP is done, K's once dQ's product is. MASKED drops rows past NQ, keys
+    past NK and what lies outside the band, after the scale."""
+    slot = i % STAGES
+    phase = (i // STAGES) & 1
+    mbarrier.wait(k_ready.index(slot), phase)
+    s = warpgroup_mma(
+        q_smem, k_smem.index(slot).permute((1, 0)),
+        gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True,
+    )  # fmt: skip
+    mbarrier.wait(v_ready.index(slot), phase)
+    dp = warpgroup_mma(
+        do_smem, v_smem.index(slot).permute((1, 0)),
+        gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True,
+    )  # fmt: skip
+    s = warpgroup_mma_wait(1, deps=(s,))
+    s = s * qk_scale
+    if MASKED:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = (rows[:, None] < NQ) & (cols[None, :] < NK)
+        if HAS_BAND:
+            diag = cols[None, :] - rows[:, None] - offset
+            keep = keep & (diag >= -win_left) & (diag <= win_right)
+        s = gl.where(keep, s, float("-inf"))
+    p = gl.exp2(s - lse2[:, None])
+    dp = warpgroup_mma_wait(0, deps=(dp,))
+    mbarrier.arrive(v_empty.index(slot))
+    ds = p * (dp - delta[:, None])
+    dq = warpgroup_mma(gl.convert_layout(ds.to(q_smem.dtype), a_layout), k_smem.index(slot), dq,
+                       is_async=True)  # fmt: skip
+    dq = warpgroup_mma_wait(0, deps=(dq,))
+    mbarrier.arrive(k_empty.index(slot))
+    return dq
+
+
+@gluon.jit
+def _q_consumer(
+    q_all, do_all, lse_all, delta_all, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+    v_empty, DQ, dq_base, stride_dqm, stride_dqd, start_m, lo, n_head, n_bulk, n,
+    NQ, NK, offset, win_left, win_right, qk_scale, sm_scale,
+    WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+    HAS_BAND: gl.constexpr, MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
+):  # fmt: skip
+    """Rows start_m + 64 WG .. + 63: every key tile of the band, then dQ (times the
+    scale) stored for the rows below NQ."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_slice: gl.constexpr = gl.SliceLayout(1, s_layout)
+    ROW0: gl.constexpr = WG * _ROWS
+    q_smem = q_all.slice(ROW0, _ROWS, dim=0)
+    do_smem = do_all.slice(ROW0, _ROWS, dim=0)
+    rows = start_m + ROW0 + gl.arange(0, _ROWS, layout=row_slice)
+    dq = gl.zeros([_ROWS, HEAD_D], gl.float32, layout=acc_layout)
+    if n > 0:
+        mbarrier.wait(q_bar, 0)
+        lse = lse_all.slice(ROW0, _ROWS, dim=0).load(row_slice)
+        delta = delta_all.slice(ROW0, _ROWS, dim=0).load(row_slice)
+        # A row with no kept key (lse -inf) is shifted by 0: every score of it is masked.
+        lse2 = gl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+        for seg in gl.static_range(3):
+            s0, s1 = _segment(seg, 0, n_head, n_bulk, n)
+            if _compiled(seg=seg, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL):
+                for i in range(s0, s1):
+                    dq = _q_tile(
+                        i, dq, q_smem, do_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
+                        v_empty, lse2, delta, rows, lo + i * BLOCK_N, NQ, NK, offset, win_left,
+                        win_right, qk_scale, s_layout, a_layout, BLOCK_N, STAGES, seg != 1,
+                        HAS_BAND,
+                    )  # fmt: skip
+    orows = start_m + ROW0 + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
+    dq = dq * sm_scale  # d(scale * qk) / d(qk)
+    gl.store(DQ + dq_base + orows.to(gl.int64)[:, None] * stride_dqm + cols[None, :] * stride_dqd,
+             dq.to(DQ.dtype.element_ty), mask=orows[:, None] < NQ)  # fmt: skip
+
+
+@gluon.jit
+def _q_loader(
+    q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_all, do_all, lse_all, delta_all,
+    k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, start_m, lse_row, lo, n,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """Q, dO, lse and delta of the program's rows once, then K and V of key tiles 0 ..
+    n - 1 (keys lo + i * BLOCK_N on) into buffer i % STAGES, each after both consumers
+    released that buffer's previous tile."""
+    mbarrier.expect(
+        q_bar,
+        q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes,
+        pred=n > 0,
+    )
+    tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_all, pred=n > 0)
+    tma.async_copy_global_to_shared(do_desc, [start_m, 0], q_bar, do_all, pred=n > 0)
+    tma.async_copy_global_to_shared(lse_desc, [lse_row + start_m], q_bar, lse_all, pred=n > 0)
+    tma.async_copy_global_to_shared(delta_desc, [lse_row + start_m], q_bar, delta_all,
+                                    pred=n > 0)  # fmt: skip
+    for i in range(n):
+        key = lo + i * BLOCK_N
+        slot = i % STAGES
+        reuse = ((i // STAGES) & 1) ^ 1  # the parity of the buffer's previous phase
+        mbarrier.wait(k_empty.index(slot), reuse, pred=i >= STAGES)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [key, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), reuse, pred=i >= STAGES)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [key, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit(do_not_specialize=_DYNAMIC)
+def attn_bwd_dq_gluon_kernel(
+    Q, K, V, Mask, Seed, DO, Lse, Delta, DQ, CuQ, CuK,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+    qk_scale, sm_scale, softcap, dropout_p,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DV: gl.constexpr, EVEN_D: gl.constexpr, HAS_BAND: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    INPUT_PRECISION: gl.constexpr, MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
+    STRIDE_KN: gl.constexpr = 0, STRIDE_VN: gl.constexpr = 0, VARLEN: gl.constexpr = False,
+    STAGES: gl.constexpr = 2,
+):  # fmt: skip
+    """dQ (B, H, NQ, 128) for BLOCK_M = 128 rows of b * H + h (grid axes 0 and 1), as
+    kernels.attn_bwd_dq_kernel."""
+    gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
+    gl.static_assert(VARLEN == 0 and not HAS_SOFTCAP)
+    gl.static_assert(BLOCK_M == 2 * _ROWS and gl.num_warps() == 4)
+    start_m = gl.program_id(0) * BLOCK_M
+    pid_bh = gl.program_id(1).to(gl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    lo, f_lo, f_hi, hi = _key_ranges(
+        start_m, NK, offset, win_left, win_right,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BAND=HAS_BAND,
+    )  # fmt: skip
+    n_head = (f_lo - lo) // BLOCK_N
+    n_bulk = (f_hi - lo) // BLOCK_N
+    n = (hi - lo + BLOCK_N - 1) // BLOCK_N
+    dtype: gl.constexpr = Q.dtype.element_ty
+    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
+    vec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
+    # The lse and delta rows through TMA too (see _kv_loader): a 1-D descriptor from the
+    # tensor's start that ends with this head's last row.
+    lse_row = (pid_bh * NQ).to(gl.int32)
+    q_desc = tma.make_tensor_descriptor(
+        Q + b * stride_qb + h * stride_qh, shape=[NQ, BLOCK_D], strides=[stride_qm, 1],
+        block_shape=[BLOCK_M, BLOCK_D], layout=row_layout,
+    )  # fmt: skip
+    do_desc = tma.make_tensor_descriptor(
+        DO + b * stride_dob + h * stride_doh, shape=[NQ, BLOCK_D], strides=[stride_dom, 1],
+        block_shape=[BLOCK_M, BLOCK_D], layout=row_layout,
+    )  # fmt: skip
+    lse_desc = tma.make_tensor_descriptor(
+        Lse, shape=[lse_row + NQ], strides=[1], block_shape=[BLOCK_M], layout=vec_layout
+    )
+    delta_desc = tma.make_tensor_descriptor(
+        Delta, shape=[lse_row + NQ], strides=[1], block_shape=[BLOCK_M], layout=vec_layout
+    )
+    k_desc = tma.make_tensor_descriptor(
+        K + b * stride_kb + hk * stride_kh, shape=[NK, BLOCK_D], strides=[stride_kn, 1],
+        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout,
+    )  # fmt: skip
+    v_desc = tma.make_tensor_descriptor(
+        V + b * stride_vb + hk * stride_vh, shape=[NK, BLOCK_D], strides=[stride_vn, 1],
+        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout,
+    )  # fmt: skip
+    q_all = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], row_layout)
+    do_all = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], row_layout)
+    lse_all = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_layout)
+    delta_all = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    dq_base = b * stride_dqb + h * stride_dqh
+    gl.warp_specialize(
+        [
+            (_q_consumer, (q_all, do_all, lse_all, delta_all, k_smem, v_smem, q_bar, k_ready,
+                           v_ready, k_empty, v_empty, DQ, dq_base, stride_dqm, stride_dqd,
+                           start_m, lo, n_head, n_bulk, n, NQ, NK, offset, win_left, win_right,
+                           qk_scale, sm_scale, 0, BLOCK_N, BLOCK_D, STAGES, HAS_BAND,
+                           MASK_HEAD, MASK_TAIL)),
+            (_q_consumer, (q_all, do_all, lse_all, delta_all, k_smem, v_smem, q_bar, k_ready,
+                           v_ready, k_empty, v_empty, DQ, dq_base, stride_dqm, stride_dqd,
+                           start_m, lo, n_head, n_bulk, n, NQ, NK, offset, win_left, win_right,
+                           qk_scale, sm_scale, 1, BLOCK_N, BLOCK_D, STAGES, HAS_BAND,
+                           MASK_HEAD, MASK_TAIL)),
+            (_q_loader, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_all, do_all,
+                         lse_all, delta_all, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                         v_empty, start_m, lse_row, lo, n, BLOCK_N, STAGES)),
         ],
         [4, 1],
         [_CONSUMER_REGS, _LOADER_REGS],

@@ -655,8 +655,8 @@ def _gluon_eligible(c: _Setup, q: torch.Tensor) -> bool:
 
 
 def _gluon_bwd_eligible(c: _Setup, lse: torch.Tensor, *tensors: torch.Tensor) -> bool:
-    """Whether a backward's dK/dV may run kernels_gluon_bwd.attn_bwd_dkdv_gluon_kernel
-    (where its launch row asks for it): ``tensors`` (q, k, v, dout) as
+    """Whether a backward's dK/dV or dQ may run kernels_gluon_bwd's kernel (where that
+    role's launch row asks for it): ``tensors`` (q, k, v, dout) as
     :func:`_tma_eligible` admits them for a dense call, D = Dv = 128, no softcap, on
     sm_90 with Gluon's Hopper API, and an lse whose rows the kernel's 1-D descriptor
     reaches (16-byte aligned, B * Hq * Nq within int32)."""
@@ -882,8 +882,13 @@ def _bwd_full(
         )  # fmt: skip
         meta = {**c.meta, **q_cfg.meta(), **_edge_segments(True, nq, nk, q_cfg, *band, ragged=ragged),
                 **_row_strides(K=k, V=v), "VARLEN": varlen}  # fmt: skip
-        _launch(kernels.attn_bwd_dq_kernel, q, (cdiv(rows_q, q_cfg.block_m), b * hq), args, meta,
-                11, record)  # fmt: skip
+        grid = (cdiv(rows_q, q_cfg.block_m), b * hq)
+        if q_cfg.gluon and not ragged and _gluon_bwd_eligible(c, lse, q, k, v, dout):
+            with _scratch_allocator():
+                _launch(kernels_gluon_bwd.attn_bwd_dq_gluon_kernel, q, grid, args,
+                        {**meta, "STAGES": q_cfg.num_stages}, 11, record)  # fmt: skip
+        else:
+            _launch(kernels.attn_bwd_dq_kernel, q, grid, args, meta, 11, record)
     if key is not None and record and all(x is not None for x in record):
         _remember(key, _BackwardPlan(record, dq, dk, dv, delta.shape))
     return dq, dk, dv
