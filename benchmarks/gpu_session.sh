@@ -33,6 +33,9 @@
 #               --forward: the pointer forward against the Gluon one, forced rows)
 #   MASKPROBE_S masked-fwd-probe.txt: benchmarks/masked_fwd_probe.py (MASKPROBE_ARGS, e.g.
 #               --shape 4,16,4096,128): the dense-mask forward under forced configurations
+#   GLUONBWD_S  gluon-bwd-probe.txt: benchmarks/gluon_bwd_probe.py (GLUONBWD_ARGS, e.g.
+#               --shapes "4,16,16,4096"): the Gluon backward kernels forced, the table's
+#               backward, cuDNN and SDPA flash beside them
 #   BLOCKSPARSE_S block-sparse.json/md: `attnhub bench --block-sparse --no-grid` (Flex beside it)
 #   TMA_S       tma-sweep.json/log: benchmarks/tma_sweep.py (TMA_ARGS, e.g. --head-dims 128)
 #   SWEEP_S     sweep.json/log: benchmarks/triton_flash_gpu.py's launch-config sweep (B4 H8,
@@ -123,6 +126,9 @@ cat "$OUT/block-sparse-probe.txt" 2>/dev/null | grep -v Warning | tail -40
 step "${MASKPROBE_S:-0}" masked-fwd-probe python3 benchmarks/masked_fwd_probe.py ${MASKPROBE_ARGS:-} \
     > "$OUT/masked-fwd-probe.txt" 2>&1
 grep -v Warning "$OUT/masked-fwd-probe.txt" 2>/dev/null | tail -20
+step "${GLUONBWD_S:-0}" gluon-bwd-probe python3 benchmarks/gluon_bwd_probe.py ${GLUONBWD_ARGS:-} \
+    > "$OUT/gluon-bwd-probe.txt" 2>&1
+grep -v Warning "$OUT/gluon-bwd-probe.txt" 2>/dev/null | tail -60
 step "${BLOCKSPARSE_S:-0}" block-sparse python3 -m attnhub bench --block-sparse --no-grid --no-progress \
     -o "$OUT/block-sparse.json" > "$OUT/block-sparse.log" 2>&1
 grep "fwd_bwd" "$OUT/block-sparse.md" 2>/dev/null
