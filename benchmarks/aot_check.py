@@ -172,8 +172,9 @@ def variants(quick: bool) -> list[tuple[torch.dtype, int, dict]]:
     # the D=128 forward takes the Gluon row (kernels_gluon), bottom-right and ragged.
     tma = {"causal": True, "shape": (1, 4, 2, 400, 500)}
     gluon = {"causal": True, "bottom_right": True, "shape": (1, 2, 1, 1030, 1100)}
-    # The Gluon backward kernels (kernels_gluon_bwd), forced: GQA, bottom-right, ragged.
-    gluon_bwd = {**gluon, "shape": (1, 4, 2, 1030, 1100), "bwd_kv": GLUON_BWD_KV,
+    # The Gluon backward kernels (kernels_gluon_bwd), forced: GQA, bottom-right, ragged
+    # (Nq a multiple of 4: ops._gluon_bwd_eligible).
+    gluon_bwd = {**gluon, "shape": (1, 4, 2, 1032, 1100), "bwd_kv": GLUON_BWD_KV,
                  "bwd_q": GLUON_BWD_Q}  # fmt: skip
     if quick:
         return [(torch.bfloat16, 128, {"causal": True}), (torch.float32, 40, full),

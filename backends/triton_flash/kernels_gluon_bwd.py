@@ -64,8 +64,9 @@ def _kv_tile(
     dV.
 
     Scores are (keys, rows), as the pointer kernel's. The unmasked bulk never reaches
-    rows past NQ (TMA reads them as zeros elsewhere). MASKED drops rows past NQ, keys past NK and what
-    lies outside the band, after the scale (a negative scale keeps -inf)."""
+    rows past NQ (TMA reads them as zeros elsewhere). MASKED drops rows past NQ, keys
+    past NK and what lies outside the band, after the scale (a negative scale keeps
+    -inf)."""
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     slot = t % STAGES
     phase = (t // STAGES) & 1
@@ -110,11 +111,13 @@ def _kv_consumer(
     k_all, v_all, q_smem, do_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty,
     do_empty, DK, DV, dk_base, dv_base, stride_dkn, stride_dkd, stride_dvn, stride_dvd,
     start_n, lo, n_head, n_bulk, n, GROUP, NQ, NK, offset, win_left, win_right, qk_scale,
-    sm_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-    HAS_BAND: gl.constexpr, MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
+    sm_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+    STAGES: gl.constexpr, HAS_BAND: gl.constexpr, MASK_HEAD: gl.constexpr,
+    MASK_TAIL: gl.constexpr,
 ):  # fmt: skip
-    """Keys start_n + 64 WG .. + 63: every query tile of every query head of kv head
-    ``hk``, then dK (times the scale) and dV stored for the keys below NK."""
+    """Keys start_n + 64 WG .. + 63: every query tile of each of the GROUP query heads
+    of the program's kv head, then dK (times the scale) and dV stored for the keys
+    below NK."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
     )
@@ -166,9 +169,9 @@ def _kv_loader(
 
     The lse and delta rows are copied by TMA too: a consumer's own load of them into a
     slice of the wgmma layout does not lower (triton 3.6, sm_90, in a warp-specialized
-    partition), while a shared-memory read does. Their descriptor is 1-D from the
-    tensor's start (16-byte aligned, unlike a head's row) and ends with the head's last
-    row, so that rows past NQ read as zeros, as Q's and dO's do."""
+    partition), while a shared-memory read does. Their descriptors are a head's row of
+    NQ entries (16-byte aligned: ops admits NQ % 4 == 0), so that rows past NQ read as
+    zeros, as Q's and dO's do."""
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=n > 0)
     tma.async_copy_global_to_shared(k_desc, [start_n, 0], kv_bar, k_all, pred=n > 0)
     tma.async_copy_global_to_shared(v_desc, [start_n, 0], kv_bar, v_all, pred=n > 0)
@@ -184,12 +187,12 @@ def _kv_loader(
             mbarrier.wait(q_empty.index(j % STAGES), (j // STAGES) & 1)
             mbarrier.wait(do_empty.index(j % STAGES), (j // STAGES) & 1)
         h = hk * GROUP + g
-        lse_row = ((b * H + h) * NQ).to(gl.int32)
+        lse_row = (b * H + h) * NQ
         lse_desc = tma.make_tensor_descriptor(
-            Lse, shape=[lse_row + NQ], strides=[1], block_shape=[BLOCK_M], layout=vec_layout
+            Lse + lse_row, shape=[NQ], strides=[1], block_shape=[BLOCK_M], layout=vec_layout
         )
         delta_desc = tma.make_tensor_descriptor(
-            Delta, shape=[lse_row + NQ], strides=[1], block_shape=[BLOCK_M], layout=vec_layout
+            Delta + lse_row, shape=[NQ], strides=[1], block_shape=[BLOCK_M], layout=vec_layout
         )
         q_desc = tma.make_tensor_descriptor(
             Q + b * stride_qb + h * stride_qh, shape=[NQ, HEAD_D], strides=[stride_qm, 1],
@@ -208,9 +211,8 @@ def _kv_loader(
             ready = q_ready.index(slot)
             mbarrier.expect(ready, q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [row, 0], ready, q_smem.index(slot))
-            tma.async_copy_global_to_shared(lse_desc, [lse_row + row], ready, lse_smem.index(slot))
-            tma.async_copy_global_to_shared(delta_desc, [lse_row + row], ready,
-                                            delta_smem.index(slot))  # fmt: skip
+            tma.async_copy_global_to_shared(lse_desc, [row], ready, lse_smem.index(slot))
+            tma.async_copy_global_to_shared(delta_desc, [row], ready, delta_smem.index(slot))
             mbarrier.wait(do_empty.index(slot), reuse, pred=t >= STAGES)
             mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [row, 0], do_ready.index(slot),
@@ -404,7 +406,7 @@ def _q_consumer(
 @gluon.jit
 def _q_loader(
     q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_all, do_all, lse_all, delta_all,
-    k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, start_m, lse_row, lo, n,
+    k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, start_m, lo, n,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """Q, dO, lse and delta of the program's rows once, then K and V of key tiles 0 ..
@@ -417,9 +419,8 @@ def _q_loader(
     )
     tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_bar, q_all, pred=n > 0)
     tma.async_copy_global_to_shared(do_desc, [start_m, 0], q_bar, do_all, pred=n > 0)
-    tma.async_copy_global_to_shared(lse_desc, [lse_row + start_m], q_bar, lse_all, pred=n > 0)
-    tma.async_copy_global_to_shared(delta_desc, [lse_row + start_m], q_bar, delta_all,
-                                    pred=n > 0)  # fmt: skip
+    tma.async_copy_global_to_shared(lse_desc, [start_m], q_bar, lse_all, pred=n > 0)
+    tma.async_copy_global_to_shared(delta_desc, [start_m], q_bar, delta_all, pred=n > 0)
     for i in range(n):
         key = lo + i * BLOCK_N
         slot = i % STAGES
@@ -471,9 +472,8 @@ def attn_bwd_dq_gluon_kernel(
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
     vec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
-    # The lse and delta rows through TMA too (see _kv_loader): a 1-D descriptor from the
-    # tensor's start that ends with this head's last row.
-    lse_row = (pid_bh * NQ).to(gl.int32)
+    # The lse and delta rows through TMA too (see _kv_loader): this head's row.
+    lse_row = pid_bh * NQ
     q_desc = tma.make_tensor_descriptor(
         Q + b * stride_qb + h * stride_qh, shape=[NQ, BLOCK_D], strides=[stride_qm, 1],
         block_shape=[BLOCK_M, BLOCK_D], layout=row_layout,
@@ -483,10 +483,10 @@ def attn_bwd_dq_gluon_kernel(
         block_shape=[BLOCK_M, BLOCK_D], layout=row_layout,
     )  # fmt: skip
     lse_desc = tma.make_tensor_descriptor(
-        Lse, shape=[lse_row + NQ], strides=[1], block_shape=[BLOCK_M], layout=vec_layout
+        Lse + lse_row, shape=[NQ], strides=[1], block_shape=[BLOCK_M], layout=vec_layout
     )
     delta_desc = tma.make_tensor_descriptor(
-        Delta, shape=[lse_row + NQ], strides=[1], block_shape=[BLOCK_M], layout=vec_layout
+        Delta + lse_row, shape=[NQ], strides=[1], block_shape=[BLOCK_M], layout=vec_layout
     )
     k_desc = tma.make_tensor_descriptor(
         K + b * stride_kb + hk * stride_kh, shape=[NK, BLOCK_D], strides=[stride_kn, 1],
@@ -528,7 +528,7 @@ def attn_bwd_dq_gluon_kernel(
                            MASK_HEAD, MASK_TAIL)),
             (_q_loader, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_all, do_all,
                          lse_all, delta_all, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                         v_empty, start_m, lse_row, lo, n, BLOCK_N, STAGES)),
+                         v_empty, start_m, lo, n, BLOCK_N, STAGES)),
         ],
         [4, 1],
         [_CONSUMER_REGS, _LOADER_REGS],

@@ -658,14 +658,15 @@ def _gluon_bwd_eligible(c: _Setup, lse: torch.Tensor, *tensors: torch.Tensor) ->
     """Whether a backward's dK/dV or dQ may run kernels_gluon_bwd's kernel (where that
     role's launch row asks for it): ``tensors`` (q, k, v, dout) as
     :func:`_tma_eligible` admits them for a dense call, D = Dv = 128, no softcap, on
-    sm_90 with Gluon's Hopper API, and an lse whose rows the kernel's 1-D descriptor
-    reaches (16-byte aligned, B * Hq * Nq within int32)."""
+    sm_90 with Gluon's Hopper API, and lse rows that its 1-D descriptors can start at
+    (16-byte aligned: an aligned lse and Nq % 4 == 0; on the H200 Nq = 1025 made the
+    kernel fault)."""
     meta, q = c.meta, tensors[0]
     return (
         _tma_eligible(c, 0, *tensors) and meta["BLOCK_D"] == meta["BLOCK_DV"] == 128
         and not meta["HAS_SOFTCAP"] and not interpreting() and kernels_gluon_bwd is not None
         and _capability(q.device) == (9, 0) and lse.data_ptr() % 16 == 0
-        and lse.numel() < 2**31 - 128
+        and q.shape[2] % 4 == 0
     )  # fmt: skip
 
 
