@@ -71,3 +71,21 @@ def test_the_dense_mask_forward_loads_its_mask_in_vectors(mask: str, tmp_path: P
         pytest.skip("cuobjdump did not run")
     for text in sass:
         assert "LDG.E.U8" not in text and "LDG.E.U16" not in text, text[:200]
+
+
+def test_the_gluon_dkdv_kernel_keeps_its_masked_loops_free_of_spill_stores() -> None:
+    """The Gluon dK/dV kernel (forced row), causal bottom-right with GQA, compiled for
+    sm_90: no spill stores inside its loops. Reading a tile's lse and delta from shared
+    memory before the tile's products kept them live across them: 23 spill stores and
+    35 loads in the masked loop until 2026-12-05."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, str(AOT_CHECK), "--dtype", "bf16", "--head-dim", "128",
+         "--shape", "1,4,2,1032,1100", "--causal", "--bottom-right", "--kernel", "bwd_kv",
+         "--config", "bwd_kv=64,128,4,2,gluon", "--registers"],
+        capture_output=True, text=True, env=env, timeout=600, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    lines = [line for line in result.stdout.splitlines()
+             if line.startswith("ok attn_bwd_dkdv_gluon_kernel ")]  # fmt: skip
+    assert lines and all("loop_STL/LDL=0/" in line for line in lines), result.stdout
