@@ -434,6 +434,9 @@ def record_blocksparse(
             # half precision on sm_90 it takes the Gluon forward (its rows keep 2048 keys,
             # past ops._GLUON_MIN_KEYS at block 128).
             long = options.pop("long", False)
+            # "gluon_bwd": the Gluon dQ kernel forced (bs_bwd_dq_gluon_kernel; no table
+            # row asks for it), on the layouts "long" builds.
+            forced = {"bwd_q": GLUON_BWD_Q} if options.pop("gluon_bwd", False) else {}
             n = 16 * block if long else 4 * block if options.pop("even", False) else 2 * block + 40
             layouts = [BlockSparseLayout.sliding_window(n, block + 10, block)]
             if long:
@@ -446,8 +449,9 @@ def record_blocksparse(
             if mask == "float":
                 mask = torch.randn(n, n, dtype=dtype)
             for layout in layouts:
-                out, _ = bs_ops.block_sparse_attention(q, k, k, layout, mask, **options)
-                out.sum().backward()
+                with tuning.override(**forced):
+                    out, _ = bs_ops.block_sparse_attention(q, k, k, layout, mask, **options)
+                    out.backward(torch.randn_like(out))
     finally:
         ops._launcher, ops._capability, bs_ops._capability = originals  # type: ignore[assignment]
     return launches
@@ -459,13 +463,15 @@ def variants_blocksparse(quick: bool) -> list[tuple[torch.dtype, int, int, dict]
     if quick:
         return [(torch.bfloat16, 128, 128, {"causal": True}), (torch.float32, 40, 64, full),
                 (torch.bfloat16, 128, 128, {"even": True}),
-                (torch.bfloat16, 128, 128, {"long": True})]  # fmt: skip
+                (torch.bfloat16, 128, 128, {"long": True}),
+                (torch.bfloat16, 128, 128, {"long": True, "gluon_bwd": True})]  # fmt: skip
     cases: list[tuple[torch.dtype, int, int, dict]] = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for block in (64, 128):
             for d in (64, 128):
                 cases += [(dtype, d, block, {}), (dtype, d, block, {"causal": True}),
-                          (dtype, d, block, {"even": True}), (dtype, d, block, {"long": True})]  # fmt: skip
+                          (dtype, d, block, {"even": True}), (dtype, d, block, {"long": True}),
+                          (dtype, d, block, {"long": True, "gluon_bwd": True})]  # fmt: skip
             cases += [(dtype, 40, block, full)]
     return cases
 
@@ -508,7 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.blocksparse:
         launches = record_blocksparse(variants_blocksparse(args.quick), args.capability)
-        return 1 if compile_all(launches, args.capability, sass_dir=args.sass_dir) else 0
+        failures = compile_all(launches, args.capability, registers=args.registers,
+                               sass_dir=args.sass_dir)  # fmt: skip
+        return 1 if failures else 0
     if args.bwd_table:
         return 1 if bwd_table(args.capability) else 0
     if args.dtype is None:

@@ -14,6 +14,10 @@ Gluon, forced), what the table picks (the Gluon forward on layouts with long row
 ``triton_blocksparse.ops._GLUON_MIN_KEYS``) and the Gluon forward under forced rows of
 128 and 64 keys (``--gluon-key-tiles``), each with its output's and lse's largest
 difference from the pointer kernel's, dense triton_flash's forward beside them.
+
+``--gluon-dq`` also times each layout's backward with triton_flash's Gluon dQ program
+forced (``kernels_gluon.bs_bwd_dq_gluon_kernel``: a ``bwd_q`` row with gluon=True),
+with its kernels and dQ's largest difference from the pointer backward's.
 """
 
 from __future__ import annotations
@@ -111,6 +115,8 @@ def main() -> None:
     parser.add_argument("--forward", action="store_true", help="the forwards (see above)")
     parser.add_argument("--gluon-key-tiles", default="128,64",
                         help="--forward: the forced Gluon rows' key tiles")  # fmt: skip
+    parser.add_argument("--gluon-dq", action="store_true",
+                        help="also the backward with the Gluon dQ kernel forced")  # fmt: skip
     args = parser.parse_args()
     b, h, n, d = (int(x) for x in args.shape.split(","))
     device = torch.device(args.device)
@@ -144,16 +150,32 @@ def main() -> None:
         rows_empty = int((kept.sum(-1) == 0).sum())
         cols_empty = int((kept.sum(-2) == 0).sum())
 
-        def bwd(out: torch.Tensor = out) -> None:
-            torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+        def bwd(out: torch.Tensor = out) -> tuple[torch.Tensor, ...]:
+            return torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
 
-        bwd()  # compiles
+        reference = bwd()  # compiles
         ms = loop_ms(bwd, device, 20)
         print(f"{text}: density {kept.float().mean():.3f}, rows/cols without a block "
               f"{rows_empty}/{cols_empty}, heavy rows/cols {facts.heavy_rows}/"
               f"{facts.heavy_cols}, partial {facts.has_partial}; backward {ms:.3f} ms")  # fmt: skip
         for name, us in kernel_us(bwd).items():
             print(f"    {us:9.1f}  {name[:60]}")
+        if args.gluon_dq:
+            with tuning.override(bwd_q=LaunchConfig(128, 64, 4, 2, gluon=True)):
+                out_g = attnhub.attention(
+                    q, k, v, block_sparse=layout, backend="triton_blocksparse"
+                )
+
+            def bwd_g(out: torch.Tensor = out_g) -> tuple[torch.Tensor, ...]:
+                return torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+
+            dq = bwd_g()[0]
+            diff = (dq.float() - reference[0].float()).abs().max().item()
+            ms_g = loop_ms(bwd_g, device, 20)
+            print(f"  Gluon dQ forced: backward {ms_g:.3f} ms ({ms / ms_g:.2f}x the table's), "
+                  f"dq max|diff| {diff:.2e}")  # fmt: skip
+            for name, us in kernel_us(bwd_g).items():
+                print(f"    {us:9.1f}  {name[:60]}")
 
 
 if __name__ == "__main__":

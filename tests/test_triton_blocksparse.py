@@ -472,6 +472,30 @@ def test_gpu_gluon_forward(dtype: torch.dtype, name: str, launched_kernels: list
 
 
 @gpu
+@pytest.mark.skipif(
+    not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm_90 GPU"
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=SHORT.get)
+@pytest.mark.parametrize("name", sorted(_GLUON_LAYOUTS))
+def test_gpu_gluon_dq(dtype: torch.dtype, name: str, launched_kernels: list[str]) -> None:
+    """The Gluon dQ kernel (kernels_gluon.bs_bwd_dq_gluon_kernel) under a forced row, on
+    the layouts the Gluon forward serves: seen to launch, and the contract against the
+    float64 reference (dQ among the gradients; rows with no key get zeros)."""
+    from attnhub.backends.triton_flash import configs, tuning
+
+    torch.manual_seed(34)
+    layout = _GLUON_LAYOUTS[name]()
+    b, hq, hkv, n = 2, 4, 2, 2048
+    qkv = None
+    if name.startswith(("window", "rect_128x64_random")):  # strided views
+        qkv = tuple(torch.randn(b, n, h, 128, dtype=dtype, device="cuda").transpose(1, 2)
+                    for h in (hq, hkv, hkv))  # fmt: skip
+    with tuning.override(bwd_q=configs.LaunchConfig(128, 64, 4, 2, gluon=True)):
+        _check(layout, dtype, b, hq, hkv, n, n, 128, qkv=qkv)
+    assert "bs_bwd_dq_gluon_kernel" in launched_kernels, launched_kernels
+
+
+@gpu
 @requires_cuda
 @pytest.mark.parametrize("partial", [False, True], ids=["full_blocks", "partial_blocks"])
 def test_gpu_plans_take_each_calls_layout(monkeypatch, count_jit_runs, partial: bool) -> None:  # type: ignore[no-untyped-def]

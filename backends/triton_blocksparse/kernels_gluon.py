@@ -1,6 +1,6 @@
-"""The block-sparse forward for Hopper in Gluon: triton_flash's warp-specialized forward
-(``backends/triton_flash/kernels_gluon.py``, read it first) walking a layout row's kept
-blocks.
+"""The block-sparse forward and dQ for Hopper in Gluon: triton_flash's warp-specialized
+forward (``backends/triton_flash/kernels_gluon.py``, read it first) and dQ program
+(``kernels_gluon_bwd._dq_block``) walking a layout row's kept blocks.
 
 :func:`bs_fwd_gluon_kernel` computes what ``kernels.bs_fwd_kernel`` computes, for the
 calls that ops._gluon_ok admits, where the layout's rows are long enough for it to pay
@@ -16,6 +16,12 @@ order.
 Why: at density 1 the pointer kernel's forward took 1.46x the time of dense
 triton_flash's (the Gluon forward) on the same work (results/block-sparse-h200.md,
 2.321 against 1.590 ms), while the backward's kernels are within 10% of the dense ones.
+
+:func:`bs_bwd_dq_gluon_kernel` (opt-in: only a forced ``bwd_q`` Gluon row sends calls
+there, for the layouts the forward takes) computes dQ as ``kernels.bs_bwd_dq_kernel``
+does, one 128-row query block a program: the loader streams the row's kept key tiles
+(K, V) as the forward's does, the consumers apply partial blocks' token masks. Not yet
+run on a GPU (benchmarks/NOTES.md, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from triton.experimental.gluon import language as gl
 
 from attnhub.backends.triton_flash.common import _DYNAMIC
 from attnhub.backends.triton_flash.kernels_gluon import _ROWS, _forward_block
+from attnhub.backends.triton_flash.kernels_gluon_bwd import _dq_block
 
 from .kernels import _program_tile
 
@@ -73,5 +80,58 @@ def bs_fwd_gluon_kernel(
         H, NQ, NK, offset, win_left, win_right, qk_scale,
         FullIdx, PartIdx, PartTile, Tiles, idx_off, n_full,
         BLOCK_M, BLOCK_N, BLOCK_D, STAGES, False, False, HAS_PARTIAL, True, True, HAS_PARTIAL,
+        BQ, BK,
+    )  # fmt: skip
+
+
+@gluon.jit(do_not_specialize=[*_DYNAMIC, "n_heavy"])
+def bs_bwd_dq_gluon_kernel(
+    Q, K, V, Mask, Seed, DO, Lse, Delta, DQ,
+    FullNum, FullIdx, PartNum, PartIdx, PartTile, Tiles, Order, n_heavy,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_nb, stride_nh, stride_ib, stride_ih, NCOLS,
+    H, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+    qk_scale, sm_scale, softcap, dropout_p,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DV: gl.constexpr, EVEN_D: gl.constexpr, HAS_BAND: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    INPUT_PRECISION: gl.constexpr, HAS_PARTIAL: gl.constexpr,
+    BQ: gl.constexpr, BK: gl.constexpr, EVEN_BLOCKS: gl.constexpr,
+    STRIDE_KN: gl.constexpr = 0, STRIDE_VN: gl.constexpr = 0, STAGES: gl.constexpr = 2,
+):  # fmt: skip
+    """dQ for one 128-row query block over its kept key blocks (triton_flash's Gluon dQ
+    program, ``kernels_gluon_bwd._dq_block``, walking the layout row as the forward
+    above does); the arguments are kernels.bs_bwd_dq_kernel's, plus STAGES (K/V
+    buffers). Admitted as the forward is (ops._gluon_ok), opt-in through a forced
+    ``bwd_q`` Gluon row."""
+    gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
+    gl.static_assert(EVEN_BLOCKS and not HAS_BAND and not HAS_SOFTCAP)
+    gl.static_assert(BLOCK_M == 2 * _ROWS and BQ == BLOCK_M and BK % BLOCK_N == 0)
+    gl.static_assert(gl.num_warps() == 4)
+    start_m, pid_bh = _program_tile(Order, n_heavy, NQ, BQ, BLOCK_M)
+    qb = start_m // BQ  # the layout's row block
+    b = pid_bh // H
+    h = pid_bh % H
+    num_off = b * stride_nb + h * stride_nh + qb
+    idx_off = b * stride_ib + h * stride_ih + qb * NCOLS
+    n_full = gl.load(FullNum + num_off)
+    n_part = 0
+    if HAS_PARTIAL:
+        n_part = gl.load(PartNum + num_off)
+    n_bulk = n_full * (BK // BLOCK_N)
+    _dq_block(
+        Q, K, V, DO, Lse, Delta, DQ, pid_bh, b, h, h // GROUP, start_m, 0, 0, n_bulk,
+        n_bulk + n_part * (BK // BLOCK_N),
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+        stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+        NQ, NK, offset, win_left, win_right, qk_scale, sm_scale,
+        FullIdx, PartIdx, PartTile, Tiles, idx_off, n_full,
+        BLOCK_M, BLOCK_N, BLOCK_D, STAGES, False, False, HAS_PARTIAL, True, HAS_PARTIAL,
         BQ, BK,
     )  # fmt: skip

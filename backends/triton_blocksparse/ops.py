@@ -30,6 +30,7 @@ from attnhub.backends.triton_flash.ops import (
     _define,
     _delta,
     _forward_outputs,
+    _gluon_bwd_eligible,
     _gluon_eligible,
     _grad_outputs,
     _launch,
@@ -413,7 +414,7 @@ def _bwd_impl(
     _launch(kernels.bs_bwd_dkdv_kernel, q, (_grid(nk, bk, block_n, b * hkv),), args,
             {**meta, **launch, **_row_strides(Q=q, DO=dout)}, 17, record)  # fmt: skip
     fnum, fidx, pnum, pidx, ptile = index[_BY_ROW]
-    _, block_m, _, launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal)
+    cfg, block_m, _, launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal)
     args = (
         q, k, v, c.mask, seed_t, dout, lse, delta, dq,
         fnum, fidx, pnum, pidx, ptile, tiles, row_order, heavy_rows,
@@ -421,8 +422,19 @@ def _bwd_impl(
         *_index_strides(fnum, fidx),
         hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
     )  # fmt: skip
-    _launch(kernels.bs_bwd_dq_kernel, q, (_grid(nq, bq, block_m, b * hq),), args,
-            {**meta, **launch, **_row_strides(K=k, V=v)}, 16, record)  # fmt: skip
+    grid = (_grid(nq, bq, block_m, b * hq),)
+    meta = {**meta, **launch, **_row_strides(K=k, V=v)}
+    if (
+        cfg.gluon
+        and _gluon_ok(c, bq, bk, q, k, v, dout)
+        and _gluon_bwd_eligible(c, lse, q, k, v, dout)
+    ):
+        # triton_flash's Gluon dQ program on the layout's rows (opt-in: a forced row).
+        with _scratch_allocator():
+            _launch(kernels_gluon.bs_bwd_dq_gluon_kernel, q, grid, args,
+                    {**meta, "STAGES": cfg.num_stages}, 16, record)  # fmt: skip
+    else:
+        _launch(kernels.bs_bwd_dq_kernel, q, grid, args, meta, 16, record)
     if key is not None and record and all(x is not None for x in record):
         _remember(key, _Plan(record, (dq, dk, dv), delta))
     return dq, dk, dv

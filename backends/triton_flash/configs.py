@@ -40,8 +40,9 @@ class LaunchConfig:
     (kernels_gluon.attn_fwd_gluon_kernel, K/V tiles; only calls that ops._gluon_eligible
     admits get such a row), dK/dV (kernels_gluon_bwd.attn_bwd_dkdv_gluon_kernel, Q/dO
     tiles; tiles (64, 128) on 4 warps) or dQ (attn_bwd_dq_gluon_kernel, K/V tiles; tiles
-    (128, 64) on 4 warps): the backward's for calls that ops._gluon_bwd_eligible admits,
-    else the pointer kernel on the same tiles; such a backward runs split."""
+    (128, 64) on 4 warps; also triton_blocksparse's dQ): the backward's for calls that
+    ops._gluon_bwd_eligible admits, else the pointer kernel on the same tiles; such a
+    backward runs split."""
 
     block_m: int
     block_n: int

@@ -44,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .common import _DYNAMIC, _compiled, _key_ranges, _query_ranges, _segment
+from .kernels_gluon import _tile_tokens
 
 LOG2E = gl.constexpr(1.4426950408889634)
 _KEYS = gl.constexpr(64)  # dK/dV: keys per consumer warpgroup (one wgmma M tile of 4 warps)
@@ -319,15 +320,18 @@ def attn_bwd_dkdv_gluon_kernel(
 @gluon.jit
 def _q_tile(
     i, dq, q_smem, do_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, lse2, delta,
-    rows, start_n, NQ, NK, offset, win_left, win_right, qk_scale,
+    rows, start_n, NQ, NK, offset, win_left, win_right, qk_scale, tokens,
     s_layout: gl.constexpr, a_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, MASKED: gl.constexpr, HAS_BAND: gl.constexpr,
+    STAGES: gl.constexpr, MASKED: gl.constexpr, HAS_BAND: gl.constexpr, TOKEN: gl.constexpr,
 ):  # fmt: skip
     """Key tile ``i`` of the walk (keys start_n .. start_n + BLOCK_N - 1, K and V in
     buffer i % STAGES) added to this consumer's dQ: S = Q K^T and dP = dO V^T issued
     together, P from S (the lse), dS = P (dP - delta), dQ += dS K. V's buffer is
     released once dP is done, K's once dQ's product is. MASKED drops rows past NQ, keys
-    past NK and what lies outside the band, after the scale."""
+    past NK and what lies outside the band, after the scale; TOKEN also the keys that
+    the token mask at ``tokens`` drops (kernels_gluon._tile_tokens)."""
+    if TOKEN:
+        keep_tokens = gl.load(tokens) != 0  # issued before the waits: its latency hides
     slot = i % STAGES
     phase = (i // STAGES) & 1
     mbarrier.wait(k_ready.index(slot), phase)
@@ -348,6 +352,8 @@ def _q_tile(
         if HAS_BAND:
             diag = cols[None, :] - rows[:, None] - offset
             keep = keep & (diag >= -win_left) & (diag <= win_right)
+        if TOKEN:
+            keep = keep & keep_tokens
         s = gl.where(keep, s, float("-inf"))
     p = gl.exp2(s - lse2[:, None])
     dp = warpgroup_mma_wait(0, deps=(dp,))
@@ -364,12 +370,15 @@ def _q_tile(
 def _q_consumer(
     q_all, do_all, lse_all, delta_all, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
     v_empty, DQ, dq_base, stride_dqm, stride_dqd, start_m, lo, n_head, n_bulk, n,
-    NQ, NK, offset, win_left, win_right, qk_scale, sm_scale,
+    NQ, NK, offset, win_left, win_right, qk_scale, sm_scale, Tiles, PartTile, idx_off,
     WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
     HAS_BAND: gl.constexpr, MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
+    TOKEN: gl.constexpr, BQ: gl.constexpr, BK: gl.constexpr,
 ):  # fmt: skip
     """Rows start_m + 64 WG .. + 63: every key tile of the band, then dQ (times the
-    scale) stored for the rows below NQ."""
+    scale) stored for the rows below NQ. TOKEN (a block-sparse layout's partial blocks,
+    as kernels_gluon._consumer's): tiles n_bulk .. n - 1 are partial blocks' and apply
+    their token masks (``Tiles``, ``PartTile``, ``idx_off``)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -382,6 +391,7 @@ def _q_consumer(
     q_smem = q_all.slice(ROW0, _ROWS, dim=0)
     do_smem = do_all.slice(ROW0, _ROWS, dim=0)
     rows = start_m + ROW0 + gl.arange(0, _ROWS, layout=row_slice)
+    cols0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     dq = gl.zeros([_ROWS, HEAD_D], gl.float32, layout=acc_layout)
     if n > 0:
         mbarrier.wait(q_bar, 0)
@@ -393,11 +403,15 @@ def _q_consumer(
             s0, s1 = _segment(seg, 0, n_head, n_bulk, n)
             if _compiled(seg=seg, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL):
                 for i in range(s0, s1):
+                    tokens = Tiles  # read only where TOKEN and seg == 2
+                    if TOKEN and seg == 2:
+                        tokens = _tile_tokens(Tiles, PartTile, idx_off, i - n_bulk, rows, cols0,
+                                              True, BQ, BK, BLOCK_N)  # fmt: skip
                     dq = _q_tile(
                         i, dq, q_smem, do_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
                         v_empty, lse2, delta, rows, lo + i * BLOCK_N, NQ, NK, offset, win_left,
-                        win_right, qk_scale, s_layout, a_layout, BLOCK_N, STAGES, seg != 1,
-                        HAS_BAND,
+                        win_right, qk_scale, tokens, s_layout, a_layout, BLOCK_N, STAGES,
+                        seg != 1, HAS_BAND, TOKEN and seg == 2,
                     )  # fmt: skip
     orows = start_m + ROW0 + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
@@ -410,11 +424,13 @@ def _q_consumer(
 def _q_loader(
     q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_all, do_all, lse_all, delta_all,
     k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, start_m, lo, n,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    FullIdx, PartIdx, idx_off, n_full,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPARSE: gl.constexpr, BK: gl.constexpr,
 ):  # fmt: skip
     """Q, dO, lse and delta of the program's rows once, then K and V of key tiles 0 ..
-    n - 1 (keys lo + i * BLOCK_N on) into buffer i % STAGES, each after both consumers
-    released that buffer's previous tile."""
+    n - 1 (keys lo + i * BLOCK_N on; SPARSE: step i of a layout row's kept blocks, as
+    kernels_gluon._loader's) into buffer i % STAGES, each after both consumers released
+    that buffer's previous tile."""
     mbarrier.expect(
         q_bar,
         q_desc.block_type.nbytes + do_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes,
@@ -425,7 +441,16 @@ def _q_loader(
     tma.async_copy_global_to_shared(lse_desc, [start_m], q_bar, lse_all, pred=n > 0)
     tma.async_copy_global_to_shared(delta_desc, [start_m], q_bar, delta_all, pred=n > 0)
     for i in range(n):
-        key = lo + i * BLOCK_N
+        if SPARSE:
+            steps: gl.constexpr = BK // BLOCK_N
+            nf = n_full * steps
+            if i < nf:
+                key = gl.load(FullIdx + idx_off + i // steps) * BK + (i % steps) * BLOCK_N
+            else:
+                j = i - nf
+                key = gl.load(PartIdx + idx_off + j // steps) * BK + (j % steps) * BLOCK_N
+        else:
+            key = lo + i * BLOCK_N
         slot = i % STAGES
         reuse = ((i // STAGES) & 1) ^ 1  # the parity of the buffer's previous phase
         mbarrier.wait(k_empty.index(slot), reuse, pred=i >= STAGES)
@@ -436,41 +461,25 @@ def _q_loader(
         tma.async_copy_global_to_shared(v_desc, [key, 0], v_ready.index(slot), v_smem.index(slot))
 
 
-@gluon.jit(do_not_specialize=_DYNAMIC)
-def attn_bwd_dq_gluon_kernel(
-    Q, K, V, Mask, Seed, DO, Lse, Delta, DQ, CuQ, CuK,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_dob, stride_doh, stride_dom, stride_dod,
+@gluon.jit
+def _dq_block(
+    Q, K, V, DO, Lse, Delta, DQ, pid_bh, b, h, hk, start_m, lo, n_head, n_bulk, n,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
-    qk_scale, sm_scale, softcap, dropout_p,
+    NQ, NK, offset, win_left, win_right, qk_scale, sm_scale,
+    FullIdx, PartIdx, PartTile, Tiles, idx_off, n_full,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    BLOCK_DV: gl.constexpr, EVEN_D: gl.constexpr, HAS_BAND: gl.constexpr,
-    HAS_SOFTCAP: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DROPOUT: gl.constexpr,
-    INPUT_PRECISION: gl.constexpr, MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
-    STRIDE_KN: gl.constexpr = 0, STRIDE_VN: gl.constexpr = 0, VARLEN: gl.constexpr = False,
-    STAGES: gl.constexpr = 2,
+    STAGES: gl.constexpr, HAS_BAND: gl.constexpr, MASK_HEAD: gl.constexpr,
+    MASK_TAIL: gl.constexpr, SPARSE: gl.constexpr, TOKEN: gl.constexpr, BQ: gl.constexpr,
+    BK: gl.constexpr,
 ):  # fmt: skip
-    """dQ (B, H, NQ, 128) for BLOCK_M = 128 rows of b * H + h (grid axes 0 and 1), as
-    kernels.attn_bwd_dq_kernel."""
-    gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
-    gl.static_assert(VARLEN == 0 and not HAS_SOFTCAP)
-    gl.static_assert(BLOCK_M == 2 * _ROWS and gl.num_warps() == 4)
-    start_m = gl.program_id(0) * BLOCK_M
-    pid_bh = gl.program_id(1).to(gl.int64)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // GROUP
-    lo, f_lo, f_hi, hi = _key_ranges(
-        start_m, NK, offset, win_left, win_right,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BAND=HAS_BAND,
-    )  # fmt: skip
-    n_head = (f_lo - lo) // BLOCK_N
-    n_bulk = (f_hi - lo) // BLOCK_N
-    n = (hi - lo + BLOCK_N - 1) // BLOCK_N
+    """One program of either dQ kernel (this module's, and triton_blocksparse's
+    bs_bwd_dq_gluon_kernel): dQ for rows start_m .. start_m + 127 of query head ``h``
+    of batch ``b`` (``pid_bh`` = b * H + h; kv head ``hk``) over its key tiles 0 .. n -
+    1 (masked head, unmasked bulk, masked tail: n_head, n_bulk; SPARSE and TOKEN: the
+    tiles of a layout row's kept blocks, see :func:`_q_loader` and :func:`_q_consumer`).
+    Builds the descriptors, the buffers and their barriers, then runs the partitions."""
     dtype: gl.constexpr = Q.dtype.element_ty
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
@@ -522,17 +531,62 @@ def attn_bwd_dq_gluon_kernel(
             (_q_consumer, (q_all, do_all, lse_all, delta_all, k_smem, v_smem, q_bar, k_ready,
                            v_ready, k_empty, v_empty, DQ, dq_base, stride_dqm, stride_dqd,
                            start_m, lo, n_head, n_bulk, n, NQ, NK, offset, win_left, win_right,
-                           qk_scale, sm_scale, 0, BLOCK_N, BLOCK_D, STAGES, HAS_BAND,
-                           MASK_HEAD, MASK_TAIL)),
+                           qk_scale, sm_scale, Tiles, PartTile, idx_off, 0, BLOCK_N, BLOCK_D,
+                           STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, TOKEN, BQ, BK)),
             (_q_consumer, (q_all, do_all, lse_all, delta_all, k_smem, v_smem, q_bar, k_ready,
                            v_ready, k_empty, v_empty, DQ, dq_base, stride_dqm, stride_dqd,
                            start_m, lo, n_head, n_bulk, n, NQ, NK, offset, win_left, win_right,
-                           qk_scale, sm_scale, 1, BLOCK_N, BLOCK_D, STAGES, HAS_BAND,
-                           MASK_HEAD, MASK_TAIL)),
+                           qk_scale, sm_scale, Tiles, PartTile, idx_off, 1, BLOCK_N, BLOCK_D,
+                           STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, TOKEN, BQ, BK)),
             (_q_loader, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_all, do_all,
                          lse_all, delta_all, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                         v_empty, start_m, lo, n, BLOCK_N, STAGES)),
+                         v_empty, start_m, lo, n, FullIdx, PartIdx, idx_off, n_full, BLOCK_N,
+                         STAGES, SPARSE, BK)),
         ],
         [4, 1],
         [_CONSUMER_REGS, _LOADER_REGS],
+    )  # fmt: skip
+
+
+@gluon.jit(do_not_specialize=_DYNAMIC)
+def attn_bwd_dq_gluon_kernel(
+    Q, K, V, Mask, Seed, DO, Lse, Delta, DQ, CuQ, CuK,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+    qk_scale, sm_scale, softcap, dropout_p,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DV: gl.constexpr, EVEN_D: gl.constexpr, HAS_BAND: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    INPUT_PRECISION: gl.constexpr, MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
+    STRIDE_KN: gl.constexpr = 0, STRIDE_VN: gl.constexpr = 0, VARLEN: gl.constexpr = False,
+    STAGES: gl.constexpr = 2,
+):  # fmt: skip
+    """dQ (B, H, NQ, 128) for BLOCK_M = 128 rows of b * H + h (grid axes 0 and 1), as
+    kernels.attn_bwd_dq_kernel."""
+    gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
+    gl.static_assert(VARLEN == 0 and not HAS_SOFTCAP)
+    gl.static_assert(BLOCK_M == 2 * _ROWS and gl.num_warps() == 4)
+    start_m = gl.program_id(0) * BLOCK_M
+    pid_bh = gl.program_id(1).to(gl.int64)
+    b = pid_bh // H
+    h = pid_bh % H
+    lo, f_lo, f_hi, hi = _key_ranges(
+        start_m, NK, offset, win_left, win_right,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BAND=HAS_BAND,
+    )  # fmt: skip
+    _dq_block(
+        Q, K, V, DO, Lse, Delta, DQ, pid_bh, b, h, h // GROUP, start_m, lo,
+        (f_lo - lo) // BLOCK_N, (f_hi - lo) // BLOCK_N, (hi - lo + BLOCK_N - 1) // BLOCK_N,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+        stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+        NQ, NK, offset, win_left, win_right, qk_scale, sm_scale,
+        None, None, None, None, 0, 0,
+        BLOCK_M, BLOCK_N, BLOCK_D, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL,
+        False, False, BLOCK_M, BLOCK_N,
     )  # fmt: skip
