@@ -434,9 +434,14 @@ def record_blocksparse(
             # half precision on sm_90 it takes the Gluon forward (its rows keep 2048 keys,
             # past ops._GLUON_MIN_KEYS at block 128).
             long = options.pop("long", False)
-            # "gluon_bwd": the Gluon dQ kernel forced (bs_bwd_dq_gluon_kernel; no table
-            # row asks for it), on the layouts "long" builds.
-            forced = {"bwd_q": GLUON_BWD_Q} if options.pop("gluon_bwd", False) else {}
+            # "gluon_bwd": the Gluon backward kernels forced (bs_bwd_dq_gluon_kernel,
+            # bs_bwd_dkdv_gluon_kernel; no table row asks for them), on the layouts
+            # "long" builds.
+            forced = (
+                {"bwd_q": GLUON_BWD_Q, "bwd_kv": GLUON_BWD_KV}
+                if options.pop("gluon_bwd", False)
+                else {}
+            )
             n = 16 * block if long else 4 * block if options.pop("even", False) else 2 * block + 40
             layouts = [BlockSparseLayout.sliding_window(n, block + 10, block)]
             if long:

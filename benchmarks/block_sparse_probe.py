@@ -15,9 +15,11 @@ Gluon, forced), what the table picks (the Gluon forward on layouts with long row
 128 and 64 keys (``--gluon-key-tiles``), each with its output's and lse's largest
 difference from the pointer kernel's, dense triton_flash's forward beside them.
 
-``--gluon-dq`` also times each layout's backward with triton_flash's Gluon dQ program
-forced (``kernels_gluon.bs_bwd_dq_gluon_kernel``: a ``bwd_q`` row with gluon=True),
-with its kernels and dQ's largest difference from the pointer backward's.
+``--gluon-backward`` also times each layout's backward with the Gluon backward kernels
+forced (``kernels_gluon.bs_bwd_dq_gluon_kernel`` through a ``bwd_q`` row with
+gluon=True, ``bs_bwd_dkdv_gluon_kernel`` through a ``bwd_kv`` one; each alone, then
+both), with their kernels and the gradients' largest difference from the pointer
+backward's.
 """
 
 from __future__ import annotations
@@ -115,8 +117,8 @@ def main() -> None:
     parser.add_argument("--forward", action="store_true", help="the forwards (see above)")
     parser.add_argument("--gluon-key-tiles", default="128,64",
                         help="--forward: the forced Gluon rows' key tiles")  # fmt: skip
-    parser.add_argument("--gluon-dq", action="store_true",
-                        help="also the backward with the Gluon dQ kernel forced")  # fmt: skip
+    parser.add_argument("--gluon-backward", action="store_true",
+                        help="also the backward with the Gluon kernels forced")  # fmt: skip
     args = parser.parse_args()
     b, h, n, d = (int(x) for x in args.shape.split(","))
     device = torch.device(args.device)
@@ -160,8 +162,12 @@ def main() -> None:
               f"{facts.heavy_cols}, partial {facts.has_partial}; backward {ms:.3f} ms")  # fmt: skip
         for name, us in kernel_us(bwd).items():
             print(f"    {us:9.1f}  {name[:60]}")
-        if args.gluon_dq:
-            with tuning.override(bwd_q=LaunchConfig(128, 64, 4, 2, gluon=True)):
+        if not args.gluon_backward:
+            continue
+        rows = {"bwd_q": LaunchConfig(128, 64, 4, 2, gluon=True),
+                "bwd_kv": LaunchConfig(64, 128, 4, 2, gluon=True)}  # fmt: skip
+        for roles in (("bwd_q",), ("bwd_kv",), ("bwd_q", "bwd_kv")):
+            with tuning.override(**{role: rows[role] for role in roles}):
                 out_g = attnhub.attention(
                     q, k, v, block_sparse=layout, backend="triton_blocksparse"
                 )
@@ -169,11 +175,13 @@ def main() -> None:
             def bwd_g(out: torch.Tensor = out_g) -> tuple[torch.Tensor, ...]:
                 return torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
 
-            dq = bwd_g()[0]
-            diff = (dq.float() - reference[0].float()).abs().max().item()
+            diffs = " ".join(
+                f"{name} {(x.float() - r.float()).abs().max().item():.2e}"
+                for name, x, r in zip(("dq", "dk", "dv"), bwd_g(), reference)
+            )
             ms_g = loop_ms(bwd_g, device, 20)
-            print(f"  Gluon dQ forced: backward {ms_g:.3f} ms ({ms / ms_g:.2f}x the table's), "
-                  f"dq max|diff| {diff:.2e}")  # fmt: skip
+            print(f"  Gluon {'+'.join(roles)} forced: backward {ms_g:.3f} ms ({ms / ms_g:.2f}x "
+                  f"the table's), max|diff| {diffs}")  # fmt: skip
             for name, us in kernel_us(bwd_g).items():
                 print(f"    {us:9.1f}  {name[:60]}")
 

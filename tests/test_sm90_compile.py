@@ -45,7 +45,7 @@ def test_kernels_compile_for_sm90(backend: str) -> None:
         )
     else:  # every kernel of the family, recorded through triton_flash's launcher
         kernels = ("bs_fwd_kernel", "bs_fwd_gluon_kernel", "bs_bwd_dkdv_kernel", "bs_bwd_dq_kernel",
-                   "bs_bwd_dq_gluon_kernel")  # fmt: skip
+                   "bs_bwd_dq_gluon_kernel", "bs_bwd_dkdv_gluon_kernel")  # fmt: skip
     for kernel in kernels:
         assert f"ok {kernel} " in result.stdout, kernel
 

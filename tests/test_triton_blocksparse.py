@@ -475,12 +475,17 @@ def test_gpu_gluon_forward(dtype: torch.dtype, name: str, launched_kernels: list
 @pytest.mark.skipif(
     not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm_90 GPU"
 )
+@pytest.mark.parametrize("roles", ["bwd_q", "bwd_kv", "bwd_kv+bwd_q"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=SHORT.get)
 @pytest.mark.parametrize("name", sorted(_GLUON_LAYOUTS))
-def test_gpu_gluon_dq(dtype: torch.dtype, name: str, launched_kernels: list[str]) -> None:
-    """The Gluon dQ kernel (kernels_gluon.bs_bwd_dq_gluon_kernel) under a forced row, on
-    the layouts the Gluon forward serves: seen to launch, and the contract against the
-    float64 reference (dQ among the gradients; rows with no key get zeros)."""
+def test_gpu_gluon_backward(
+    dtype: torch.dtype, name: str, roles: str, launched_kernels: list[str]
+) -> None:
+    """The Gluon backward kernels (kernels_gluon.bs_bwd_dq_gluon_kernel, and for 128-key
+    blocks bs_bwd_dkdv_gluon_kernel) under forced rows, each alone and both, on the
+    layouts the Gluon forward serves: seen to launch, and the contract against the
+    float64 reference (the gradients; rows with no key get zeros). GQA 2:1, and
+    (B, N, H, D) views for half the layouts."""
     from attnhub.backends.triton_flash import configs, tuning
 
     torch.manual_seed(34)
@@ -490,9 +495,14 @@ def test_gpu_gluon_dq(dtype: torch.dtype, name: str, launched_kernels: list[str]
     if name.startswith(("window", "rect_128x64_random")):  # strided views
         qkv = tuple(torch.randn(b, n, h, 128, dtype=dtype, device="cuda").transpose(1, 2)
                     for h in (hq, hkv, hkv))  # fmt: skip
-    with tuning.override(bwd_q=configs.LaunchConfig(128, 64, 4, 2, gluon=True)):
+    rows = {"bwd_q": configs.LaunchConfig(128, 64, 4, 2, gluon=True),
+            "bwd_kv": configs.LaunchConfig(64, 128, 4, 2, gluon=True)}  # fmt: skip
+    with tuning.override(**{role: rows[role] for role in roles.split("+")}):
         _check(layout, dtype, b, hq, hkv, n, n, 128, qkv=qkv)
-    assert "bs_bwd_dq_gluon_kernel" in launched_kernels, launched_kernels
+    dq_gluon = "bwd_q" in roles
+    dkdv_gluon = "bwd_kv" in roles and layout.block_size[1] == 128
+    assert ("bs_bwd_dq_gluon_kernel" in launched_kernels) == dq_gluon, launched_kernels
+    assert ("bs_bwd_dkdv_gluon_kernel" in launched_kernels) == dkdv_gluon, launched_kernels
 
 
 @gpu

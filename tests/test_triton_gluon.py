@@ -354,6 +354,45 @@ def test_which_block_sparse_dq_kernel_an_sm90_call_gets(
     assert launched[-1] == expected
 
 
+@pytest.mark.parametrize(
+    ("what", "expected"),
+    [
+        ("served", "bs_bwd_dkdv_gluon_kernel"),
+        ("partial blocks", "bs_bwd_dkdv_gluon_kernel"),
+        ("128 x 64 blocks", "bs_bwd_dkdv_kernel"),
+        ("no Gluon row", "bs_bwd_dkdv_kernel"),
+        ("causal", "bs_bwd_dkdv_kernel"),
+    ],
+)
+def test_which_block_sparse_dkdv_kernel_an_sm90_call_gets(
+    what: str, expected: str, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """triton_blocksparse's dK/dV launch (recorded, not run) under a forced Gluon dK/dV
+    row: the Gluon kernel (kernels_gluon.bs_bwd_dkdv_gluon_kernel) takes layouts of
+    128 x 128 blocks that the Gluon forward takes (its program is one 128-key column
+    block); every other call keeps the pointer kernel."""
+    from attnhub import BlockSparseLayout
+    from attnhub.backends.triton_blocksparse import ops as bs_ops
+    from attnhub.backends.triton_flash import tuning
+
+    launched = _recorded_as_on(monkeypatch, (9, 0), bs_ops)
+    n = 2048
+    block = (128, 64) if what == "128 x 64 blocks" else 128
+    if what == "partial blocks":
+        layout = BlockSparseLayout.sliding_window(n, 300, block)
+    else:
+        bq, bk = (block, block) if isinstance(block, int) else block
+        keep = torch.ones(1, 1, n // bq, n // bk, dtype=torch.bool)
+        layout = BlockSparseLayout.from_block_mask(keep, block)
+    q = torch.zeros(1, 2, n, 128, dtype=torch.bfloat16, requires_grad=True)
+    rows = {} if what == "no Gluon row" else {"bwd_kv": _GLUON_ROWS["bwd_kv"]}
+    with tuning.override(**rows):
+        out, _ = bs_ops.block_sparse_attention(q, q, q, layout, None, causal=what == "causal")
+        launched.clear()  # the forward's
+        out.backward(torch.ones_like(out))
+    assert len(launched) == 3 and launched[1] == expected, launched  # preprocess, dK/dV, dQ
+
+
 def test_a_forced_gluon_row_serves_short_rows_too(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Short rows keep the pointer kernel by the table's choice only: a forced Gluon row
     sends them to the Gluon forward (what the GPU tests and block_sparse_probe.py use)."""

@@ -1,6 +1,7 @@
-"""The block-sparse forward and dQ for Hopper in Gluon: triton_flash's warp-specialized
-forward (``backends/triton_flash/kernels_gluon.py``, read it first) and dQ program
-(``kernels_gluon_bwd._dq_block``) walking a layout row's kept blocks.
+"""The block-sparse forward and backward for Hopper in Gluon: triton_flash's
+warp-specialized forward (``backends/triton_flash/kernels_gluon.py``, read it first),
+dQ and dK/dV programs (``kernels_gluon_bwd._dq_block``, ``_kv_block``) walking a
+layout's kept blocks.
 
 :func:`bs_fwd_gluon_kernel` computes what ``kernels.bs_fwd_kernel`` computes, for the
 calls that ops._gluon_ok admits, where the layout's rows are long enough for it to pay
@@ -17,11 +18,13 @@ Why: at density 1 the pointer kernel's forward took 1.46x the time of dense
 triton_flash's (the Gluon forward) on the same work (results/block-sparse-h200.md,
 2.321 against 1.590 ms), while the backward's kernels are within 10% of the dense ones.
 
-:func:`bs_bwd_dq_gluon_kernel` (opt-in: only a forced ``bwd_q`` Gluon row sends calls
-there, for the layouts the forward takes) computes dQ as ``kernels.bs_bwd_dq_kernel``
-does, one 128-row query block a program: the loader streams the row's kept key tiles
-(K, V) as the forward's does, the consumers apply partial blocks' token masks. Not yet
-run on a GPU (benchmarks/NOTES.md, 2026-12-05).
+:func:`bs_bwd_dq_gluon_kernel` and :func:`bs_bwd_dkdv_gluon_kernel` (opt-in: only
+forced ``bwd_q`` / ``bwd_kv`` Gluon rows send calls there, for the layouts the forward
+takes; dK/dV for 128-key blocks) compute what ``kernels.bs_bwd_dq_kernel`` and
+``kernels.bs_bwd_dkdv_kernel`` compute: a program is one 128-row query block (dQ: the
+loader streams the row's kept key tiles) or one 128-key column block (dK/dV: the loader
+streams the column's kept query tiles for each query head of the group); partial
+blocks apply their token masks. Not yet run on a GPU (benchmarks/NOTES.md, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from triton.experimental.gluon import language as gl
 
 from attnhub.backends.triton_flash.common import _DYNAMIC
 from attnhub.backends.triton_flash.kernels_gluon import _ROWS, _forward_block
-from attnhub.backends.triton_flash.kernels_gluon_bwd import _dq_block
+from attnhub.backends.triton_flash.kernels_gluon_bwd import _KEYS, _dq_block, _kv_block
 
 from .kernels import _program_tile
 
@@ -134,4 +137,50 @@ def bs_bwd_dq_gluon_kernel(
         FullIdx, PartIdx, PartTile, Tiles, idx_off, n_full,
         BLOCK_M, BLOCK_N, BLOCK_D, STAGES, False, False, HAS_PARTIAL, True, HAS_PARTIAL,
         BQ, BK,
+    )  # fmt: skip
+
+
+@gluon.jit(do_not_specialize=[*_DYNAMIC, "n_heavy"])
+def bs_bwd_dkdv_gluon_kernel(
+    Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV,
+    FullNum, FullIdx, PartNum, PartIdx, PartTile, Tiles, Order, n_heavy,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_nb, stride_nh, stride_ib, stride_ih, NCOLS,
+    H, HKV, GROUP, NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
+    qk_scale, sm_scale, softcap, dropout_p,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    BLOCK_DV: gl.constexpr, EVEN_D: gl.constexpr, HAS_BAND: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DROPOUT: gl.constexpr,
+    INPUT_PRECISION: gl.constexpr, HAS_PARTIAL: gl.constexpr,
+    BQ: gl.constexpr, BK: gl.constexpr, EVEN_BLOCKS: gl.constexpr,
+    STRIDE_QM: gl.constexpr = 0, STRIDE_DOM: gl.constexpr = 0, STAGES: gl.constexpr = 2,
+):  # fmt: skip
+    """dK and dV for one 128-key column block over the kept query blocks of each of the
+    GROUP query heads that read it (triton_flash's Gluon dK/dV program,
+    ``kernels_gluon_bwd._kv_block``, walking the layout's columns); the arguments are
+    kernels.bs_bwd_dkdv_kernel's, plus STAGES (Q/dO buffers). Opt-in through a forced
+    ``bwd_kv`` Gluon row, for 128-key blocks on the layouts the forward takes."""
+    gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
+    gl.static_assert(EVEN_BLOCKS and not HAS_BAND and not HAS_SOFTCAP)
+    gl.static_assert(BLOCK_N == 2 * _KEYS and BK == BLOCK_N and BQ % BLOCK_M == 0)
+    gl.static_assert(gl.num_warps() == 4)
+    start_n, pid_bh = _program_tile(Order, n_heavy, NK, BK, BLOCK_N)
+    kb = start_n // BK  # the layout's column block
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+    _kv_block(
+        Q, K, V, DO, Lse, Delta, DK, DV, b, hk, start_n, 0, 0, 0, 0,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+        stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+        stride_dvd, H, GROUP, NQ, NK, offset, win_left, win_right, qk_scale, sm_scale,
+        FullNum, FullIdx, PartNum, PartIdx, PartTile, Tiles, b * stride_nb + kb, stride_nh,
+        b * stride_ib + kb * NCOLS, stride_ih,
+        BLOCK_M, BLOCK_N, BLOCK_D, STAGES, False, False, HAS_PARTIAL, True, HAS_PARTIAL, BQ, BK,
     )  # fmt: skip

@@ -259,6 +259,15 @@ def _gluon_ok(c: Any, bq: int, bk: int, q: torch.Tensor, k: torch.Tensor, v: tor
     )  # fmt: skip
 
 
+def _gluon_backward(c: Any, bq: int, bk: int, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor) -> bool:  # fmt: skip
+    """Whether a backward's dQ (or, with 128-key blocks, its dK/dV) may run
+    kernels_gluon's Gluon kernel where a forced row asks for it: the layouts and calls
+    the Gluon forward takes (:func:`_gluon_ok`, with dout for out) and what triton_flash's
+    Gluon backward kernels take (ops._gluon_bwd_eligible)."""
+    return _gluon_ok(c, bq, bk, q, k, v, dout) and _gluon_bwd_eligible(c, lse, q, k, v, dout)
+
+
 def _grid(n: int, block: int, tile: int, heads: int) -> int:
     """Programs of a 1-D block-sparse grid: every tile of every layout block (the last
     one whole, even if ragged) for each of ``heads`` (batch x heads); see
@@ -403,7 +412,7 @@ def _bwd_impl(
     meta = {**c.meta, "HAS_PARTIAL": has_partial}
 
     fnum, fidx, pnum, pidx, ptile = index[_BY_COLUMN]
-    _, _, block_n, launch = _tiles_meta("bwd_kv", bq, bk, meta, q, nk, causal)
+    kv_cfg, _, block_n, launch = _tiles_meta("bwd_kv", bq, bk, meta, q, nk, causal)
     args = (
         q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
         fnum, fidx, pnum, pidx, ptile, tiles, col_order, heavy_cols,
@@ -411,8 +420,15 @@ def _bwd_impl(
         *_index_strides(fnum, fidx),
         hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
     )  # fmt: skip
-    _launch(kernels.bs_bwd_dkdv_kernel, q, (_grid(nk, bk, block_n, b * hkv),), args,
-            {**meta, **launch, **_row_strides(Q=q, DO=dout)}, 17, record)  # fmt: skip
+    grid = (_grid(nk, bk, block_n, b * hkv),)
+    kv_meta = {**meta, **launch, **_row_strides(Q=q, DO=dout)}
+    if kv_cfg.gluon and bk == 128 and _gluon_backward(c, bq, bk, q, k, v, dout, lse):
+        # triton_flash's Gluon dK/dV program on the layout's columns (opt-in: a forced row).
+        with _scratch_allocator():
+            _launch(kernels_gluon.bs_bwd_dkdv_gluon_kernel, q, grid, args,
+                    {**kv_meta, "STAGES": kv_cfg.num_stages}, 17, record)  # fmt: skip
+    else:
+        _launch(kernels.bs_bwd_dkdv_kernel, q, grid, args, kv_meta, 17, record)
     fnum, fidx, pnum, pidx, ptile = index[_BY_ROW]
     cfg, block_m, _, launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal)
     args = (
@@ -424,11 +440,7 @@ def _bwd_impl(
     )  # fmt: skip
     grid = (_grid(nq, bq, block_m, b * hq),)
     meta = {**meta, **launch, **_row_strides(K=k, V=v)}
-    if (
-        cfg.gluon
-        and _gluon_ok(c, bq, bk, q, k, v, dout)
-        and _gluon_bwd_eligible(c, lse, q, k, v, dout)
-    ):
+    if cfg.gluon and _gluon_backward(c, bq, bk, q, k, v, dout, lse):
         # triton_flash's Gluon dQ program on the layout's rows (opt-in: a forced row).
         with _scratch_allocator():
             _launch(kernels_gluon.bs_bwd_dq_gluon_kernel, q, grid, args,

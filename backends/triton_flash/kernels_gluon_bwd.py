@@ -56,9 +56,9 @@ _LOADER_REGS = gl.constexpr(24)
 @gluon.jit
 def _kv_tile(
     t, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
-    q_empty, do_empty, start_m, keys, NQ, NK, offset, win_left, win_right, qk_scale,
+    q_empty, do_empty, start_m, keys, NQ, NK, offset, win_left, win_right, qk_scale, tokens,
     s_layout: gl.constexpr, a_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-    STAGES: gl.constexpr, MASKED: gl.constexpr, HAS_BAND: gl.constexpr,
+    STAGES: gl.constexpr, MASKED: gl.constexpr, HAS_BAND: gl.constexpr, TOKEN: gl.constexpr,
 ):  # fmt: skip
     """Query tile ``t`` of the walk (rows start_m .. start_m + BLOCK_M - 1 of one query
     head: its Q, dO, lse and delta in buffer t % STAGES) added to this consumer's dK and
@@ -67,7 +67,9 @@ def _kv_tile(
     Scores are (keys, rows), as the pointer kernel's. The unmasked bulk never reaches
     rows past NQ (TMA reads them as zeros elsewhere). MASKED drops rows past NQ, keys
     past NK and what lies outside the band, after the scale (a negative scale keeps
-    -inf)."""
+    -inf); TOKEN drops what the (keys, rows) token mask at ``tokens`` drops."""
+    if TOKEN:
+        keep_tokens = gl.load(tokens) != 0  # issued before the waits: its latency hides
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     slot = t % STAGES
     phase = (t // STAGES) & 1
@@ -95,6 +97,8 @@ def _kv_tile(
             diag = keys[:, None] - rows[None, :] - offset
             keep = keep & (diag >= -win_left) & (diag <= win_right)
         s = gl.where(keep, s, float("-inf"))
+    if TOKEN:
+        s = gl.where(keep_tokens, s, float("-inf"))
     p = gl.exp2(s - lse2[None, :])
     dtype: gl.constexpr = q_smem.dtype
     dv = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do_smem.index(slot), dv,
@@ -111,17 +115,42 @@ def _kv_tile(
 
 
 @gluon.jit
+def _head_walk(
+    g, hk, GROUP, n, FullNum, PartNum, num_base, stride_nh, idx_base, stride_ih,
+    SPARSE: gl.constexpr, HAS_PARTIAL: gl.constexpr, STEPS: gl.constexpr,
+):  # fmt: skip
+    """(tiles, full tiles, block-list offset) of the walk over query head hk * GROUP + g:
+    ``n`` (dense; the other two 0), or (SPARSE) the layout column's kept query blocks in
+    STEPS tiles each, its full blocks' first, its lists at the offset returned."""
+    if SPARSE:
+        h = hk * GROUP + g
+        num_off = num_base + h * stride_nh
+        n_full = gl.load(FullNum + num_off) * STEPS
+        n_all = n_full
+        if HAS_PARTIAL:
+            n_all = n_full + gl.load(PartNum + num_off) * STEPS
+        idx_off = idx_base + h * stride_ih
+    else:
+        n_all = n
+        n_full = n * 0
+        idx_off = idx_base * 0
+    return n_all, n_full, idx_off
+
+
+@gluon.jit
 def _kv_consumer(
     k_all, v_all, q_smem, do_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty,
     do_empty, DK, DV, dk_base, dv_base, stride_dkn, stride_dkd, stride_dvn, stride_dvd,
-    start_n, lo, n_head, n_bulk, n, GROUP, NQ, NK, offset, win_left, win_right, qk_scale,
-    sm_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-    STAGES: gl.constexpr, HAS_BAND: gl.constexpr, MASK_HEAD: gl.constexpr,
-    MASK_TAIL: gl.constexpr,
+    start_n, lo, n_head, n_bulk, n, hk, GROUP, NQ, NK, offset, win_left, win_right, qk_scale,
+    sm_scale, FullNum, PartNum, PartTile, Tiles, num_base, stride_nh, idx_base, stride_ih,
+    WG: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+    HAS_BAND: gl.constexpr, MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
+    SPARSE: gl.constexpr, TOKEN: gl.constexpr, BQ: gl.constexpr, BK: gl.constexpr,
 ):  # fmt: skip
     """Keys start_n + 64 WG .. + 63: every query tile of each of the GROUP query heads
     of the program's kv head, then dK (times the scale) and dV stored for the keys
-    below NK."""
+    below NK. SPARSE: a head's tiles are its layout column's (:func:`_head_walk`), full
+    blocks' unmasked, partial blocks' (TOKEN) with their token masks."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
     )
@@ -129,25 +158,42 @@ def _kv_consumer(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16]
     )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    STEPS: gl.constexpr = BQ // BLOCK_M
     KEY0: gl.constexpr = WG * _KEYS
     k_smem = k_all.slice(KEY0, _KEYS, dim=0)
     v_smem = v_all.slice(KEY0, _KEYS, dim=0)
     keys = start_n + KEY0 + gl.arange(0, _KEYS, layout=gl.SliceLayout(1, s_layout))
+    rows0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     dk = gl.zeros([_KEYS, HEAD_D], gl.float32, layout=acc_layout)
     dv = gl.zeros([_KEYS, HEAD_D], gl.float32, layout=acc_layout)
-    mbarrier.wait(kv_bar, 0, pred=n > 0)
+    mbarrier.wait(kv_bar, 0)
+    base = start_n * 0  # the head's first tile in the walk (a tensor: it is carried)
     for g in range(0, GROUP):
-        base = g * n  # this head's first tile in the walk
+        n_g, n_full, idx_off = _head_walk(
+            g, hk, GROUP, n, FullNum, PartNum, num_base, stride_nh, idx_base, stride_ih,
+            SPARSE, TOKEN, STEPS,
+        )  # fmt: skip
+        if SPARSE:
+            s_head, s_bulk = n_full * 0, n_full
+        else:
+            s_head, s_bulk = n_head, n_bulk
         for seg in gl.static_range(3):
-            s0, s1 = _segment(seg, 0, n_head, n_bulk, n)
+            s0, s1 = _segment(seg, 0, s_head, s_bulk, n_g)
             if _compiled(seg=seg, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL):
                 for i in range(s0, s1):
+                    tokens = Tiles  # read only where TOKEN and seg == 2
+                    if TOKEN and seg == 2:
+                        j = i - n_full
+                        tile = gl.load(PartTile + idx_off + j // STEPS).to(gl.int64)
+                        local = ((j % STEPS) * BLOCK_M + rows0)[None, :] * BK + (keys % BK)[:, None]
+                        tokens = Tiles + tile * (BQ * BK) + local
                     dk, dv = _kv_tile(
                         base + i, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                         q_ready, do_ready, q_empty, do_empty, lo + i * BLOCK_M, keys, NQ, NK,
-                        offset, win_left, win_right, qk_scale, s_layout, a_layout, BLOCK_M,
-                        STAGES, seg != 1, HAS_BAND,
+                        offset, win_left, win_right, qk_scale, tokens, s_layout, a_layout,
+                        BLOCK_M, STAGES, seg != 1 and not SPARSE, HAS_BAND, TOKEN and seg == 2,
                     )  # fmt: skip
+        base += n_g
     okeys = start_n + KEY0 + gl.arange(0, _KEYS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
     rows64 = okeys.to(gl.int64)[:, None]
@@ -164,30 +210,39 @@ def _kv_loader(
     Q, DO, Lse, Delta, k_desc, v_desc, k_all, v_all, q_smem, do_smem, lse_smem, delta_smem,
     kv_bar, q_ready, do_ready, q_empty, do_empty, start_n, lo, n, b, hk, H, GROUP, NQ,
     stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+    FullNum, FullIdx, PartNum, PartIdx, num_base, stride_nh, idx_base, stride_ih,
     BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+    SPARSE: gl.constexpr, HAS_PARTIAL: gl.constexpr, BQ: gl.constexpr,
 ):  # fmt: skip
-    """K and V of the program's keys once, then Q, dO, lse and delta of tiles 0 .. n - 1
-    of each query head in turn (walk position g * n + i into buffer (g * n + i) % STAGES),
-    each after both consumers released that buffer's previous tile. Query tile i holds
-    rows lo + i * BLOCK_M on.
+    """K and V of the program's keys once, then Q, dO, lse and delta of each query
+    head's tiles in turn (walk position t into buffer t % STAGES), each after both
+    consumers released that buffer's previous tile. Query tile i of a head holds rows
+    lo + i * BLOCK_M on, or (SPARSE) step i of the head's layout column
+    (:func:`_head_walk`: its full blocks, then its partial ones).
 
     The lse and delta rows are copied by TMA too: a consumer's own load of them into a
     slice of the wgmma layout does not lower (triton 3.6, sm_90, in a warp-specialized
     partition), while a shared-memory read does. Their descriptors are a head's row of
     NQ entries (16-byte aligned: ops admits NQ % 4 == 0), so that rows past NQ read as
     zeros, as Q's and dO's do."""
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=n > 0)
-    tma.async_copy_global_to_shared(k_desc, [start_n, 0], kv_bar, k_all, pred=n > 0)
-    tma.async_copy_global_to_shared(v_desc, [start_n, 0], kv_bar, v_all, pred=n > 0)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [start_n, 0], kv_bar, k_all)
+    tma.async_copy_global_to_shared(v_desc, [start_n, 0], kv_bar, v_all)
     dtype: gl.constexpr = Q.dtype.element_ty
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
     vec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
+    STEPS: gl.constexpr = BQ // BLOCK_M
+    base = start_n * 0  # the head's first tile in the walk (a tensor: it is carried)
     for g in range(0, GROUP):
+        n_g, n_full, idx_off = _head_walk(
+            g, hk, GROUP, n, FullNum, PartNum, num_base, stride_nh, idx_base, stride_ih,
+            SPARSE, HAS_PARTIAL, STEPS,
+        )  # fmt: skip
         # The descriptors below are rewritten in place for each head (one global scratch
         # slot each): first every copy through the previous head's must have landed,
         # i.e. both consumers released its last STAGES tiles. (The tile waits below then
         # find those phases complete.)
-        for j in range(gl.maximum(g * n - STAGES, 0), g * n):
+        for j in range(gl.maximum(base - STAGES, 0), base):
             mbarrier.wait(q_empty.index(j % STAGES), (j // STAGES) & 1)
             mbarrier.wait(do_empty.index(j % STAGES), (j // STAGES) & 1)
         h = hk * GROUP + g
@@ -206,11 +261,18 @@ def _kv_loader(
             DO + b * stride_dob + h * stride_doh, shape=[NQ, HEAD_D], strides=[stride_dom, 1],
             block_shape=[BLOCK_M, HEAD_D], layout=row_layout,
         )  # fmt: skip
-        for i in range(n):
-            t = g * n + i
+        for i in range(n_g):
+            t = base + i
             slot = t % STAGES
             reuse = ((t // STAGES) & 1) ^ 1  # the parity of the buffer's previous phase
-            row = lo + i * BLOCK_M
+            if SPARSE:
+                if i < n_full:
+                    row = gl.load(FullIdx + idx_off + i // STEPS) * BQ + (i % STEPS) * BLOCK_M
+                else:
+                    j = i - n_full
+                    row = gl.load(PartIdx + idx_off + j // STEPS) * BQ + (j % STEPS) * BLOCK_M
+            else:
+                row = lo + i * BLOCK_M
             mbarrier.wait(q_empty.index(slot), reuse, pred=t >= STAGES)
             ready = q_ready.index(slot)
             mbarrier.expect(ready, q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
@@ -221,6 +283,91 @@ def _kv_loader(
             mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [row, 0], do_ready.index(slot),
                                             do_smem.index(slot))  # fmt: skip
+        base += n_g
+
+
+@gluon.jit
+def _kv_block(
+    Q, K, V, DO, Lse, Delta, DK, DV, b, hk, start_n, lo, n_head, n_bulk, n,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+    stride_dvd, H, GROUP, NQ, NK, offset, win_left, win_right, qk_scale, sm_scale,
+    FullNum, FullIdx, PartNum, PartIdx, PartTile, Tiles, num_base, stride_nh, idx_base,
+    stride_ih,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    STAGES: gl.constexpr, HAS_BAND: gl.constexpr, MASK_HEAD: gl.constexpr,
+    MASK_TAIL: gl.constexpr, SPARSE: gl.constexpr, TOKEN: gl.constexpr, BQ: gl.constexpr,
+    BK: gl.constexpr,
+):  # fmt: skip
+    """One program of either dK/dV kernel (this module's, and triton_blocksparse's
+    bs_bwd_dkdv_gluon_kernel): dK and dV for keys start_n .. start_n + 127 of kv head
+    ``hk`` of batch ``b`` over the query tiles of its GROUP query heads (dense: tiles 0
+    .. n - 1 from row ``lo``, masked head, unmasked bulk, masked tail: n_head, n_bulk;
+    SPARSE and TOKEN: each head's layout column, see :func:`_head_walk`). Builds the
+    descriptors, the buffers and their barriers, then runs the partitions."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
+    vec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
+    k_desc = tma.make_tensor_descriptor(
+        K + b * stride_kb + hk * stride_kh, shape=[NK, BLOCK_D], strides=[stride_kn, 1],
+        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout,
+    )  # fmt: skip
+    v_desc = tma.make_tensor_descriptor(
+        V + b * stride_vb + hk * stride_vh, shape=[NK, BLOCK_D], strides=[stride_vn, 1],
+        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout,
+    )  # fmt: skip
+    k_all = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
+    v_all = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], row_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], row_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(do_empty.index(i), count=2)
+    dk_base = b * stride_dkb + hk * stride_dkh
+    dv_base = b * stride_dvb + hk * stride_dvh
+    # The partitions' arguments are written out in each tuple (constexprs kept in a
+    # variable first would reach the partitions as tensors); the consumers are one
+    # function, specialized by its constexpr WG (its keys). K and V are copied even
+    # where no query tile is walked (n = 0, or a column without blocks): both
+    # consumers wait for them before their walk.
+    gl.warp_specialize(
+        [
+            (_kv_consumer, (k_all, v_all, q_smem, do_smem, lse_smem, delta_smem, kv_bar,
+                            q_ready, do_ready, q_empty, do_empty, DK, DV, dk_base, dv_base,
+                            stride_dkn, stride_dkd, stride_dvn, stride_dvd, start_n, lo, n_head,
+                            n_bulk, n, hk, GROUP, NQ, NK, offset, win_left, win_right, qk_scale,
+                            sm_scale, FullNum, PartNum, PartTile, Tiles, num_base, stride_nh,
+                            idx_base, stride_ih, 0, BLOCK_M, BLOCK_D, STAGES, HAS_BAND,
+                            MASK_HEAD, MASK_TAIL, SPARSE, TOKEN, BQ, BK)),
+            (_kv_consumer, (k_all, v_all, q_smem, do_smem, lse_smem, delta_smem, kv_bar,
+                            q_ready, do_ready, q_empty, do_empty, DK, DV, dk_base, dv_base,
+                            stride_dkn, stride_dkd, stride_dvn, stride_dvd, start_n, lo, n_head,
+                            n_bulk, n, hk, GROUP, NQ, NK, offset, win_left, win_right, qk_scale,
+                            sm_scale, FullNum, PartNum, PartTile, Tiles, num_base, stride_nh,
+                            idx_base, stride_ih, 1, BLOCK_M, BLOCK_D, STAGES, HAS_BAND,
+                            MASK_HEAD, MASK_TAIL, SPARSE, TOKEN, BQ, BK)),
+            (_kv_loader, (Q, DO, Lse, Delta, k_desc, v_desc, k_all, v_all, q_smem, do_smem,
+                          lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
+                          start_n, lo, n, b, hk, H, GROUP, NQ,
+                          stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                          FullNum, FullIdx, PartNum, PartIdx, num_base, stride_nh, idx_base,
+                          stride_ih, BLOCK_M, BLOCK_D, STAGES, SPARSE, TOKEN, BQ)),
+        ],
+        [4, 1],
+        [_CONSUMER_REGS, _LOADER_REGS],
+    )  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=_DYNAMIC)
@@ -255,65 +402,16 @@ def attn_bwd_dkdv_gluon_kernel(
         start_n, NQ, NK, offset, win_left, win_right,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BAND=HAS_BAND,
     )  # fmt: skip
-    n_head = (f_lo - lo) // BLOCK_M
-    n_bulk = (f_hi - lo) // BLOCK_M
-    n = (hi - lo + BLOCK_M - 1) // BLOCK_M
-    dtype: gl.constexpr = Q.dtype.element_ty
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
-    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
-    k_desc = tma.make_tensor_descriptor(
-        K + b * stride_kb + hk * stride_kh, shape=[NK, BLOCK_D], strides=[stride_kn, 1],
-        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout,
-    )  # fmt: skip
-    v_desc = tma.make_tensor_descriptor(
-        V + b * stride_vb + hk * stride_vh, shape=[NK, BLOCK_D], strides=[stride_vn, 1],
-        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout,
-    )  # fmt: skip
-    k_all = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
-    v_all = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], row_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], row_layout)
-    vec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(do_empty.index(i), count=2)
-    dk_base = b * stride_dkb + hk * stride_dkh
-    dv_base = b * stride_dvb + hk * stride_dvh
-    # The partitions' arguments are written out in each tuple (constexprs kept in a
-    # variable first would reach the partitions as tensors); the consumers are one
-    # function, specialized by its constexpr WG (its keys).
-    gl.warp_specialize(
-        [
-            (_kv_consumer, (k_all, v_all, q_smem, do_smem, lse_smem, delta_smem, kv_bar,
-                            q_ready, do_ready, q_empty, do_empty, DK, DV, dk_base, dv_base,
-                            stride_dkn, stride_dkd, stride_dvn, stride_dvd, start_n, lo, n_head,
-                            n_bulk, n, GROUP, NQ, NK, offset, win_left, win_right, qk_scale,
-                            sm_scale, 0, BLOCK_M, BLOCK_D, STAGES, HAS_BAND, MASK_HEAD,
-                            MASK_TAIL)),
-            (_kv_consumer, (k_all, v_all, q_smem, do_smem, lse_smem, delta_smem, kv_bar,
-                            q_ready, do_ready, q_empty, do_empty, DK, DV, dk_base, dv_base,
-                            stride_dkn, stride_dkd, stride_dvn, stride_dvd, start_n, lo, n_head,
-                            n_bulk, n, GROUP, NQ, NK, offset, win_left, win_right, qk_scale,
-                            sm_scale, 1, BLOCK_M, BLOCK_D, STAGES, HAS_BAND, MASK_HEAD,
-                            MASK_TAIL)),
-            (_kv_loader, (Q, DO, Lse, Delta, k_desc, v_desc, k_all, v_all, q_smem, do_smem,
-                          lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
-                          start_n, lo, n, b, hk, H, GROUP, NQ,
-                          stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
-                          BLOCK_M, BLOCK_D, STAGES)),
-        ],
-        [4, 1],
-        [_CONSUMER_REGS, _LOADER_REGS],
+    _kv_block(
+        Q, K, V, DO, Lse, Delta, DK, DV, b, hk, start_n, lo, (f_lo - lo) // BLOCK_M,
+        (f_hi - lo) // BLOCK_M, (hi - lo + BLOCK_M - 1) // BLOCK_M,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+        stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+        stride_dvd, H, GROUP, NQ, NK, offset, win_left, win_right, qk_scale, sm_scale,
+        None, None, None, None, None, None, 0, 0, 0, 0,
+        BLOCK_M, BLOCK_N, BLOCK_D, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL, False, False,
+        BLOCK_M, BLOCK_N,
     )  # fmt: skip
 
 
