@@ -33,13 +33,12 @@ from attnhub.backends.triton_flash.ops import (
     _gluon_bwd_eligible,
     _gluon_eligible,
     _grad_outputs,
-    _launch,
+    _launch_kernel_of_row,
     _lookup,
     _plan_key,
     _planned_delta,
     _remember,
     _row_strides,
-    _scratch_allocator,
     _setup,
     _tma_eligible,
     backward_plan_key,
@@ -348,16 +347,10 @@ def _fwd_impl(
     )  # fmt: skip
     meta = {"HAS_PARTIAL": has_partial, "FOLD_SCALE": c.fold_scale, **c.meta, **launch,
             **_row_strides(K=k, V=v)}  # fmt: skip
-    grid = (_grid(nq, bq, block_m, b * hq),)
-    if cfg.gluon and gluon:
-        # Its tensor descriptors are built in the kernel, in global scratch that the
-        # launch allocates (triton_flash's ops._scratch_allocator; a plan's CachedLaunch
-        # allocates its own).
-        with _scratch_allocator():
-            _launch(kernels_gluon.bs_fwd_gluon_kernel, q, grid, args,
-                    {**meta, "STAGES": cfg.num_stages}, 14, record)  # fmt: skip
-    else:
-        _launch(kernels.bs_fwd_kernel, q, grid, args, meta, 14, record)
+    _launch_kernel_of_row(
+        kernels.bs_fwd_kernel, getattr(kernels_gluon, "bs_fwd_gluon_kernel", None), cfg, gluon,
+        q, (_grid(nq, bq, block_m, b * hq),), args, meta, 14, record,
+    )  # fmt: skip
     if key is not None and record and record[0] is not None:
         _remember(key, _Plan(record, (out, lse), None))
     return out, lse
@@ -420,15 +413,14 @@ def _bwd_impl(
         *_index_strides(fnum, fidx),
         hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
     )  # fmt: skip
-    grid = (_grid(nk, bk, block_n, b * hkv),)
-    kv_meta = {**meta, **launch, **_row_strides(Q=q, DO=dout)}
-    if kv_cfg.gluon and bk == 128 and _gluon_backward(c, bq, bk, q, k, v, dout, lse):
-        # triton_flash's Gluon dK/dV program on the layout's columns (opt-in: a forced row).
-        with _scratch_allocator():
-            _launch(kernels_gluon.bs_bwd_dkdv_gluon_kernel, q, grid, args,
-                    {**kv_meta, "STAGES": kv_cfg.num_stages}, 17, record)  # fmt: skip
-    else:
-        _launch(kernels.bs_bwd_dkdv_kernel, q, grid, args, kv_meta, 17, record)
+    # The Gluon kernels: triton_flash's programs on the layout's columns and rows (opt-in:
+    # forced rows), dK/dV's for 128-key blocks.
+    gluon_ok = _gluon_backward(c, bq, bk, q, k, v, dout, lse)
+    _launch_kernel_of_row(
+        kernels.bs_bwd_dkdv_kernel, getattr(kernels_gluon, "bs_bwd_dkdv_gluon_kernel", None),
+        kv_cfg, gluon_ok and bk == 128, q, (_grid(nk, bk, block_n, b * hkv),), args,
+        {**meta, **launch, **_row_strides(Q=q, DO=dout)}, 17, record,
+    )  # fmt: skip
     fnum, fidx, pnum, pidx, ptile = index[_BY_ROW]
     cfg, block_m, _, launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal)
     args = (
@@ -438,15 +430,11 @@ def _bwd_impl(
         *_index_strides(fnum, fidx),
         hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
     )  # fmt: skip
-    grid = (_grid(nq, bq, block_m, b * hq),)
-    meta = {**meta, **launch, **_row_strides(K=k, V=v)}
-    if cfg.gluon and _gluon_backward(c, bq, bk, q, k, v, dout, lse):
-        # triton_flash's Gluon dQ program on the layout's rows (opt-in: a forced row).
-        with _scratch_allocator():
-            _launch(kernels_gluon.bs_bwd_dq_gluon_kernel, q, grid, args,
-                    {**meta, "STAGES": cfg.num_stages}, 16, record)  # fmt: skip
-    else:
-        _launch(kernels.bs_bwd_dq_kernel, q, grid, args, meta, 16, record)
+    _launch_kernel_of_row(
+        kernels.bs_bwd_dq_kernel, getattr(kernels_gluon, "bs_bwd_dq_gluon_kernel", None), cfg,
+        gluon_ok, q, (_grid(nq, bq, block_m, b * hq),), args,
+        {**meta, **launch, **_row_strides(K=k, V=v)}, 16, record,
+    )  # fmt: skip
     if key is not None and record and all(x is not None for x in record):
         _remember(key, _Plan(record, (dq, dk, dv), delta))
     return dq, dk, dv

@@ -54,6 +54,20 @@ _LOADER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
+def _ring(STAGES: gl.constexpr):
+    """(ready, empty): the barriers of a ring of STAGES shared buffers. A buffer's
+    ready barrier completes when the loader's copies into it land (one arrival: the
+    loader's expect), its empty barrier when both consumer warpgroups released it.
+    (kernels_gluon's forward, measured on the GPU, keeps its own inline setup.)"""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    return ready, empty
+
+
+@gluon.jit
 def _kv_tile(
     t, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
     q_empty, do_empty, start_m, keys, NQ, NK, offset, win_left, win_right, qk_scale, tokens,
@@ -325,16 +339,9 @@ def _kv_block(
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(do_empty.index(i), count=2)
+    q_ready, q_empty = _ring(STAGES)
+    do_ready, do_empty = _ring(STAGES)
     dk_base = b * stride_dkb + hk * stride_dkh
     dv_base = b * stride_dvb + hk * stride_dvh
     # The partitions' arguments are written out in each tuple (constexprs kept in a
@@ -613,16 +620,9 @@ def _dq_block(
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
+    k_ready, k_empty = _ring(STAGES)
+    v_ready, v_empty = _ring(STAGES)
     dq_base = b * stride_dqb + h * stride_dqh
     gl.warp_specialize(
         [

@@ -402,6 +402,22 @@ def _launch(
         record.append(cached)
 
 
+def _launch_kernel_of_row(
+    pointer: Any, gluon: Any, cfg: LaunchConfig, gluon_ok: bool, like: torch.Tensor,
+    grid: tuple[int, ...], args: tuple, meta: dict[str, Any], tensors: int, record: list | None,
+) -> None:  # fmt: skip
+    """:func:`_launch` of one launch's kernel: ``gluon`` (a Gluon kernel, or None where
+    this Triton has none) where its row asks for it (``cfg.gluon``) and the call allows
+    it (``gluon_ok``), with ``cfg.num_stages`` buffers and its tensor descriptors in
+    global scratch that the launch allocates (a plan's CachedLaunch allocates its own);
+    else ``pointer`` on the same tiles."""
+    if cfg.gluon and gluon_ok and gluon is not None:
+        with _scratch_allocator():
+            _launch(gluon, like, grid, args, {**meta, "STAGES": cfg.num_stages}, tensors, record)
+    else:
+        _launch(pointer, like, grid, args, meta, tensors, record)
+
+
 def _delta(
     out: torch.Tensor,
     dout: torch.Tensor,
@@ -867,15 +883,11 @@ def _bwd_full(
         )  # fmt: skip
         meta = {**c.meta, **kv_cfg.meta(), **_edge_segments(False, nq, nk, kv_cfg, *band, ragged=ragged),
                 **_row_strides(Q=q, DO=dout), "VARLEN": varlen}  # fmt: skip
-        grid = (cdiv(rows_k, kv_cfg.block_n), b * hkv)
-        if kv_cfg.gluon and not ragged and _gluon_bwd_eligible(c, lse, q, k, v, dout):
-            # Descriptors built in the kernel, in scratch the launch allocates (as the
-            # Gluon forward's); its ring holds num_stages query tiles.
-            with _scratch_allocator():
-                _launch(kernels_gluon_bwd.attn_bwd_dkdv_gluon_kernel, q, grid, args,
-                        {**meta, "STAGES": kv_cfg.num_stages}, 12, record)  # fmt: skip
-        else:
-            _launch(kernels.attn_bwd_dkdv_kernel, q, grid, args, meta, 12, record)
+        gluon_ok = not ragged and _gluon_bwd_eligible(c, lse, q, k, v, dout)
+        _launch_kernel_of_row(
+            kernels.attn_bwd_dkdv_kernel, getattr(kernels_gluon_bwd, "attn_bwd_dkdv_gluon_kernel", None),
+            kv_cfg, gluon_ok, q, (cdiv(rows_k, kv_cfg.block_n), b * hkv), args, meta, 12, record,
+        )  # fmt: skip
         args = (
             q, k, v, c.mask, seed_t, dout, lse, delta, views[0], cu_q, cu_k,
             *q.stride(), *k.stride(), *v.stride(), *c.mask_strides, *dout.stride(),
@@ -883,13 +895,10 @@ def _bwd_full(
         )  # fmt: skip
         meta = {**c.meta, **q_cfg.meta(), **_edge_segments(True, nq, nk, q_cfg, *band, ragged=ragged),
                 **_row_strides(K=k, V=v), "VARLEN": varlen}  # fmt: skip
-        grid = (cdiv(rows_q, q_cfg.block_m), b * hq)
-        if q_cfg.gluon and not ragged and _gluon_bwd_eligible(c, lse, q, k, v, dout):
-            with _scratch_allocator():
-                _launch(kernels_gluon_bwd.attn_bwd_dq_gluon_kernel, q, grid, args,
-                        {**meta, "STAGES": q_cfg.num_stages}, 11, record)  # fmt: skip
-        else:
-            _launch(kernels.attn_bwd_dq_kernel, q, grid, args, meta, 11, record)
+        _launch_kernel_of_row(
+            kernels.attn_bwd_dq_kernel, getattr(kernels_gluon_bwd, "attn_bwd_dq_gluon_kernel", None),
+            q_cfg, gluon_ok, q, (cdiv(rows_q, q_cfg.block_m), b * hq), args, meta, 11, record,
+        )  # fmt: skip
     if key is not None and record and all(x is not None for x in record):
         _remember(key, _BackwardPlan(record, dq, dk, dv, delta.shape))
     return dq, dk, dv
