@@ -30,7 +30,8 @@
 #               WORKLOADS_SET: issue16 (default), models or all: --workload-set)
 #   GRID_S      grid-quick.json/md: `attnhub bench --quick`
 #   BSPROBE_S   block-sparse-probe.txt: benchmarks/block_sparse_probe.py (BSPROBE_ARGS, e.g.
-#               --forward: the pointer forward against the Gluon one, forced rows)
+#               --forward: the pointer forward against the Gluon one, forced rows;
+#               --gluon-backward: the backward with the Gluon dQ and dK/dV forced)
 #   MASKPROBE_S masked-fwd-probe.txt: benchmarks/masked_fwd_probe.py (MASKPROBE_ARGS, e.g.
 #               --shape 4,16,4096,128): the dense-mask forward under forced configurations
 #   GLUONBWD_S  gluon-bwd-probe.txt: benchmarks/gluon_bwd_probe.py (GLUONBWD_ARGS, e.g.
