@@ -57,9 +57,6 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from attnhub.backends.triton_flash import configs, ops, tuning
 
-# The Gluon backward kernels' tiles (kernels_gluon_bwd): dK/dV, dQ.
-GLUON_BWD_KV = configs.LaunchConfig(64, 128, 4, 2, gluon=True)
-GLUON_BWD_Q = configs.LaunchConfig(128, 64, 4, 2, gluon=True)
 SHARED_LIMIT = 232448  # bytes of shared memory per block on sm_90 (227 KiB)
 _TYPES = {
     torch.float16: "fp16",
@@ -93,8 +90,8 @@ def record(
     """Run forward+backward for each (dtype, head dim, options) on CPU, recording launches.
 
     ``options`` may hold ``bwd_kv`` and ``bwd_q``, LaunchConfigs forced for dK/dV and dQ
-    (the Gluon ones, which no table row asks for), and ``shape``: (B, Hq, Hkv, Nq, Nk), default (1, 2, 1, 40, 50); the
-    shape decides the JIT's specialization (ints equal to 1, multiples of 16), so a GPU
+    (configs.GLUON_BWD's, which no table row asks for), and ``shape``: (B, Hq, Hkv, Nq,
+    Nk), default (1, 2, 1, 40, 50); the shape decides the JIT's specialization (ints equal to 1, multiples of 16), so a GPU
     test's launch is reproduced exactly by passing its shape. The backward gets a
     contiguous grad_out, as in training and in the conformance tests. Each case runs
     once per backward launch mode in ``bwd_modes`` (``configs.BWD_MODES``; a mode that
@@ -174,8 +171,7 @@ def variants(quick: bool) -> list[tuple[torch.dtype, int, dict]]:
     gluon = {"causal": True, "bottom_right": True, "shape": (1, 2, 1, 1030, 1100)}
     # The Gluon backward kernels (kernels_gluon_bwd), forced: GQA, bottom-right, ragged
     # (Nq a multiple of 4: ops._gluon_bwd_eligible).
-    gluon_bwd = {**gluon, "shape": (1, 4, 2, 1032, 1100), "bwd_kv": GLUON_BWD_KV,
-                 "bwd_q": GLUON_BWD_Q}  # fmt: skip
+    gluon_bwd = {**gluon, "shape": (1, 4, 2, 1032, 1100), **configs.GLUON_BWD}
     if quick:
         return [(torch.bfloat16, 128, {"causal": True}), (torch.float32, 40, full),
                 (torch.bfloat16, 128, tma), (torch.bfloat16, 128, gluon),
@@ -437,11 +433,7 @@ def record_blocksparse(
             # "gluon_bwd": the Gluon backward kernels forced (bs_bwd_dq_gluon_kernel,
             # bs_bwd_dkdv_gluon_kernel; no table row asks for them), on the layouts
             # "long" builds.
-            forced = (
-                {"bwd_q": GLUON_BWD_Q, "bwd_kv": GLUON_BWD_KV}
-                if options.pop("gluon_bwd", False)
-                else {}
-            )
+            forced = configs.GLUON_BWD if options.pop("gluon_bwd", False) else {}
             n = 16 * block if long else 4 * block if options.pop("even", False) else 2 * block + 40
             layouts = [BlockSparseLayout.sliding_window(n, block + 10, block)]
             if long:

@@ -34,7 +34,7 @@ import torch
 import attnhub
 from attnhub.backends.triton_blocksparse import ops as bs_ops
 from attnhub.backends.triton_flash import tuning
-from attnhub.backends.triton_flash.configs import LaunchConfig
+from attnhub.backends.triton_flash.configs import GLUON_BWD, LaunchConfig
 from attnhub.bench import build_layout
 from attnhub.timing import loop_ms
 
@@ -164,10 +164,8 @@ def main() -> None:
             print(f"    {us:9.1f}  {name[:60]}")
         if not args.gluon_backward:
             continue
-        rows = {"bwd_q": LaunchConfig(128, 64, 4, 2, gluon=True),
-                "bwd_kv": LaunchConfig(64, 128, 4, 2, gluon=True)}  # fmt: skip
         for roles in (("bwd_q",), ("bwd_kv",), ("bwd_q", "bwd_kv")):
-            with tuning.override(**{role: rows[role] for role in roles}):
+            with tuning.override(**{role: GLUON_BWD[role] for role in roles}):
                 out_g = attnhub.attention(
                     q, k, v, block_sparse=layout, backend="triton_blocksparse"
                 )

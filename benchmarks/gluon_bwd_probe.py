@@ -15,6 +15,7 @@ over each way's (> 1: the way is faster).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnhub.backends.triton_flash import ops, tuning
-from attnhub.backends.triton_flash.configs import LaunchConfig
+from attnhub.backends.triton_flash.configs import GLUON_BWD
 from attnhub.timing import event_ms
 
 
@@ -83,8 +84,8 @@ def main() -> None:
                 except RuntimeError as exc:
                     print(f"  {name}: {str(exc)[:100]}")
             for stages in (int(s) for s in args.stages.split(",")):
-                rows = {"bwd_kv": LaunchConfig(64, 128, 4, stages, gluon=True),
-                        "bwd_q": LaunchConfig(128, 64, 4, stages, gluon=True)}  # fmt: skip
+                rows = {role: dataclasses.replace(row, num_stages=stages)
+                        for role, row in GLUON_BWD.items()}  # fmt: skip
                 for label, roles in (("dK/dV", ("bwd_kv",)), ("dQ", ("bwd_q",)),
                                      ("both", ("bwd_kv", "bwd_q"))):  # fmt: skip
                     name = f"gluon {label}, {stages} stages"

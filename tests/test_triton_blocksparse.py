@@ -495,9 +495,7 @@ def test_gpu_gluon_backward(
     if name.startswith(("window", "rect_128x64_random")):  # strided views
         qkv = tuple(torch.randn(b, n, h, 128, dtype=dtype, device="cuda").transpose(1, 2)
                     for h in (hq, hkv, hkv))  # fmt: skip
-    rows = {"bwd_q": configs.LaunchConfig(128, 64, 4, 2, gluon=True),
-            "bwd_kv": configs.LaunchConfig(64, 128, 4, 2, gluon=True)}  # fmt: skip
-    with tuning.override(**{role: rows[role] for role in roles.split("+")}):
+    with tuning.override(**{role: configs.GLUON_BWD[role] for role in roles.split("+")}):
         _check(layout, dtype, b, hq, hkv, n, n, 128, qkv=qkv)
     dq_gluon = "bwd_q" in roles
     dkdv_gluon = "bwd_kv" in roles and layout.block_size[1] == 128

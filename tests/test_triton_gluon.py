@@ -69,11 +69,7 @@ def test_gpu_gluon_forward_keeps_the_contract(case: Case, launched_kernels: list
 
 
 GLUON_KV, GLUON_Q = "attn_bwd_dkdv_gluon_kernel", "attn_bwd_dq_gluon_kernel"
-# The Gluon backward kernels' rows, forced (no table row asks for them yet).
-_GLUON_ROWS = {
-    "bwd_kv": configs.LaunchConfig(64, 128, 4, 2, gluon=True),
-    "bwd_q": configs.LaunchConfig(128, 64, 4, 2, gluon=True),
-}
+_GLUON_ROWS = configs.GLUON_BWD  # forced: no table row asks for them yet
 _BWD_CASES = [
     pytest.param(case, roles, marks=gpu, id=f"{'+'.join(roles)}-{case.id}")
     for roles in (("bwd_kv",), ("bwd_q",), ("bwd_kv", "bwd_q"))

@@ -39,6 +39,30 @@ from attnhub.backends.triton_flash.kernels_gluon_bwd import _KEYS, _dq_block, _k
 from .kernels import _program_tile
 
 
+@gluon.jit
+def _row_walk(
+    FullNum, PartNum, Order, n_heavy, stride_nb, stride_nh, stride_ib, stride_ih, NCOLS,
+    H, NQ, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_PARTIAL: gl.constexpr,
+    BQ: gl.constexpr, BK: gl.constexpr,
+):  # fmt: skip
+    """The program's layout row, as the forward and dQ kernels walk it: (first row,
+    b * H + h, b, h, the row's block-list offset, its full blocks, its full blocks' key
+    tiles, all its key tiles), in ``kernels._program_tile``'s order, BK // BLOCK_N tiles
+    a block."""
+    start_m, pid_bh = _program_tile(Order, n_heavy, NQ, BQ, BLOCK_M)
+    qb = start_m // BQ  # the layout's row block
+    b = pid_bh // H
+    h = pid_bh % H
+    num_off = b * stride_nb + h * stride_nh + qb
+    idx_off = b * stride_ib + h * stride_ih + qb * NCOLS
+    n_full = gl.load(FullNum + num_off)
+    n_part = 0
+    if HAS_PARTIAL:
+        n_part = gl.load(PartNum + num_off)
+    n_bulk = n_full * (BK // BLOCK_N)
+    return start_m, pid_bh, b, h, idx_off, n_full, n_bulk, n_bulk + n_part * (BK // BLOCK_N)
+
+
 @gluon.jit(do_not_specialize=[*_DYNAMIC, "n_heavy"])
 def bs_fwd_gluon_kernel(
     Q, K, V, Mask, Seed, Out, Lse,
@@ -64,20 +88,12 @@ def bs_fwd_gluon_kernel(
     gl.static_assert(EVEN_BLOCKS and not HAS_BAND and not HAS_SOFTCAP and FOLD_SCALE)
     gl.static_assert(BLOCK_M == 2 * _ROWS and BQ == BLOCK_M and BK % BLOCK_N == 0)
     gl.static_assert(gl.num_warps() == 4)
-    start_m, pid_bh = _program_tile(Order, n_heavy, NQ, BQ, BLOCK_M)
-    qb = start_m // BQ  # the layout's row block
-    b = pid_bh // H
-    h = pid_bh % H
-    num_off = b * stride_nb + h * stride_nh + qb
-    idx_off = b * stride_ib + h * stride_ih + qb * NCOLS
-    n_full = gl.load(FullNum + num_off)
-    n_part = 0
-    if HAS_PARTIAL:
-        n_part = gl.load(PartNum + num_off)
-    n_bulk = n_full * (BK // BLOCK_N)
+    start_m, pid_bh, b, h, idx_off, n_full, n_bulk, n = _row_walk(
+        FullNum, PartNum, Order, n_heavy, stride_nb, stride_nh, stride_ib, stride_ih, NCOLS,
+        H, NQ, BLOCK_M, BLOCK_N, HAS_PARTIAL, BQ, BK,
+    )  # fmt: skip
     _forward_block(
-        Q, K, V, Out, Lse, pid_bh, b, h, h // GROUP, start_m, 0, 0, n_bulk,
-        n_bulk + n_part * (BK // BLOCK_N),
+        Q, K, V, Out, Lse, pid_bh, b, h, h // GROUP, start_m, 0, 0, n_bulk, n,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_od,
         H, NQ, NK, offset, win_left, win_right, qk_scale,
@@ -116,20 +132,12 @@ def bs_bwd_dq_gluon_kernel(
     gl.static_assert(EVEN_BLOCKS and not HAS_BAND and not HAS_SOFTCAP)
     gl.static_assert(BLOCK_M == 2 * _ROWS and BQ == BLOCK_M and BK % BLOCK_N == 0)
     gl.static_assert(gl.num_warps() == 4)
-    start_m, pid_bh = _program_tile(Order, n_heavy, NQ, BQ, BLOCK_M)
-    qb = start_m // BQ  # the layout's row block
-    b = pid_bh // H
-    h = pid_bh % H
-    num_off = b * stride_nb + h * stride_nh + qb
-    idx_off = b * stride_ib + h * stride_ih + qb * NCOLS
-    n_full = gl.load(FullNum + num_off)
-    n_part = 0
-    if HAS_PARTIAL:
-        n_part = gl.load(PartNum + num_off)
-    n_bulk = n_full * (BK // BLOCK_N)
+    start_m, pid_bh, b, h, idx_off, n_full, n_bulk, n = _row_walk(
+        FullNum, PartNum, Order, n_heavy, stride_nb, stride_nh, stride_ib, stride_ih, NCOLS,
+        H, NQ, BLOCK_M, BLOCK_N, HAS_PARTIAL, BQ, BK,
+    )  # fmt: skip
     _dq_block(
-        Q, K, V, DO, Lse, Delta, DQ, pid_bh, b, h, h // GROUP, start_m, 0, 0, n_bulk,
-        n_bulk + n_part * (BK // BLOCK_N),
+        Q, K, V, DO, Lse, Delta, DQ, pid_bh, b, h, h // GROUP, start_m, 0, 0, n_bulk, n,
         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
         stride_dqb, stride_dqh, stride_dqm, stride_dqd,

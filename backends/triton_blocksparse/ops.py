@@ -405,7 +405,8 @@ def _bwd_impl(
     meta = {**c.meta, "HAS_PARTIAL": has_partial}
 
     fnum, fidx, pnum, pidx, ptile = index[_BY_COLUMN]
-    kv_cfg, _, block_n, launch = _tiles_meta("bwd_kv", bq, bk, meta, q, nk, causal)
+    kv_cfg, _, block_n, kv_launch = _tiles_meta("bwd_kv", bq, bk, meta, q, nk, causal)
+    q_cfg, block_m, _, q_launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal)
     args = (
         q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
         fnum, fidx, pnum, pidx, ptile, tiles, col_order, heavy_cols,
@@ -414,15 +415,14 @@ def _bwd_impl(
         hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
     )  # fmt: skip
     # The Gluon kernels: triton_flash's programs on the layout's columns and rows (opt-in:
-    # forced rows), dK/dV's for 128-key blocks.
-    gluon_ok = _gluon_backward(c, bq, bk, q, k, v, dout, lse)
+    # forced rows), dK/dV's for 128-key blocks; read only where a Gluon row asks.
+    gluon_ok = (kv_cfg.gluon or q_cfg.gluon) and _gluon_backward(c, bq, bk, q, k, v, dout, lse)
     _launch_kernel_of_row(
         kernels.bs_bwd_dkdv_kernel, getattr(kernels_gluon, "bs_bwd_dkdv_gluon_kernel", None),
         kv_cfg, gluon_ok and bk == 128, q, (_grid(nk, bk, block_n, b * hkv),), args,
-        {**meta, **launch, **_row_strides(Q=q, DO=dout)}, 17, record,
+        {**meta, **kv_launch, **_row_strides(Q=q, DO=dout)}, 17, record,
     )  # fmt: skip
     fnum, fidx, pnum, pidx, ptile = index[_BY_ROW]
-    cfg, block_m, _, launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal)
     args = (
         q, k, v, c.mask, seed_t, dout, lse, delta, dq,
         fnum, fidx, pnum, pidx, ptile, tiles, row_order, heavy_rows,
@@ -431,9 +431,9 @@ def _bwd_impl(
         hq, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
     )  # fmt: skip
     _launch_kernel_of_row(
-        kernels.bs_bwd_dq_kernel, getattr(kernels_gluon, "bs_bwd_dq_gluon_kernel", None), cfg,
+        kernels.bs_bwd_dq_kernel, getattr(kernels_gluon, "bs_bwd_dq_gluon_kernel", None), q_cfg,
         gluon_ok, q, (_grid(nq, bq, block_m, b * hq),), args,
-        {**meta, **launch, **_row_strides(K=k, V=v)}, 16, record,
+        {**meta, **q_launch, **_row_strides(K=k, V=v)}, 16, record,
     )  # fmt: skip
     if key is not None and record and all(x is not None for x in record):
         _remember(key, _Plan(record, (dq, dk, dv), delta))

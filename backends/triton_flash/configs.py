@@ -257,6 +257,15 @@ _GLUON_2B: dict[tuple[int, bool], LaunchConfig] = {
 }
 
 
+# The Gluon backward kernels' rows (kernels_gluon_bwd: tiles their programs are written
+# for, 2 buffers), by role. No table row asks for them yet: a tuning.override(bwd_kv=...,
+# bwd_q=...) forces them (benchmarks/NOTES.md, 2026-12-05).
+GLUON_BWD: dict[str, LaunchConfig] = {
+    "bwd_kv": LaunchConfig(64, 128, 4, 2, gluon=True),
+    "bwd_q": LaunchConfig(128, 64, 4, 2, gluon=True),
+}
+
+
 def _rows(direction: str, element_size: int, causal: bool) -> _Rows:
     wide = element_size >= 4
     if direction == "fwd":

@@ -54,6 +54,29 @@ _LOADER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
+def _rows_desc(base, n_rows, row_stride, BLOCK_ROWS: gl.constexpr, BLOCK_D: gl.constexpr):
+    """A TMA descriptor over one head's (n_rows, BLOCK_D) rows at ``base`` (unit stride
+    along D), in tiles of BLOCK_ROWS rows; rows past n_rows read as zeros."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_ROWS, BLOCK_D], base.dtype.element_ty
+    )
+    return tma.make_tensor_descriptor(
+        base, shape=[n_rows, BLOCK_D], strides=[row_stride, 1],
+        block_shape=[BLOCK_ROWS, BLOCK_D], layout=layout,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _vec_desc(base, n, BLOCK: gl.constexpr):
+    """A TMA descriptor over the n float32 entries at ``base`` (a head's lse or delta
+    row; 16-byte aligned: ops._gluon_bwd_eligible), in tiles of BLOCK; entries past n
+    read as zeros."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK], gl.float32)
+    return tma.make_tensor_descriptor(base, shape=[n], strides=[1], block_shape=[BLOCK],
+                                      layout=layout)  # fmt: skip
+
+
+@gluon.jit
 def _ring(STAGES: gl.constexpr):
     """(ready, empty): the barriers of a ring of STAGES shared buffers. A buffer's
     ready barrier completes when the loader's copies into it land (one arrival: the
@@ -242,9 +265,6 @@ def _kv_loader(
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [start_n, 0], kv_bar, k_all)
     tma.async_copy_global_to_shared(v_desc, [start_n, 0], kv_bar, v_all)
-    dtype: gl.constexpr = Q.dtype.element_ty
-    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
-    vec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
     STEPS: gl.constexpr = BQ // BLOCK_M
     base = start_n * 0  # the head's first tile in the walk (a tensor: it is carried)
     for g in range(0, GROUP):
@@ -261,20 +281,11 @@ def _kv_loader(
             mbarrier.wait(do_empty.index(j % STAGES), (j // STAGES) & 1)
         h = hk * GROUP + g
         lse_row = (b * H + h) * NQ
-        lse_desc = tma.make_tensor_descriptor(
-            Lse + lse_row, shape=[NQ], strides=[1], block_shape=[BLOCK_M], layout=vec_layout
-        )
-        delta_desc = tma.make_tensor_descriptor(
-            Delta + lse_row, shape=[NQ], strides=[1], block_shape=[BLOCK_M], layout=vec_layout
-        )
-        q_desc = tma.make_tensor_descriptor(
-            Q + b * stride_qb + h * stride_qh, shape=[NQ, HEAD_D], strides=[stride_qm, 1],
-            block_shape=[BLOCK_M, HEAD_D], layout=row_layout,
-        )  # fmt: skip
-        do_desc = tma.make_tensor_descriptor(
-            DO + b * stride_dob + h * stride_doh, shape=[NQ, HEAD_D], strides=[stride_dom, 1],
-            block_shape=[BLOCK_M, HEAD_D], layout=row_layout,
-        )  # fmt: skip
+        lse_desc = _vec_desc(Lse + lse_row, NQ, BLOCK_M)
+        delta_desc = _vec_desc(Delta + lse_row, NQ, BLOCK_M)
+        q_desc = _rows_desc(Q + b * stride_qb + h * stride_qh, NQ, stride_qm, BLOCK_M, HEAD_D)
+        do_desc = _rows_desc(DO + b * stride_dob + h * stride_doh, NQ, stride_dom, BLOCK_M,
+                             HEAD_D)  # fmt: skip
         for i in range(n_g):
             t = base + i
             slot = t % STAGES
@@ -324,14 +335,8 @@ def _kv_block(
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
     vec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
-    k_desc = tma.make_tensor_descriptor(
-        K + b * stride_kb + hk * stride_kh, shape=[NK, BLOCK_D], strides=[stride_kn, 1],
-        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout,
-    )  # fmt: skip
-    v_desc = tma.make_tensor_descriptor(
-        V + b * stride_vb + hk * stride_vh, shape=[NK, BLOCK_D], strides=[stride_vn, 1],
-        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout,
-    )  # fmt: skip
+    k_desc = _rows_desc(K + b * stride_kb + hk * stride_kh, NK, stride_kn, BLOCK_N, BLOCK_D)
+    v_desc = _rows_desc(V + b * stride_vb + hk * stride_vh, NK, stride_vn, BLOCK_N, BLOCK_D)
     k_all = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     v_all = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_D], row_layout)
@@ -591,28 +596,12 @@ def _dq_block(
     vec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
     # The lse and delta rows through TMA too (see _kv_loader): this head's row.
     lse_row = pid_bh * NQ
-    q_desc = tma.make_tensor_descriptor(
-        Q + b * stride_qb + h * stride_qh, shape=[NQ, BLOCK_D], strides=[stride_qm, 1],
-        block_shape=[BLOCK_M, BLOCK_D], layout=row_layout,
-    )  # fmt: skip
-    do_desc = tma.make_tensor_descriptor(
-        DO + b * stride_dob + h * stride_doh, shape=[NQ, BLOCK_D], strides=[stride_dom, 1],
-        block_shape=[BLOCK_M, BLOCK_D], layout=row_layout,
-    )  # fmt: skip
-    lse_desc = tma.make_tensor_descriptor(
-        Lse + lse_row, shape=[NQ], strides=[1], block_shape=[BLOCK_M], layout=vec_layout
-    )
-    delta_desc = tma.make_tensor_descriptor(
-        Delta + lse_row, shape=[NQ], strides=[1], block_shape=[BLOCK_M], layout=vec_layout
-    )
-    k_desc = tma.make_tensor_descriptor(
-        K + b * stride_kb + hk * stride_kh, shape=[NK, BLOCK_D], strides=[stride_kn, 1],
-        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout,
-    )  # fmt: skip
-    v_desc = tma.make_tensor_descriptor(
-        V + b * stride_vb + hk * stride_vh, shape=[NK, BLOCK_D], strides=[stride_vn, 1],
-        block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout,
-    )  # fmt: skip
+    q_desc = _rows_desc(Q + b * stride_qb + h * stride_qh, NQ, stride_qm, BLOCK_M, BLOCK_D)
+    do_desc = _rows_desc(DO + b * stride_dob + h * stride_doh, NQ, stride_dom, BLOCK_M, BLOCK_D)
+    lse_desc = _vec_desc(Lse + lse_row, NQ, BLOCK_M)
+    delta_desc = _vec_desc(Delta + lse_row, NQ, BLOCK_M)
+    k_desc = _rows_desc(K + b * stride_kb + hk * stride_kh, NK, stride_kn, BLOCK_N, BLOCK_D)
+    v_desc = _rows_desc(V + b * stride_vb + hk * stride_vh, NK, stride_vn, BLOCK_N, BLOCK_D)
     q_all = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], row_layout)
     do_all = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], row_layout)
     lse_all = gl.allocate_shared_memory(gl.float32, [BLOCK_M], vec_layout)

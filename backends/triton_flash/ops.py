@@ -883,7 +883,11 @@ def _bwd_full(
         )  # fmt: skip
         meta = {**c.meta, **kv_cfg.meta(), **_edge_segments(False, nq, nk, kv_cfg, *band, ragged=ragged),
                 **_row_strides(Q=q, DO=dout), "VARLEN": varlen}  # fmt: skip
-        gluon_ok = not ragged and _gluon_bwd_eligible(c, lse, q, k, v, dout)
+        # Read only where a Gluon row asks (the checks read every tensor's strides).
+        gluon_ok = (
+            (kv_cfg.gluon or q_cfg.gluon) and not ragged
+            and _gluon_bwd_eligible(c, lse, q, k, v, dout)
+        )  # fmt: skip
         _launch_kernel_of_row(
             kernels.attn_bwd_dkdv_kernel, getattr(kernels_gluon_bwd, "attn_bwd_dkdv_gluon_kernel", None),
             kv_cfg, gluon_ok, q, (cdiv(rows_k, kv_cfg.block_n), b * hkv), args, meta, 12, record,
