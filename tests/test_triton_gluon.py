@@ -303,6 +303,39 @@ def test_which_block_sparse_forward_an_sm90_call_gets(
     assert launched == [expected]
 
 
+def _block_sparse_backward_launches(monkeypatch, what: str, rows: dict) -> list[str]:  # type: ignore[no-untyped-def]
+    """The kernels triton_blocksparse's backward launches (recorded, not run) on an
+    sm_90 under the forced ``rows``: preprocess, dK/dV, dQ. ``what`` names the call:
+    "served" (128 x 128 full blocks, N = 2048, bf16, D = 128), "partial blocks" (a
+    300-key window), "64-row blocks", "128 x 64 blocks", "causal", "softcap", "a Triton
+    without the Gluon backward"."""
+    from attnhub import BlockSparseLayout
+    from attnhub.backends.triton_blocksparse import ops as bs_ops
+    from attnhub.backends.triton_flash import tuning
+
+    launched = _recorded_as_on(monkeypatch, (9, 0), bs_ops)
+    if what == "a Triton without the Gluon backward":
+        monkeypatch.setattr(ops, "kernels_gluon_bwd", None)
+    n = 2048
+    block = {"64-row blocks": 64, "128 x 64 blocks": (128, 64)}.get(what, 128)
+    if what == "partial blocks":
+        layout = BlockSparseLayout.sliding_window(n, 300, block)
+    else:
+        bq, bk = (block, block) if isinstance(block, int) else block
+        keep = torch.ones(1, 1, n // bq, n // bk, dtype=torch.bool)
+        layout = BlockSparseLayout.from_block_mask(keep, block)
+    q = torch.zeros(1, 2, n, 128, dtype=torch.bfloat16, requires_grad=True)
+    with tuning.override(**rows):
+        out, _ = bs_ops.block_sparse_attention(
+            q, q, q, layout, None, causal=what == "causal",
+            softcap=30.0 if what == "softcap" else 0.0,
+        )  # fmt: skip
+        launched.clear()  # the forward's
+        out.backward(torch.ones_like(out))
+    assert len(launched) == 3, launched  # preprocess, dK/dV, dQ
+    return launched
+
+
 @pytest.mark.parametrize(
     ("what", "expected"),
     [
@@ -322,32 +355,9 @@ def test_which_block_sparse_dq_kernel_an_sm90_call_gets(
     """triton_blocksparse's dQ launch (recorded, not run) under a forced Gluon dQ row:
     the Gluon kernel (kernels_gluon.bs_bwd_dq_gluon_kernel) takes the layouts its
     forward takes; every other call keeps the pointer kernel."""
-    from attnhub import BlockSparseLayout
-    from attnhub.backends.triton_blocksparse import ops as bs_ops
-    from attnhub.backends.triton_flash import tuning
-
-    launched = _recorded_as_on(monkeypatch, (9, 0), bs_ops)
-    if what == "a Triton without the Gluon backward":
-        monkeypatch.setattr(ops, "kernels_gluon_bwd", None)
-    n = 2048
-    block = {"64-row blocks": 64, "128 x 64 blocks": (128, 64)}.get(what, 128)
-    if what == "partial blocks":
-        layout = BlockSparseLayout.sliding_window(n, 300, block)
-    else:
-        bq, bk = (block, block) if isinstance(block, int) else block
-        keep = torch.ones(1, 1, n // bq, n // bk, dtype=torch.bool)
-        layout = BlockSparseLayout.from_block_mask(keep, block)
-    q = torch.zeros(1, 2, n, 128, dtype=torch.bfloat16, requires_grad=True)
     rows = {} if what == "no Gluon row" else {"bwd_q": _GLUON_ROWS["bwd_q"]}
-    with tuning.override(**rows):
-        out, _ = bs_ops.block_sparse_attention(
-            q, q, q, layout, None, causal=what == "causal",
-            softcap=30.0 if what == "softcap" else 0.0,
-        )  # fmt: skip
-        launched.clear()  # the forward's
-        out.backward(torch.ones_like(out))
-    assert expected in launched and len(launched) == 3, launched  # preprocess, dK/dV, dQ
-    assert launched[-1] == expected
+    launched = _block_sparse_backward_launches(monkeypatch, what, rows)
+    assert launched[-1] == expected, launched
 
 
 @pytest.mark.parametrize(
@@ -367,26 +377,9 @@ def test_which_block_sparse_dkdv_kernel_an_sm90_call_gets(
     row: the Gluon kernel (kernels_gluon.bs_bwd_dkdv_gluon_kernel) takes layouts of
     128 x 128 blocks that the Gluon forward takes (its program is one 128-key column
     block); every other call keeps the pointer kernel."""
-    from attnhub import BlockSparseLayout
-    from attnhub.backends.triton_blocksparse import ops as bs_ops
-    from attnhub.backends.triton_flash import tuning
-
-    launched = _recorded_as_on(monkeypatch, (9, 0), bs_ops)
-    n = 2048
-    block = (128, 64) if what == "128 x 64 blocks" else 128
-    if what == "partial blocks":
-        layout = BlockSparseLayout.sliding_window(n, 300, block)
-    else:
-        bq, bk = (block, block) if isinstance(block, int) else block
-        keep = torch.ones(1, 1, n // bq, n // bk, dtype=torch.bool)
-        layout = BlockSparseLayout.from_block_mask(keep, block)
-    q = torch.zeros(1, 2, n, 128, dtype=torch.bfloat16, requires_grad=True)
     rows = {} if what == "no Gluon row" else {"bwd_kv": _GLUON_ROWS["bwd_kv"]}
-    with tuning.override(**rows):
-        out, _ = bs_ops.block_sparse_attention(q, q, q, layout, None, causal=what == "causal")
-        launched.clear()  # the forward's
-        out.backward(torch.ones_like(out))
-    assert len(launched) == 3 and launched[1] == expected, launched  # preprocess, dK/dV, dQ
+    launched = _block_sparse_backward_launches(monkeypatch, what, rows)
+    assert launched[1] == expected, launched
 
 
 def test_a_forced_gluon_row_serves_short_rows_too(monkeypatch) -> None:  # type: ignore[no-untyped-def]
