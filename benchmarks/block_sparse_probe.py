@@ -2,8 +2,8 @@
 
 The block-sparse bench (``attnhub bench --block-sparse``) reads the backward against
 FlexAttention's per layout; this splits it into its CUDA kernels (preprocess, dK/dV,
-dQ and anything else launched) from the profiler, dense triton_flash's first (its merged
-and split backward launches), with the layout's facts (kept
+dQ and anything else launched) from the profiler, dense triton_flash's first (the
+table's backward, and its pointer rows merged and split), with the layout's facts (kept
 blocks, empty rows and columns, the heavy-first counts), for the bench's shape (B2 H16
 N8192 D128 bf16, block 128) by default::
 
@@ -15,11 +15,13 @@ Gluon, forced), what the table picks (the Gluon forward on layouts with long row
 128 and 64 keys (``--gluon-key-tiles``), each with its output's and lse's largest
 difference from the pointer kernel's, dense triton_flash's forward beside them.
 
-``--gluon-backward`` also times each layout's backward with the Gluon backward kernels
-forced (``kernels_gluon.bs_bwd_dq_gluon_kernel`` through a ``bwd_q`` row with
-gluon=True, ``bs_bwd_dkdv_gluon_kernel`` through a ``bwd_kv`` one; each alone, then
-both), with their kernels and the gradients' largest difference from the pointer
-backward's.
+``--gluon-backward`` also times each layout's backward on the pointer kernels (the rows
+without Gluon, forced) and with the Gluon backward kernels forced
+(``kernels_gluon.bs_bwd_dq_gluon_kernel`` through a ``bwd_q`` row with gluon=True,
+``bs_bwd_dkdv_gluon_kernel`` through a ``bwd_kv`` one; each alone beside the other
+role's pointer row, then both), with their kernels and the gradients' largest
+difference from the pointer backward's; the ratios are the pointer backward's time
+over each way's.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 import attnhub
 from attnhub.backends.triton_blocksparse import ops as bs_ops
 from attnhub.backends.triton_flash import tuning
-from attnhub.backends.triton_flash.configs import GLUON_BWD, LaunchConfig
+from attnhub.backends.triton_flash.configs import GLUON_BWD, LaunchConfig, backward_configs
 from attnhub.bench import build_layout
 from attnhub.timing import loop_ms
 
@@ -131,8 +133,25 @@ def main() -> None:
         forwards(q, k, v, args.layouts, device, [int(x) for x in args.gluon_key_tiles.split(",")])
         return
     print(f"shape B{b} H{h} N{n} D{d} {dtype}, block 128; backward kernels, us per step")
-    for launch in ("merged", "split"):  # dense triton_flash beside it, both launch modes
-        with tuning.override(backward_launch=launch):
+    # Dense triton_flash beside it: the table's backward, and its pointer rows (those of
+    # calls the Gluon kernels cannot serve) in both launch modes.
+    dense_rows = dict(
+        zip(
+            ("bwd_kv", "bwd_q"),
+            backward_configs(
+                d,
+                q.element_size(),
+                False,
+                bs_ops._capability(device),
+                bs_ops.interpreting(),
+                n,
+                True,
+            ),
+        )
+    )
+    for launch, rows in (("the table's", {}), ("pointer rows, merged", {**dense_rows, "backward_launch": "merged_heads"}),
+                         ("pointer rows, split", {**dense_rows, "backward_launch": "split"})):  # fmt: skip
+        with tuning.override(**rows):
             out = attnhub.attention(q, k, v, backend="triton_flash")
 
         def dense(out: torch.Tensor = out) -> None:
@@ -164,8 +183,15 @@ def main() -> None:
             print(f"    {us:9.1f}  {name[:60]}")
         if not args.gluon_backward:
             continue
+        pointer = {role: bs_ops._launch_config(role, d, q, False, n) for role in GLUON_BWD}
+        ways = {"pointer rows": pointer}
         for roles in (("bwd_q",), ("bwd_kv",), ("bwd_q", "bwd_kv")):
-            with tuning.override(**{role: GLUON_BWD[role] for role in roles}):
+            ways[f"Gluon {'+'.join(roles)}"] = {
+                **pointer,
+                **{role: GLUON_BWD[role] for role in roles},
+            }
+        for label, rows in ways.items():
+            with tuning.override(**rows):
                 out_g = attnhub.attention(
                     q, k, v, block_sparse=layout, backend="triton_blocksparse"
                 )
@@ -173,13 +199,18 @@ def main() -> None:
             def bwd_g(out: torch.Tensor = out_g) -> tuple[torch.Tensor, ...]:
                 return torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
 
+            grads = bwd_g()
+            if label == "pointer rows":
+                reference, pointer_ms = grads, loop_ms(bwd_g, device, 20)
+                ms_g = pointer_ms
+            else:
+                ms_g = loop_ms(bwd_g, device, 20)
             diffs = " ".join(
                 f"{name} {(x.float() - r.float()).abs().max().item():.2e}"
-                for name, x, r in zip(("dq", "dk", "dv"), bwd_g(), reference)
+                for name, x, r in zip(("dq", "dk", "dv"), grads, reference)
             )
-            ms_g = loop_ms(bwd_g, device, 20)
-            print(f"  Gluon {'+'.join(roles)} forced: backward {ms_g:.3f} ms ({ms / ms_g:.2f}x "
-                  f"the table's), max|diff| {diffs}")  # fmt: skip
+            print(f"  {label} forced: backward {ms_g:.3f} ms ({pointer_ms / ms_g:.2f}x the "
+                  f"pointer rows'; the table's {ms / ms_g:.2f}x), max|diff| {diffs}")  # fmt: skip
             for name, us in kernel_us(bwd_g).items():
                 print(f"    {us:9.1f}  {name[:60]}")
 

@@ -1,13 +1,15 @@
 """triton_flash's backward with the Gluon kernels (kernels_gluon_bwd) forced, beside the
-table's backward and PyTorch's cuDNN and flash kernels, in one process.
+pointer kernels' backward, the table's and PyTorch's cuDNN and flash kernels, in one
+process.
 
 For each shape (bf16, D = 128), causal and not: the backward alone (the forward run
-once, its graph kept) of the table's launch and, at each ``--stages``, of the Gluon
-dK/dV kernel, the Gluon dQ kernel (each beside the other role's pointer kernel) and
-both (the backward then runs split): the time of each in ms and TFLOP/s (2.5 x the
-forward's FLOPs, causal halved), each gradient's largest difference from the table's,
-and the Triton kernels it launched. The ratios: the table's time, cuDNN's and flash's
-over each way's (> 1: the way is faster).
+once, its graph kept) of the pointer kernels (the rows the table gives calls that the
+Gluon kernels cannot serve, forced), of the table's launch and, at each ``--stages``,
+of the Gluon dK/dV kernel, the Gluon dQ kernel (each beside the other role's pointer
+row) and both (the backward then runs split): the time of each in ms and TFLOP/s (2.5 x
+the forward's FLOPs, causal halved), each gradient's largest difference from the
+pointer kernels', and the Triton kernels it launched. The ratios: the pointer kernels'
+time, cuDNN's and flash's over each way's (> 1: the way is faster).
 
     python benchmarks/gluon_bwd_probe.py [--shapes "4,16,16,4096;2,32,8,8192"] [--stages 2,3]
 """
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnhub.backends.triton_flash import ops, tuning
-from attnhub.backends.triton_flash.configs import GLUON_BWD
+from attnhub.backends.triton_flash.configs import GLUON_BWD, backward_configs
 from attnhub.timing import event_ms
 
 
@@ -73,6 +75,10 @@ def main() -> None:
                 return ops.flash_attention(q, k, v, causal=causal)[0]
 
             ways: dict[str, tuple[Callable[[], tuple], tuple, list[str]]] = {}
+            pointer = dict(zip(("bwd_kv", "bwd_q"),
+                               backward_configs(128, 2, causal, (9, 0), False, n, True)))  # fmt: skip
+            with tuning.override(**pointer):
+                ways["pointer"] = _backward(flash, (q, k, v), grad)
             ways["table"] = _backward(flash, (q, k, v), grad)
             for backend, name in ((SDPBackend.CUDNN_ATTENTION, "cudnn"),
                                   (SDPBackend.FLASH_ATTENTION, "sdpa flash")):  # fmt: skip
@@ -89,7 +95,7 @@ def main() -> None:
                 for label, roles in (("dK/dV", ("bwd_kv",)), ("dQ", ("bwd_q",)),
                                      ("both", ("bwd_kv", "bwd_q"))):  # fmt: skip
                     name = f"gluon {label}, {stages} stages"
-                    with tuning.override(**{role: rows[role] for role in roles}):
+                    with tuning.override(**{**pointer, **{role: rows[role] for role in roles}}):
                         try:
                             ways[name] = _backward(flash, (q, k, v), grad)
                         except Exception as exc:  # a configuration that does not fit: say so
@@ -97,17 +103,17 @@ def main() -> None:
             times = {}
             for name, (step, _, _) in ways.items():  # each graph keeps its forward's kernel
                 times[name] = event_ms(step, args.iters, windows=3)
-            reference = ways["table"][1]
+            reference = ways["pointer"][1]
             for name, (_, grads, kernels) in ways.items():
                 diffs = " ".join(
                     f"{label} {(g.float() - r.float()).abs().max().item():.2e}"
                     for label, g, r in zip(("dq", "dk", "dv"), grads, reference)
                 )
                 ms = times[name]
-                ratios = " ".join(f"{times[o] / ms:.2f}x {o}" for o in ("table", "cudnn", "sdpa flash")
+                ratios = " ".join(f"{times[o] / ms:.2f}x {o}" for o in ("pointer", "cudnn", "sdpa flash")
                                   if o in times and o != name)  # fmt: skip
                 print(f"  {name:22s} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TF/s  {ratios}  "
-                      f"max|diff| vs table: {diffs}  {' '.join(kernels)}")  # fmt: skip
+                      f"max|diff| vs pointer: {diffs}  {' '.join(kernels)}")  # fmt: skip
 
 
 if __name__ == "__main__":

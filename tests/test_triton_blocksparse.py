@@ -482,10 +482,12 @@ def test_gpu_gluon_backward(
     dtype: torch.dtype, name: str, roles: str, launched_kernels: list[str]
 ) -> None:
     """The Gluon backward kernels (kernels_gluon.bs_bwd_dq_gluon_kernel, and for 128-key
-    blocks bs_bwd_dkdv_gluon_kernel) under forced rows, each alone and both, on the
+    blocks bs_bwd_dkdv_gluon_kernel) under forced rows, each alone (the other role on
+    its pointer row) and both, on the
     layouts the Gluon forward serves: seen to launch, and the contract against the
     float64 reference (the gradients; rows with no key get zeros). GQA 2:1, and
     (B, N, H, D) views for half the layouts."""
+    from attnhub.backends.triton_blocksparse import ops as bs_ops
     from attnhub.backends.triton_flash import configs, tuning
 
     torch.manual_seed(34)
@@ -495,7 +497,10 @@ def test_gpu_gluon_backward(
     if name.startswith(("window", "rect_128x64_random")):  # strided views
         qkv = tuple(torch.randn(b, n, h, 128, dtype=dtype, device="cuda").transpose(1, 2)
                     for h in (hq, hkv, hkv))  # fmt: skip
-    with tuning.override(**{role: configs.GLUON_BWD[role] for role in roles.split("+")}):
+    like = torch.empty(1, 1, 1, 128, dtype=dtype, device="cuda")
+    rows = {role: bs_ops._launch_config(role, 128, like, False, n) for role in configs.GLUON_BWD}
+    rows.update({role: configs.GLUON_BWD[role] for role in roles.split("+")})
+    with tuning.override(**rows):
         _check(layout, dtype, b, hq, hkv, n, n, 128, qkv=qkv)
     dq_gluon = "bwd_q" in roles
     dkdv_gluon = "bwd_kv" in roles and layout.block_size[1] == 128

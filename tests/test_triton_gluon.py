@@ -69,7 +69,12 @@ def test_gpu_gluon_forward_keeps_the_contract(case: Case, launched_kernels: list
 
 
 GLUON_KV, GLUON_Q = "attn_bwd_dkdv_gluon_kernel", "attn_bwd_dq_gluon_kernel"
-_GLUON_ROWS = configs.GLUON_BWD  # forced: no table row asks for them yet
+_GLUON_ROWS = configs.GLUON_BWD  # the rows the table gives admitted calls; forced here
+# The table's rows for calls that the Gluon kernels cannot serve: a role forced alone
+# has the other on them (the table would give an admitted call Gluon's there too).
+_POINTER_ROWS = dict(
+    zip(("bwd_kv", "bwd_q"), configs.backward_configs(128, 2, False, (9, 0), False, 4096, True))
+)
 _BWD_CASES = [
     pytest.param(case, roles, marks=gpu, id=f"{'+'.join(roles)}-{case.id}")
     for roles in (("bwd_kv",), ("bwd_q",), ("bwd_kv", "bwd_q"))
@@ -93,41 +98,53 @@ _BWD_CASES = [
 def test_gpu_gluon_backward_keeps_the_contract(
     case: Case, roles: tuple[str, ...], launched_kernels: list[str]
 ) -> None:
-    """The Gluon backward kernels (kernels_gluon_bwd), forced, each alone and both:
+    """The Gluon backward kernels (kernels_gluon_bwd), forced, each alone (the other role
+    on a pointer row) and both:
     gradients within the contract's tolerance of the float64 reference, for either
     alignment, windows, GQA, ragged lengths, rows without keys, strided views and a
     negative scale."""
     from attnhub.backends.triton_flash import tuning
 
-    with tuning.override(**{role: _GLUON_ROWS[role] for role in roles}):
+    with tuning.override(**{**_POINTER_ROWS, **{role: _GLUON_ROWS[role] for role in roles}}):
         problems = case_problems("triton_flash", case, "cuda")
     assert not problems, f"{case.id}: " + "; ".join(problems)
     for role, kernel in (("bwd_kv", GLUON_KV), ("bwd_q", GLUON_Q)):
         assert (kernel in launched_kernels) == (role in roles), launched_kernels
 
 
+_POINTERS, _MERGED = ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"), ("attn_bwd_kernel",)
+
+
 @pytest.mark.parametrize(
-    ("what", "expected"),
+    ("what", "rows", "expected"),
     [
-        ("served", (GLUON_KV, GLUON_Q)),
-        ("softcap", ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")),
-        ("head dim 64", ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")),
-        ("bool mask", ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")),
-        ("float32", ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")),
-        ("sm_100", ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")),
-        ("a Triton without Gluon", ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")),
-        ("dQ row only", ("attn_bwd_dkdv_kernel", GLUON_Q)),
-        ("Nq not a multiple of 4", ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")),
-        ("no Gluon row", ("attn_bwd_kernel",)),
+        ("served", "table", (GLUON_KV, GLUON_Q)),
+        ("served", "forced", (GLUON_KV, GLUON_Q)),
+        ("fewer than 4096 keys", "table", _MERGED),
+        ("fewer than 4096 keys", "forced", (GLUON_KV, GLUON_Q)),
+        ("fewer than 4096 keys", "dQ forced", ("attn_bwd_dkdv_kernel", GLUON_Q)),
+        ("softcap", "table", _MERGED),
+        ("softcap", "forced", _POINTERS),
+        ("head dim 64", "table", _POINTERS),
+        ("bool mask", "table", _POINTERS),
+        ("bool mask", "forced", _POINTERS),
+        ("float32", "table", _POINTERS),
+        ("sm_100", "table", _MERGED),
+        ("sm_100", "forced", _POINTERS),
+        ("a Triton without Gluon", "table", _MERGED),
+        ("a Triton without Gluon", "forced", _POINTERS),
+        ("Nq not a multiple of 4", "table", _MERGED),
+        ("Nq not a multiple of 4", "forced", _POINTERS),
     ],
 )
-def test_which_backward_kernels_an_sm90_call_gets(what: str, expected: tuple[str, ...],
+def test_which_backward_kernels_an_sm90_call_gets(what: str, rows: str, expected: tuple[str, ...],
                                                   monkeypatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
-    """The backward's launches on an sm_90 (recorded, not run) with the Gluon rows
-    forced: calls that the Gluon kernels cannot serve keep the pointer kernels on the
-    same tiles, split (Nq not a multiple of 4: a head's lse row would start unaligned
-    for TMA, which faulted on the H200 at Nq = 1025); without the rows, D = 128 keeps
-    its merged launch."""
+    """The backward's launches on an sm_90 (recorded, not run), by the table or with the
+    Gluon rows forced: the table gives the Gluon kernels the dense half-precision D = 128
+    calls of 4096 keys or more that they can serve, and leaves the rest on the rows they
+    had (D = 128 merged); under forced rows, calls that the Gluon kernels cannot serve
+    run the pointer kernels on the same tiles, split (Nq not a multiple of 4: a head's
+    lse row would start unaligned for TMA, which faulted on the H200 at Nq = 1025)."""
     from attnhub.backends.triton_flash import tuning
 
     launched = _recorded_as_on(monkeypatch, (10, 0) if what == "sm_100" else (9, 0))
@@ -135,17 +152,15 @@ def test_which_backward_kernels_an_sm90_call_gets(what: str, expected: tuple[str
         monkeypatch.setattr(ops, "kernels_gluon_bwd", None)
     dtype = torch.float32 if what == "float32" else torch.bfloat16
     d = 64 if what == "head dim 64" else 128
-    n = 1101 if what == "Nq not a multiple of 4" else 1100
+    n = {"Nq not a multiple of 4": 4097, "fewer than 4096 keys": 4092}.get(what, 4096)
     q, k, v = (torch.zeros(1, 4, n, d, dtype=dtype, requires_grad=True) for _ in range(3))
     mask = torch.ones(1, 1, n, n, dtype=torch.bool) if what == "bool mask" else None
-    rows = {"no Gluon row": {}, "dQ row only": {"bwd_q": _GLUON_ROWS["bwd_q"]}}.get(
-        what, _GLUON_ROWS
-    )
-    with tuning.override(**rows):
+    forced = {"table": {}, "dQ forced": {"bwd_q": _GLUON_ROWS["bwd_q"]}}.get(rows, _GLUON_ROWS)
+    with tuning.override(**forced):
         out, _ = ops.flash_attention(q, k, v, mask, causal=True,
                                      softcap=30.0 if what == "softcap" else 0.0)  # fmt: skip
-    launched.clear()  # the forward's
-    out.backward(torch.ones_like(out))
+        launched.clear()  # the forward's
+        out.backward(torch.ones_like(out))
     assert tuple(launched[1:]) == expected, launched  # after the preprocess
 
 
@@ -241,10 +256,18 @@ def test_the_table_takes_the_gluon_row_only_where_the_call_allows_it() -> None:
             got = configs.launch_config("fwd", *key, lean=True, **kwargs)
             assert not got.gluon
             assert got == configs.launch_config("fwd", *key, lean=True, tma=kwargs["tma"])
-    # The backward has no Gluon rows.
-    for direction in ("bwd_kv", "bwd_q"):
-        assert not configs.launch_config(direction, 128, 2, True, sm90, False, 4096, lean=True,
-                                         tma=True, gluon=True).gluon  # fmt: skip
+        # The backward's rows: the Gluon kernels' own tiles, under the same conditions.
+        for direction in ("bwd_kv", "bwd_q"):
+            assert configs.launch_config(direction, 128, 2, causal, sm90, False, 4096, True,
+                                         gluon=True) == _GLUON_ROWS[direction]  # fmt: skip
+            for key, gluon in (
+                ((128, 2, causal, sm90, False, 4096), False),
+                ((128, 2, causal, sm90, False, 4095), True),
+                ((64, 2, causal, sm90, False, 4096), True),
+            ):
+                got = configs.launch_config(direction, *key, True, gluon=gluon)
+                assert not got.gluon
+                assert got == configs.launch_config(direction, *key, True)
 
 
 @pytest.mark.parametrize(
@@ -305,10 +328,10 @@ def test_which_block_sparse_forward_an_sm90_call_gets(
 
 def _block_sparse_backward_launches(monkeypatch, what: str, rows: dict) -> list[str]:  # type: ignore[no-untyped-def]
     """The kernels triton_blocksparse's backward launches (recorded, not run) on an
-    sm_90 under the forced ``rows``: preprocess, dK/dV, dQ. ``what`` names the call:
-    "served" (128 x 128 full blocks, N = 2048, bf16, D = 128), "partial blocks" (a
-    300-key window), "64-row blocks", "128 x 64 blocks", "causal", "softcap", "a Triton
-    without the Gluon backward"."""
+    sm_90 under the forced ``rows`` (none: the table's): preprocess, dK/dV, dQ. ``what``
+    names the call: "served" (128 x 128 full blocks, N = 4096, bf16, D = 128), "fewer
+    than 4096 keys" (N = 2048), "partial blocks" (a 300-key window), "64-row blocks",
+    "128 x 64 blocks", "causal", "softcap", "a Triton without the Gluon backward"."""
     from attnhub import BlockSparseLayout
     from attnhub.backends.triton_blocksparse import ops as bs_ops
     from attnhub.backends.triton_flash import tuning
@@ -316,7 +339,7 @@ def _block_sparse_backward_launches(monkeypatch, what: str, rows: dict) -> list[
     launched = _recorded_as_on(monkeypatch, (9, 0), bs_ops)
     if what == "a Triton without the Gluon backward":
         monkeypatch.setattr(ops, "kernels_gluon_bwd", None)
-    n = 2048
+    n = 2048 if what == "fewer than 4096 keys" else 4096
     block = {"64-row blocks": 64, "128 x 64 blocks": (128, 64)}.get(what, 128)
     if what == "partial blocks":
         layout = BlockSparseLayout.sliding_window(n, 300, block)
@@ -337,47 +360,55 @@ def _block_sparse_backward_launches(monkeypatch, what: str, rows: dict) -> list[
 
 
 @pytest.mark.parametrize(
-    ("what", "expected"),
+    ("what", "forced", "expected"),
     [
-        ("served", "bs_bwd_dq_gluon_kernel"),
-        ("partial blocks", "bs_bwd_dq_gluon_kernel"),
-        ("128 x 64 blocks", "bs_bwd_dq_gluon_kernel"),
-        ("no Gluon row", "bs_bwd_dq_kernel"),
-        ("64-row blocks", "bs_bwd_dq_kernel"),
-        ("causal", "bs_bwd_dq_kernel"),
-        ("softcap", "bs_bwd_dq_kernel"),
-        ("a Triton without the Gluon backward", "bs_bwd_dq_kernel"),
+        ("served", False, "bs_bwd_dq_gluon_kernel"),
+        ("served", True, "bs_bwd_dq_gluon_kernel"),
+        ("128 x 64 blocks", False, "bs_bwd_dq_gluon_kernel"),
+        ("partial blocks", False, "bs_bwd_dq_kernel"),
+        ("partial blocks", True, "bs_bwd_dq_gluon_kernel"),
+        ("fewer than 4096 keys", False, "bs_bwd_dq_kernel"),
+        ("64-row blocks", True, "bs_bwd_dq_kernel"),
+        ("causal", True, "bs_bwd_dq_kernel"),
+        ("softcap", True, "bs_bwd_dq_kernel"),
+        ("a Triton without the Gluon backward", True, "bs_bwd_dq_kernel"),
     ],
 )
 def test_which_block_sparse_dq_kernel_an_sm90_call_gets(
-    what: str, expected: str, monkeypatch
+    what: str, forced: bool, expected: str, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
-    """triton_blocksparse's dQ launch (recorded, not run) under a forced Gluon dQ row:
-    the Gluon kernel (kernels_gluon.bs_bwd_dq_gluon_kernel) takes the layouts its
-    forward takes; every other call keeps the pointer kernel."""
-    rows = {} if what == "no Gluon row" else {"bwd_q": _GLUON_ROWS["bwd_q"]}
+    """triton_blocksparse's dQ launch (recorded, not run), by the table or under a forced
+    Gluon dQ row: the Gluon kernel (kernels_gluon.bs_bwd_dq_gluon_kernel) takes the
+    layouts its forward takes, by the table only where rows keep many keys (as the
+    forward: "partial blocks" keeps 300 a row) and calls have 4096 keys or more; every
+    other call keeps the pointer kernel."""
+    rows = {"bwd_q": _GLUON_ROWS["bwd_q"]} if forced else {}
     launched = _block_sparse_backward_launches(monkeypatch, what, rows)
     assert launched[-1] == expected, launched
 
 
 @pytest.mark.parametrize(
-    ("what", "expected"),
+    ("what", "forced", "expected"),
     [
-        ("served", "bs_bwd_dkdv_gluon_kernel"),
-        ("partial blocks", "bs_bwd_dkdv_gluon_kernel"),
-        ("128 x 64 blocks", "bs_bwd_dkdv_kernel"),
-        ("no Gluon row", "bs_bwd_dkdv_kernel"),
-        ("causal", "bs_bwd_dkdv_kernel"),
+        ("served", False, "bs_bwd_dkdv_gluon_kernel"),
+        ("partial blocks", False, "bs_bwd_dkdv_kernel"),
+        ("partial blocks", True, "bs_bwd_dkdv_gluon_kernel"),
+        ("fewer than 4096 keys", False, "bs_bwd_dkdv_kernel"),
+        ("128 x 64 blocks", False, "bs_bwd_dkdv_kernel"),
+        ("128 x 64 blocks", True, "bs_bwd_dkdv_kernel"),
+        ("causal", False, "bs_bwd_dkdv_kernel"),
+        ("causal", True, "bs_bwd_dkdv_kernel"),
     ],
 )
 def test_which_block_sparse_dkdv_kernel_an_sm90_call_gets(
-    what: str, expected: str, monkeypatch
+    what: str, forced: bool, expected: str, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
-    """triton_blocksparse's dK/dV launch (recorded, not run) under a forced Gluon dK/dV
-    row: the Gluon kernel (kernels_gluon.bs_bwd_dkdv_gluon_kernel) takes layouts of
-    128 x 128 blocks that the Gluon forward takes (its program is one 128-key column
-    block); every other call keeps the pointer kernel."""
-    rows = {} if what == "no Gluon row" else {"bwd_kv": _GLUON_ROWS["bwd_kv"]}
+    """triton_blocksparse's dK/dV launch (recorded, not run), by the table or under a
+    forced Gluon dK/dV row: the Gluon kernel (kernels_gluon.bs_bwd_dkdv_gluon_kernel)
+    takes layouts of 128 x 128 blocks that the Gluon forward takes (its program is one
+    128-key column block), by the table where the dQ kernel would take them too; every
+    other call keeps the pointer kernel."""
+    rows = {"bwd_kv": _GLUON_ROWS["bwd_kv"]} if forced else {}
     launched = _block_sparse_backward_launches(monkeypatch, what, rows)
     assert launched[1] == expected, launched
 

@@ -18,13 +18,14 @@ Why: at density 1 the pointer kernel's forward took 1.46x the time of dense
 triton_flash's (the Gluon forward) on the same work (results/block-sparse-h200.md,
 2.321 against 1.590 ms), while the backward's kernels are within 10% of the dense ones.
 
-:func:`bs_bwd_dq_gluon_kernel` and :func:`bs_bwd_dkdv_gluon_kernel` (opt-in: only
-forced ``bwd_q`` / ``bwd_kv`` Gluon rows send calls there, for the layouts the forward
-takes; dK/dV for 128-key blocks) compute what ``kernels.bs_bwd_dq_kernel`` and
-``kernels.bs_bwd_dkdv_kernel`` compute: a program is one 128-row query block (dQ: the
-loader streams the row's kept key tiles) or one 128-key column block (dK/dV: the loader
-streams the column's kept query tiles for each query head of the group); partial
-blocks apply their token masks. Not yet run on a GPU (benchmarks/NOTES.md, 2026-12-05).
+:func:`bs_bwd_dq_gluon_kernel` and :func:`bs_bwd_dkdv_gluon_kernel` (the table's
+Gluon rows send calls there for the layouts the forward takes, where rows keep
+ops._GLUON_MIN_KEYS keys or more and calls have 4096 keys or more; forced ``bwd_q`` /
+``bwd_kv`` Gluon rows send any such layout; dK/dV for 128-key blocks) compute what
+``kernels.bs_bwd_dq_kernel`` and ``kernels.bs_bwd_dkdv_kernel`` compute: a program is
+one 128-row query block (dQ: the loader streams the row's kept key tiles) or one
+128-key column block (dK/dV: the loader streams the column's kept query tiles for each
+query head of the group); partial blocks apply their token masks.
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ def bs_bwd_dq_gluon_kernel(
     """dQ for one 128-row query block over its kept key blocks (triton_flash's Gluon dQ
     program, ``kernels_gluon_bwd._dq_block``, walking the layout row as the forward
     above does); the arguments are kernels.bs_bwd_dq_kernel's, plus STAGES (K/V
-    buffers). Admitted as the forward is (ops._gluon_ok), opt-in through a forced
-    ``bwd_q`` Gluon row."""
+    buffers). Admitted as the forward is (ops._gluon_ok), where its launch row asks
+    for it (ops._bwd_impl)."""
     gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
     gl.static_assert(EVEN_BLOCKS and not HAS_BAND and not HAS_SOFTCAP)
     gl.static_assert(BLOCK_M == 2 * _ROWS and BQ == BLOCK_M and BK % BLOCK_N == 0)
@@ -172,8 +173,8 @@ def bs_bwd_dkdv_gluon_kernel(
     """dK and dV for one 128-key column block over the kept query blocks of each of the
     GROUP query heads that read it (triton_flash's Gluon dK/dV program,
     ``kernels_gluon_bwd._kv_block``, walking the layout's columns); the arguments are
-    kernels.bs_bwd_dkdv_kernel's, plus STAGES (Q/dO buffers). Opt-in through a forced
-    ``bwd_kv`` Gluon row, for 128-key blocks on the layouts the forward takes."""
+    kernels.bs_bwd_dkdv_kernel's, plus STAGES (Q/dO buffers). Where its launch row asks
+    for it (ops._bwd_impl), for 128-key blocks on the layouts the forward takes."""
     gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
     gl.static_assert(EVEN_BLOCKS and not HAS_BAND and not HAS_SOFTCAP)
     gl.static_assert(BLOCK_N == 2 * _KEYS and BK == BLOCK_N and BQ % BLOCK_M == 0)

@@ -201,17 +201,18 @@ def _launch_config(
     direction: str, block_d: int, q: torch.Tensor, causal: bool, seqlen: int, gluon: bool = False
 ) -> LaunchConfig:
     """The launch configuration of one block-sparse kernel: a forced one
-    (``tuning.override``), else this family's own row (``_OWN_CONFIGS``), else
-    triton_flash's table for the same call (``gluon``: a forward that the Gluon kernel
-    may serve, :func:`_gluon_ok`, which may take the table's Gluon rows)."""
+    (``tuning.override``), else triton_flash's Gluon row for the call (``gluon``: a call
+    that ``direction``'s Gluon kernel may serve and that this family gives to it), else
+    this family's own row (``_OWN_CONFIGS``), else triton_flash's table for the call."""
     tuned = tuning.current()
     capability, interpret = _capability(q.device), interpreting()
-    if (tuned is None or tuned.config(direction) is None) and seqlen > SHORT_N and not interpret:
-        own = _OWN_CONFIGS.get((direction, block_d, q.element_size(), causal, capability))
-        if own is not None:
-            return own
-    return launch_config(direction, block_d, q.element_size(), causal, capability, interpret,
-                         seqlen, gluon=gluon)  # fmt: skip
+    table = launch_config(direction, block_d, q.element_size(), causal, capability, interpret,
+                          seqlen, gluon=gluon)  # fmt: skip
+    forced = tuned is not None and tuned.config(direction) is not None
+    if forced or table.gluon or seqlen <= SHORT_N or interpret:
+        return table
+    own = _OWN_CONFIGS.get((direction, block_d, q.element_size(), causal, capability))
+    return table if own is None else own
 
 
 def _even_blocks(meta: dict[str, Any], bq: int, bk: int, nq: int, nk: int) -> bool:
@@ -261,7 +262,7 @@ def _gluon_ok(c: Any, bq: int, bk: int, q: torch.Tensor, k: torch.Tensor, v: tor
 def _gluon_backward(c: Any, bq: int, bk: int, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor) -> bool:  # fmt: skip
     """Whether a backward's dQ (or, with 128-key blocks, its dK/dV) may run
-    kernels_gluon's Gluon kernel where a forced row asks for it: the layouts and calls
+    kernels_gluon's Gluon kernel where its launch row asks for it: the layouts and calls
     the Gluon forward takes (:func:`_gluon_ok`, with dout for out) and what triton_flash's
     Gluon backward kernels take (ops._gluon_bwd_eligible)."""
     return _gluon_ok(c, bq, bk, q, k, v, dout) and _gluon_bwd_eligible(c, lse, q, k, v, dout)
@@ -405,8 +406,20 @@ def _bwd_impl(
     meta = {**c.meta, "HAS_PARTIAL": has_partial}
 
     fnum, fidx, pnum, pidx, ptile = index[_BY_COLUMN]
-    kv_cfg, _, block_n, kv_launch = _tiles_meta("bwd_kv", bq, bk, meta, q, nk, causal)
-    q_cfg, block_m, _, q_launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal)
+    # The Gluon kernels (triton_flash's programs on the layout's columns and rows; dK/dV's
+    # for 128-key blocks) where rows keep many keys (_GLUON_MIN_KEYS), as the forward's,
+    # past triton_flash's rows' own bound (configs._GLUON_MIN_N). On an H200 (B2 H16
+    # N8192 D128 bf16, 128-key blocks; two runs, benchmarks/results/archive/
+    # block-sparse-probe-bwd-h200-2026-12-05-*.txt), against the pointer kernels, both:
+    # 1.22-1.25x at density 1, 1.16-1.17x at 0.25; below 1536 keys a row 0.87-1.05x
+    # (random 0.05 and 0.1, a 1024 window, BigBird; dK/dV's alone 0.93-1.06x, dQ's
+    # 0.92-1.00x), so those keep the pointer kernels.
+    # (A forced Gluon row serves every call the kernels admit, short rows included.)
+    gluon_ok = _gluon_backward(c, bq, bk, q, k, v, dout, lse)
+    kv_cfg, _, block_n, kv_launch = _tiles_meta("bwd_kv", bq, bk, meta, q, nk, causal,
+                                                gluon_ok and long_rows and bk == 128)  # fmt: skip
+    q_cfg, block_m, _, q_launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal,
+                                              gluon_ok and long_rows)  # fmt: skip
     args = (
         q, k, v, c.mask, seed_t, dout, lse, delta, dk, dv,
         fnum, fidx, pnum, pidx, ptile, tiles, col_order, heavy_cols,
@@ -414,9 +427,6 @@ def _bwd_impl(
         *_index_strides(fnum, fidx),
         hq, hkv, hq // hkv, nq, nk, d, dv_dim, *c.scalars,
     )  # fmt: skip
-    # The Gluon kernels: triton_flash's programs on the layout's columns and rows (opt-in:
-    # forced rows), dK/dV's for 128-key blocks; read only where a Gluon row asks.
-    gluon_ok = (kv_cfg.gluon or q_cfg.gluon) and _gluon_backward(c, bq, bk, q, k, v, dout, lse)
     _launch_kernel_of_row(
         kernels.bs_bwd_dkdv_kernel, getattr(kernels_gluon, "bs_bwd_dkdv_gluon_kernel", None),
         kv_cfg, gluon_ok and bk == 128, q, (_grid(nk, bk, block_n, b * hkv),), args,

@@ -40,9 +40,10 @@ class LaunchConfig:
     (kernels_gluon.attn_fwd_gluon_kernel, K/V tiles; only calls that ops._gluon_eligible
     admits get such a row), dK/dV (kernels_gluon_bwd.attn_bwd_dkdv_gluon_kernel, Q/dO
     tiles; tiles (64, 128) on 4 warps) or dQ (attn_bwd_dq_gluon_kernel, K/V tiles; tiles
-    (128, 64) on 4 warps; also triton_blocksparse's dQ): the backward's for calls that
-    ops._gluon_bwd_eligible admits, else the pointer kernel on the same tiles; such a
-    backward runs split."""
+    (128, 64) on 4 warps; also triton_blocksparse's): the backward's for calls that
+    ops._gluon_bwd_eligible admits (only such calls get a table row; a forced row on
+    another call runs the pointer kernel on the same tiles); such a backward runs
+    split."""
 
     block_m: int
     block_n: int
@@ -239,10 +240,22 @@ _LEAN_2B: dict[tuple[str, int, bool, bool], LaunchConfig] = {
 }
 
 
-# The Gluon forward (kernels_gluon: a TMA loader warp, two consumer warpgroups of 64 rows
-# each), for the calls ops._gluon_eligible admits: D = Dv = 128, 2-byte dtypes, dense, no
-# softcap, sm_90. Keyed by (padded head dim, causal); calls of at most SHORT_N keys keep
-# the rows below. bf16, B = 16384 / N, H = 16, TFLOP/s at N = 4096 / 16384 / 1024
+# The Gluon backward kernels' rows (kernels_gluon_bwd: tiles their programs are written
+# for, 2 buffers), by role; the table's Gluon rows below take them, and
+# tuning.override(bwd_kv=..., bwd_q=...) forces them (probes, tests).
+GLUON_BWD: dict[str, LaunchConfig] = {
+    "bwd_kv": LaunchConfig(64, 128, 4, 2, gluon=True),
+    "bwd_q": LaunchConfig(128, 64, 4, 2, gluon=True),
+}
+
+
+# The Gluon kernels' rows, for the calls ops._gluon_eligible (forward) and
+# ops._gluon_bwd_eligible (backward) admit: D = Dv = 128, 2-byte dtypes, dense, no
+# softcap, sm_90. Keyed by (direction, padded head dim, causal); calls of fewer than
+# _GLUON_MIN_N[direction] keys keep the rows below.
+#
+# Forward (kernels_gluon: a TMA loader warp, two consumer warpgroups of 64 rows each).
+# bf16, B = 16384 / N, H = 16, TFLOP/s at N = 4096 / 16384 / 1024
 # (benchmarks/results/archive/gluon-fwd-probe-h200-2026-12-04.jsonl, one process):
 # non-causal (128, 128, 4, 2) 579 / 606 / 425 against the pointer kernel's 518 / 521 /
 # 427 and cuDNN's 611 / 618 / 568; causal 494 / 577 / 269 against the TMA kernel's
@@ -252,18 +265,21 @@ _LEAN_2B: dict[tuple[str, int, bool, bool], LaunchConfig] = {
 # 4, 2/3) lead, 64-key tiles trail by 5-10%, and at N=1024 every candidate is below the
 # rows kept there; the grid's D=128 points with this row:
 # archive/grid-d128-gluon-h200-2026-12-04-e7f5b7f.md.
-_GLUON_2B: dict[tuple[int, bool], LaunchConfig] = {
-    (128, causal): LaunchConfig(128, 128, 4, 2, gluon=True) for causal in (False, True)
+#
+# Backward (kernels_gluon_bwd, both roles: the backward then runs split). bf16 on an
+# H200, the Gluon dK/dV and dQ against the pointer kernels' merged backward, time
+# ratios over two runs (benchmarks/results/archive/gluon-bwd-probe-h200-2026-12-05-
+# *.txt), non-causal / causal: B4 H16 N4096 1.04-1.06 / 0.98-0.99, B1 H16 N16384
+# 1.10-1.11 / 1.12, GQA B4 Hq32 Hkv8 N4096 1.08 / 1.24-1.26, B2 Hq32 Hkv8 N8192
+# 1.11-1.12 / 1.26; at N = 2048 (B8 H16) 0.97 / 0.94 and at N = 1024 (B16 H16) 0.91 /
+# 0.80, so calls of fewer than 4096 keys keep the pointer rows. dK/dV's Gluon kernel
+# alone reads 1.00-1.07 where both read 0.98-1.06 (B4 H16 N4096): within the runs'
+# spread, so one rule for both.
+_GLUON_2B: dict[tuple[str, int, bool], LaunchConfig] = {
+    **{("fwd", 128, causal): LaunchConfig(128, 128, 4, 2, gluon=True) for causal in (False, True)},
+    **{(role, 128, causal): row for role, row in GLUON_BWD.items() for causal in (False, True)},
 }
-
-
-# The Gluon backward kernels' rows (kernels_gluon_bwd: tiles their programs are written
-# for, 2 buffers), by role. No table row asks for them yet: a tuning.override(bwd_kv=...,
-# bwd_q=...) forces them (benchmarks/NOTES.md, 2026-12-05).
-GLUON_BWD: dict[str, LaunchConfig] = {
-    "bwd_kv": LaunchConfig(64, 128, 4, 2, gluon=True),
-    "bwd_q": LaunchConfig(128, 64, 4, 2, gluon=True),
-}
+_GLUON_MIN_N = {"fwd": SHORT_N + 1, "bwd_kv": 4096, "bwd_q": 4096}
 
 
 def _rows(direction: str, element_size: int, causal: bool) -> _Rows:
@@ -296,7 +312,9 @@ def launch_config(
     where that is narrower). ``lean``: a dense call that streams no mask tile, which
     may take the larger ``_LEAN_2B`` entries; ``tma``: a forward that the TMA kernel may
     serve (ops._tma_eligible), which may take the entries that ask for it (the others
-    skip them). Inside a ``tuning.override`` block that
+    skip them); ``gluon``: a call that ``direction``'s Gluon kernel may serve
+    (ops._gluon_eligible, ops._gluon_bwd_eligible), which takes the ``_GLUON_2B`` row
+    where one is keyed and ``seqlen`` reaches ``_GLUON_MIN_N``. Inside a ``tuning.override`` block that
     forces ``direction``, the forced configuration (the interpreter's included).
     """
     tuned = tuning.current()
@@ -315,8 +333,8 @@ def launch_config(
         if narrow is not None:
             return narrow
     short_call = seqlen is not None and seqlen <= SHORT_N
-    if gluon and direction == "fwd" and not short_call:
-        row = _GLUON_2B.get((block_d, causal))
+    if gluon and (seqlen is None or seqlen >= _GLUON_MIN_N[direction]):
+        row = _GLUON_2B.get((direction, block_d, causal))
         if row is not None:
             return row
     if lean and element_size == 2:
@@ -334,11 +352,11 @@ def launch_config(
     return rows[-1][1]
 
 
-def backward_configs(*key: Any) -> tuple[LaunchConfig, LaunchConfig]:
+def backward_configs(*key: Any, **options: Any) -> tuple[LaunchConfig, LaunchConfig]:
     """(dK/dV, dQ) configurations of one backward: :func:`launch_config` for "bwd_kv" and
-    for "bwd_q" with the same ``key`` (its arguments after ``direction``), whether the
-    backward then runs split or merged."""
-    return launch_config("bwd_kv", *key), launch_config("bwd_q", *key)
+    for "bwd_q" with the same ``key`` and ``options`` (its arguments after
+    ``direction``), whether the backward then runs split or merged."""
+    return launch_config("bwd_kv", *key, **options), launch_config("bwd_q", *key, **options)
 
 
 # The backward as one launch ("merged": kernels.attn_bwd_kernel, whose programs split

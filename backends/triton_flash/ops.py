@@ -847,11 +847,16 @@ def _bwd_full(
     seed_t = q if seed is None else seed
     cu_q, cu_k = _cu(packed, q, key_ranges)
     esize, lean = q.element_size(), mask is None
-    kv_cfg, q_cfg = backward_configs(block_d, esize, causal, _capability(q.device),
-                                     interpreting(), c.walk, lean)  # fmt: skip
     band = (causal, window_left, window_right)
     varlen = _varlen(packed, key_ranges)
     ragged = varlen > 0
+    # The cheap checks first: the full ones read every tensor's strides.
+    gluon_ok = (
+        lean and not ragged and esize == 2 and block_d == 128
+        and _gluon_bwd_eligible(c, lse, q, k, v, dout)
+    )  # fmt: skip
+    kv_cfg, q_cfg = backward_configs(block_d, esize, causal, _capability(q.device),
+                                     interpreting(), c.walk, lean, gluon=gluon_ok)  # fmt: skip
     mode = backward_launch(kv_cfg, q_cfg, block_d, esize, lean)
     if mode != "split":
         # One launch; the kernel derives each program's role and tile from its ids alone
@@ -883,11 +888,6 @@ def _bwd_full(
         )  # fmt: skip
         meta = {**c.meta, **kv_cfg.meta(), **_edge_segments(False, nq, nk, kv_cfg, *band, ragged=ragged),
                 **_row_strides(Q=q, DO=dout), "VARLEN": varlen}  # fmt: skip
-        # Read only where a Gluon row asks (the checks read every tensor's strides).
-        gluon_ok = (
-            (kv_cfg.gluon or q_cfg.gluon) and not ragged
-            and _gluon_bwd_eligible(c, lse, q, k, v, dout)
-        )  # fmt: skip
         _launch_kernel_of_row(
             kernels.attn_bwd_dkdv_kernel, getattr(kernels_gluon_bwd, "attn_bwd_dkdv_gluon_kernel", None),
             kv_cfg, gluon_ok, q, (cdiv(rows_k, kv_cfg.block_n), b * hkv), args, meta, 12, record,
