@@ -90,9 +90,10 @@ def record(
     """Run forward+backward for each (dtype, head dim, options) on CPU, recording launches.
 
     ``options`` may hold ``bwd_kv`` and ``bwd_q``, LaunchConfigs forced for dK/dV and dQ
-    (configs.GLUON_BWD's, which no table row asks for), and ``shape``: (B, Hq, Hkv, Nq,
-    Nk), default (1, 2, 1, 40, 50); the shape decides the JIT's specialization (ints equal to 1, multiples of 16), so a GPU
-    test's launch is reproduced exactly by passing its shape. The backward gets a
+    (configs.GLUON_BWD's, which the table gives only calls of 4096 keys or more), and
+    ``shape``: (B, Hq, Hkv, Nq, Nk), default (1, 2, 1, 40, 50); the shape decides the
+    JIT's specialization (ints equal to 1, multiples of 16), so a GPU test's launch is
+    reproduced exactly by passing its shape. The backward gets a
     contiguous grad_out, as in training and in the conformance tests. Each case runs
     once per backward launch mode in ``bwd_modes`` (``configs.BWD_MODES``; a mode that
     is not allowed for the case's configurations records the split launches again, and
@@ -431,8 +432,8 @@ def record_blocksparse(
             # past ops._GLUON_MIN_KEYS at block 128).
             long = options.pop("long", False)
             # "gluon_bwd": the Gluon backward kernels forced (bs_bwd_dq_gluon_kernel,
-            # bs_bwd_dkdv_gluon_kernel; no table row asks for them), on the layouts
-            # "long" builds.
+            # bs_bwd_dkdv_gluon_kernel; the table gives them only calls of 4096 keys or
+            # more), on the layouts "long" builds.
             forced = configs.GLUON_BWD if options.pop("gluon_bwd", False) else {}
             n = 16 * block if long else 4 * block if options.pop("even", False) else 2 * block + 40
             layouts = [BlockSparseLayout.sliding_window(n, block + 10, block)]

@@ -40,7 +40,7 @@ def test_kernels_compile_for_sm90(backend: str) -> None:
             "attn_fwd_kernel",
             "attn_fwd_tma_kernel",
             "attn_fwd_gluon_kernel",
-            "attn_bwd_dkdv_gluon_kernel",  # forced, as the next: no table row asks for them
+            "attn_bwd_dkdv_gluon_kernel",  # forced, as the next (--quick's shapes are short)
             "attn_bwd_dq_gluon_kernel",
         )
     else:  # every kernel of the family, recorded through triton_flash's launcher

@@ -1,14 +1,16 @@
-"""The Gluon forwards: triton_flash's (kernels_gluon.attn_fwd_gluon_kernel) and, for which
-calls reach it, triton_blocksparse's (its kernels_gluon.bs_fwd_gluon_kernel; its GPU
-checks are tests/test_triton_blocksparse.py's test_gpu_gluon_forward).
+"""The Gluon kernels: triton_flash's forward (kernels_gluon.attn_fwd_gluon_kernel) and
+backward (kernels_gluon_bwd's dK/dV and dQ) and, for which calls reach them,
+triton_blocksparse's (its kernels_gluon; its GPU checks are
+tests/test_triton_blocksparse.py's test_gpu_gluon_forward and test_gpu_gluon_backward).
 
-On the GPU: calls the launch table sends to it (D = 128, half precision, past
-configs.SHORT_N keys), checked against the float64 reference with contract.md's
-tolerance (the kit's ``case_problems``: output, lse, gradients through the backward,
-fully masked rows), with the kernel seen to run; its cached launch plan, bitwise
-against the full path. Everywhere: which calls may reach it (ops._gluon_eligible, the
-table's rows), by recording the launches an sm_90 would make. Gluon has no interpreter,
-so the CPU suite cannot run the kernel; tests/test_sm90_compile.py compiles it.
+On the GPU: calls the launch table sends to them (D = 128, half precision; the forward
+past configs.SHORT_N keys, the backward from 4096) and calls under forced Gluon rows,
+checked against the float64 reference with contract.md's tolerance (the kit's
+``case_problems``: output, lse, gradients, fully masked rows), with the kernels seen to
+run; the forward's cached launch plan, bitwise against the full path. Everywhere: which
+calls may reach them (ops._gluon_eligible, ops._gluon_bwd_eligible, the table's rows),
+by recording the launches an sm_90 would make. Gluon has no interpreter, so the CPU
+suite cannot run the kernels; tests/test_sm90_compile.py compiles them.
 """
 
 from __future__ import annotations
@@ -110,6 +112,34 @@ def test_gpu_gluon_backward_keeps_the_contract(
     assert not problems, f"{case.id}: " + "; ".join(problems)
     for role, kernel in (("bwd_kv", GLUON_KV), ("bwd_q", GLUON_Q)):
         assert (kernel in launched_kernels) == (role in roles), launched_kernels
+
+
+# Calls that the table gives the Gluon backward (4096 keys or more a row, Nq % 4 == 0).
+_TABLE_BWD_CASES = [
+    pytest.param(case, marks=gpu, id=case.id)
+    for case in (
+        _case(dtype, hkv, nq, nk, backward=True, **options)
+        for dtype in (torch.bfloat16, torch.float16)
+        for hkv, nq, nk, options in (
+            (2, 4096, 4096, {"causal": True}),
+            (4, 4096, 4100, {}),
+            (1, 4100, 4096, {"causal": True, "alignment": "bottom_right", "strided": True}),
+        )
+    )
+]
+
+
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", _TABLE_BWD_CASES)
+def test_gpu_the_tables_gluon_backward_keeps_the_contract(
+    case: Case, launched_kernels: list[str]
+) -> None:
+    """The launch table's own choice (no forced row) for long half-precision D = 128
+    calls: both Gluon backward kernels run, and the gradients keep the contract
+    against the float64 reference."""
+    problems = case_problems("triton_flash", case, "cuda")
+    assert not problems, f"{case.id}: " + "; ".join(problems)
+    assert GLUON_KV in launched_kernels and GLUON_Q in launched_kernels, launched_kernels
 
 
 _POINTERS, _MERGED = ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"), ("attn_bwd_kernel",)
