@@ -135,20 +135,8 @@ def main() -> None:
     print(f"shape B{b} H{h} N{n} D{d} {dtype}, block 128; backward kernels, us per step")
     # Dense triton_flash beside it: the table's backward, and its pointer rows (those of
     # calls the Gluon kernels cannot serve) in both launch modes.
-    dense_rows = dict(
-        zip(
-            ("bwd_kv", "bwd_q"),
-            backward_configs(
-                d,
-                q.element_size(),
-                False,
-                bs_ops._capability(device),
-                bs_ops.interpreting(),
-                n,
-                True,
-            ),
-        )
-    )
+    key = (d, q.element_size(), False, bs_ops._capability(device), bs_ops.interpreting(), n, True)
+    dense_rows = dict(zip(("bwd_kv", "bwd_q"), backward_configs(*key)))
     for launch, rows in (("the table's", {}), ("pointer rows, merged", {**dense_rows, "backward_launch": "merged_heads"}),
                          ("pointer rows, split", {**dense_rows, "backward_launch": "split"})):  # fmt: skip
         with tuning.override(**rows):
@@ -200,11 +188,9 @@ def main() -> None:
                 return torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
 
             grads = bwd_g()
-            if label == "pointer rows":
-                reference, pointer_ms = grads, loop_ms(bwd_g, device, 20)
-                ms_g = pointer_ms
-            else:
-                ms_g = loop_ms(bwd_g, device, 20)
+            ms_g = loop_ms(bwd_g, device, 20)
+            if label == "pointer rows":  # the first way: the others' reference
+                reference, pointer_ms = grads, ms_g
             diffs = " ".join(
                 f"{name} {(x.float() - r.float()).abs().max().item():.2e}"
                 for name, x, r in zip(("dq", "dk", "dv"), grads, reference)

@@ -314,8 +314,9 @@ def launch_config(
     serve (ops._tma_eligible), which may take the entries that ask for it (the others
     skip them); ``gluon``: a call that ``direction``'s Gluon kernel may serve
     (ops._gluon_eligible, ops._gluon_bwd_eligible), which takes the ``_GLUON_2B`` row
-    where one is keyed and ``seqlen`` reaches ``_GLUON_MIN_N``. Inside a ``tuning.override`` block that
-    forces ``direction``, the forced configuration (the interpreter's included).
+    where one is keyed and ``seqlen`` reaches ``_GLUON_MIN_N``. Inside a
+    ``tuning.override`` block that forces ``direction``, the forced configuration (the
+    interpreter's included).
     """
     tuned = tuning.current()
     if tuned is not None:
