@@ -483,10 +483,9 @@ def test_gpu_gluon_backward(
 ) -> None:
     """The Gluon backward kernels (kernels_gluon.bs_bwd_dq_gluon_kernel, and for 128-key
     blocks bs_bwd_dkdv_gluon_kernel) under forced rows, each alone (the other role on
-    its pointer row) and both, on the
-    layouts the Gluon forward serves: seen to launch, and the contract against the
-    float64 reference (the gradients; rows with no key get zeros). GQA 2:1, and
-    (B, N, H, D) views for half the layouts."""
+    its pointer row) and both, on the layouts the Gluon forward serves: seen to launch,
+    and the contract against the float64 reference (the gradients; rows with no key get
+    zeros). GQA 2:1, and (B, N, H, D) views for half the layouts."""
     from attnhub.backends.triton_blocksparse import ops as bs_ops
     from attnhub.backends.triton_flash import configs, tuning
 
