@@ -36,7 +36,7 @@ import torch
 import attnhub
 from attnhub.backends.triton_blocksparse import ops as bs_ops
 from attnhub.backends.triton_flash import tuning
-from attnhub.backends.triton_flash.configs import GLUON_BWD, LaunchConfig, backward_configs
+from attnhub.backends.triton_flash.configs import GLUON_BWD, LaunchConfig, backward_rows
 from attnhub.bench import build_layout
 from attnhub.timing import loop_ms
 
@@ -136,7 +136,7 @@ def main() -> None:
     # Dense triton_flash beside it: the table's backward, and its pointer rows (those of
     # calls the Gluon kernels cannot serve) in both launch modes.
     key = (d, q.element_size(), False, bs_ops._capability(device), bs_ops.interpreting(), n, True)
-    dense_rows = dict(zip(("bwd_kv", "bwd_q"), backward_configs(*key)))
+    dense_rows = backward_rows(*key)
     for launch, rows in (("the table's", {}), ("pointer rows, merged", {**dense_rows, "backward_launch": "merged_heads"}),
                          ("pointer rows, split", {**dense_rows, "backward_launch": "split"})):  # fmt: skip
         with tuning.override(**rows):

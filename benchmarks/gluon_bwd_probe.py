@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnhub.backends.triton_flash import ops, tuning
-from attnhub.backends.triton_flash.configs import GLUON_BWD, backward_configs
+from attnhub.backends.triton_flash.configs import GLUON_BWD, backward_rows
 from attnhub.timing import event_ms
 
 
@@ -75,8 +75,7 @@ def main() -> None:
                 return ops.flash_attention(q, k, v, causal=causal)[0]
 
             ways: dict[str, tuple[Callable[[], tuple], tuple, list[str]]] = {}
-            pointer = dict(zip(("bwd_kv", "bwd_q"),
-                               backward_configs(128, 2, causal, (9, 0), False, n, True)))  # fmt: skip
+            pointer = backward_rows(128, 2, causal, (9, 0), False, n, True)
             with tuning.override(**pointer):
                 ways["pointer"] = _backward(flash, (q, k, v), grad)
             ways["table"] = _backward(flash, (q, k, v), grad)

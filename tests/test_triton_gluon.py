@@ -74,9 +74,7 @@ GLUON_KV, GLUON_Q = "attn_bwd_dkdv_gluon_kernel", "attn_bwd_dq_gluon_kernel"
 _GLUON_ROWS = configs.GLUON_BWD  # the rows the table gives admitted calls; forced here
 # The table's rows for calls that the Gluon kernels cannot serve: a role forced alone
 # has the other on them (the table would give an admitted call Gluon's there too).
-_POINTER_ROWS = dict(
-    zip(("bwd_kv", "bwd_q"), configs.backward_configs(128, 2, False, (9, 0), False, 4096, True))
-)
+_POINTER_ROWS = configs.backward_rows(128, 2, False, (9, 0), False, 4096, True)
 _BWD_CASES = [
     pytest.param(case, roles, marks=gpu, id=f"{'+'.join(roles)}-{case.id}")
     for roles in (("bwd_kv",), ("bwd_q",), ("bwd_kv", "bwd_q"))

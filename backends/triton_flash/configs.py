@@ -360,6 +360,12 @@ def backward_configs(*key: Any, **options: Any) -> tuple[LaunchConfig, LaunchCon
     return launch_config("bwd_kv", *key, **options), launch_config("bwd_q", *key, **options)
 
 
+def backward_rows(*key: Any, **options: Any) -> dict[str, LaunchConfig]:
+    """:func:`backward_configs` by role ("bwd_kv", "bwd_q"): what
+    ``tuning.override(**rows)`` takes to force one backward's rows (probes, tests)."""
+    return dict(zip(("bwd_kv", "bwd_q"), backward_configs(*key, **options)))
+
+
 # The backward as one launch ("merged": kernels.attn_bwd_kernel, whose programs split
 # into a dK/dV role and a dQ role, as FlexAttention's backward) or two ("split":
 # attn_bwd_dkdv_kernel, then attn_bwd_dq_kernel). tuning.override(backward_launch=...)
