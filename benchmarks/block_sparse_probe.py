@@ -166,7 +166,9 @@ def main() -> None:
         ms = loop_ms(bwd, device, 20)
         print(f"{text}: density {kept.float().mean():.3f}, rows/cols without a block "
               f"{rows_empty}/{cols_empty}, heavy rows/cols {facts.heavy_rows}/"
-              f"{facts.heavy_cols}, partial {facts.has_partial}; backward {ms:.3f} ms")  # fmt: skip
+              f"{facts.heavy_cols}, partial {facts.has_partial}, long rows/cols (Gluon dQ/"
+              f"dK/dV from the table) {facts.long_rows}/{facts.long_cols}; backward "
+              f"{ms:.3f} ms")  # fmt: skip
         for name, us in kernel_us(bwd).items():
             print(f"    {us:9.1f}  {name[:60]}")
         if not args.gluon_backward:

@@ -28,7 +28,8 @@
 #               WORKLOADS_ONLY: only the workloads whose name contains it, or any of a
 #               comma-separated list; WORKLOADS_BUDGET: seconds per competitor, default 0.04;
 #               WORKLOADS_SET: issue16 (default), models or all: --workload-set)
-#   GRID_S      grid-quick.json/md: `attnhub bench --quick`
+#   GRID_S      grid-quick.json/md: `attnhub bench --quick` (GRID_ARGS: other grid options in
+#               its place, e.g. --dtypes=bf16,fp16 --head-dims=128 --seqlens=1024,4096,16384)
 #   BSPROBE_S   block-sparse-probe.txt: benchmarks/block_sparse_probe.py (BSPROBE_ARGS, e.g.
 #               --forward: the pointer forward against the Gluon one, forced rows;
 #               --gluon-backward: the backward with the Gluon dQ and dK/dV forced)
@@ -125,7 +126,7 @@ head -40 "$OUT/model-profile.md" 2>/dev/null; tail -5 "$OUT/model-profile.err" 2
 step "${WORKLOADS_S:-0}" workloads python3 -m attnhub bench --workloads --device cuda \
     --dtypes "${DTYPES:-bfloat16}" --budget "${WORKLOADS_BUDGET:-0.04}" --workload-set "${WORKLOADS_SET:-issue16}" ${WORKLOADS_ONLY:+--only "$WORKLOADS_ONLY"} \
     -o "$OUT/workloads.json" > /dev/null 2> "$OUT/workloads.err"
-step "${GRID_S:-0}" grid python3 -m attnhub bench --quick --no-plots --no-progress \
+step "${GRID_S:-0}" grid python3 -m attnhub bench ${GRID_ARGS:---quick} --no-plots --no-progress \
     -o "$OUT/grid-quick.json" > /dev/null 2> "$OUT/grid-quick.err"
 step "${BSPROBE_S:-0}" block-sparse-probe python3 benchmarks/block_sparse_probe.py ${BSPROBE_ARGS:-} \
     > "$OUT/block-sparse-probe.txt" 2>&1

@@ -358,7 +358,8 @@ def _block_sparse_backward_launches(monkeypatch, what: str, rows: dict) -> list[
     """The kernels triton_blocksparse's backward launches (recorded, not run) on an
     sm_90 under the forced ``rows`` (none: the table's): preprocess, dK/dV, dQ. ``what``
     names the call: "served" (128 x 128 full blocks, N = 4096, bf16, D = 128), "fewer
-    than 4096 keys" (N = 2048), "partial blocks" (a 300-key window), "64-row blocks",
+    than 4096 keys" (N = 2048), "partial blocks" (a 300-key window), "a 1024-key window"
+    (rows and columns of ~1100, partial blocks), "64-row blocks",
     "128 x 64 blocks", "causal", "softcap", "a Triton without the Gluon backward"."""
     from attnhub import BlockSparseLayout
     from attnhub.backends.triton_blocksparse import ops as bs_ops
@@ -369,8 +370,10 @@ def _block_sparse_backward_launches(monkeypatch, what: str, rows: dict) -> list[
         monkeypatch.setattr(ops, "kernels_gluon_bwd", None)
     n = 2048 if what == "fewer than 4096 keys" else 4096
     block = {"64-row blocks": 64, "128 x 64 blocks": (128, 64)}.get(what, 128)
-    if what == "partial blocks":
-        layout = BlockSparseLayout.sliding_window(n, 300, block)
+    if what in ("partial blocks", "a 1024-key window"):
+        layout = BlockSparseLayout.sliding_window(
+            n, 300 if what == "partial blocks" else 1024, block
+        )
     else:
         bq, bk = (block, block) if isinstance(block, int) else block
         keep = torch.ones(1, 1, n // bq, n // bk, dtype=torch.bool)
@@ -395,6 +398,7 @@ def _block_sparse_backward_launches(monkeypatch, what: str, rows: dict) -> list[
         ("128 x 64 blocks", False, "bs_bwd_dq_gluon_kernel"),
         ("partial blocks", False, "bs_bwd_dq_kernel"),
         ("partial blocks", True, "bs_bwd_dq_gluon_kernel"),
+        ("a 1024-key window", False, "bs_bwd_dq_kernel"),
         ("fewer than 4096 keys", False, "bs_bwd_dq_kernel"),
         ("64-row blocks", True, "bs_bwd_dq_kernel"),
         ("causal", True, "bs_bwd_dq_kernel"),
@@ -421,6 +425,7 @@ def test_which_block_sparse_dq_kernel_an_sm90_call_gets(
         ("served", False, "bs_bwd_dkdv_gluon_kernel"),
         ("partial blocks", False, "bs_bwd_dkdv_kernel"),
         ("partial blocks", True, "bs_bwd_dkdv_gluon_kernel"),
+        ("a 1024-key window", False, "bs_bwd_dkdv_gluon_kernel"),
         ("fewer than 4096 keys", False, "bs_bwd_dkdv_kernel"),
         ("128 x 64 blocks", False, "bs_bwd_dkdv_kernel"),
         ("128 x 64 blocks", True, "bs_bwd_dkdv_kernel"),
@@ -434,8 +439,9 @@ def test_which_block_sparse_dkdv_kernel_an_sm90_call_gets(
     """triton_blocksparse's dK/dV launch (recorded, not run), by the table or under a
     forced Gluon dK/dV row: the Gluon kernel (kernels_gluon.bs_bwd_dkdv_gluon_kernel)
     takes layouts of 128 x 128 blocks that the Gluon forward takes (its program is one
-    128-key column block), by the table where the dQ kernel would take them too; every
-    other call keeps the pointer kernel."""
+    128-key column block), by the table where columns keep 768 queries or more on
+    average (ops._GLUON_KV_MIN_QUERIES: a 1024-key window's do, a 300-key one's do not)
+    and calls have 4096 keys or more; every other call keeps the pointer kernel."""
     rows = {"bwd_kv": _GLUON_ROWS["bwd_kv"]} if forced else {}
     launched = _block_sparse_backward_launches(monkeypatch, what, rows)
     assert launched[1] == expected, launched

@@ -20,7 +20,8 @@ triton_flash's (the Gluon forward) on the same work (results/block-sparse-h200.m
 
 :func:`bs_bwd_dq_gluon_kernel` and :func:`bs_bwd_dkdv_gluon_kernel` (the table's
 Gluon rows send calls there for the layouts the forward takes, where rows keep
-ops._GLUON_MIN_KEYS keys or more and calls have 4096 keys or more; forced ``bwd_q`` /
+ops._GLUON_MIN_KEYS keys (dQ) or columns ops._GLUON_KV_MIN_QUERIES queries (dK/dV) or
+more and calls have 4096 keys or more; forced ``bwd_q`` /
 ``bwd_kv`` Gluon rows send any such layout; dK/dV for 128-key blocks) compute what
 ``kernels.bs_bwd_dq_kernel`` and ``kernels.bs_bwd_dkdv_kernel`` compute: a program is
 one 128-row query block (dQ: the loader streams the row's kept key tiles) or one

@@ -73,6 +73,7 @@ class LayoutFacts(NamedTuple):
     heavy_rows: int  # leading entries of the row order that run heads interleaved
     heavy_cols: int  # the same for the column order (dK/dV)
     long_rows: bool  # rows keep _GLUON_MIN_KEYS keys or more on average (the Gluon forward's)
+    long_cols: bool  # columns keep _GLUON_KV_MIN_QUERIES queries or more on average
 
 
 _cache: weakref.WeakKeyDictionary[BlockSparseLayout, dict[str, list[torch.Tensor]]] = (
@@ -154,8 +155,10 @@ def layout_tensors(layout: BlockSparseLayout, device: torch.device) -> list[torc
     row_order, heavy_rows = _heaviest_first(block)
     col_order, heavy_cols = _heaviest_first(block.mT)
     kept_keys = float(block.sum(-1).float().mean()) * layout.block_size[1]
+    kept_queries = float(block.sum(-2).float().mean()) * layout.block_size[0]
     _facts[layout] = LayoutFacts(bool(partial.any()), heavy_rows, heavy_cols,
-                                 kept_keys >= _GLUON_MIN_KEYS)  # fmt: skip
+                                 kept_keys >= _GLUON_MIN_KEYS,
+                                 kept_queries >= _GLUON_KV_MIN_QUERIES)  # fmt: skip
     tile_id = torch.full(block.shape, -1, dtype=torch.int32, device=device)
     tile_id[partial] = torch.arange(int(partial.sum()), dtype=torch.int32, device=device)
     out: list[torch.Tensor] = []
@@ -245,6 +248,16 @@ def _tiles_meta(
 # at 410.
 _GLUON_MIN_KEYS = 1536
 
+# The Gluon dK/dV kernel takes the table's calls from shorter columns than the forward
+# and dQ kernels take rows (LayoutFacts.long_cols: columns keep this many queries or
+# more on average). On an H200 (B2 H16 N8192 D128 bf16, 128 x 128 blocks; two runs,
+# benchmarks/results/archive/block-sparse-probe-bwd-h200-2026-12-05-*.txt), the Gluon
+# dK/dV beside the pointer dQ against the pointer backward: 1.01-1.03x at 820 queries a
+# column (random 0.1), 1.03-1.04x at ~860 (BigBird), 1.03-1.06x at ~1080 (a 1024 window;
+# its kernel alone 1.09x), but 0.93-0.99x at 410 (random 0.05). The Gluon dQ over the
+# same rows read 0.92-1.00x, so it keeps _GLUON_MIN_KEYS.
+_GLUON_KV_MIN_QUERIES = 768
+
 
 def _gluon_ok(c: Any, bq: int, bk: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               out: torch.Tensor) -> bool:  # fmt: skip
@@ -310,6 +323,7 @@ def _fwd_impl(
     heavy_rows: int,
     heavy_cols: int,
     long_rows: bool,
+    long_cols: bool,
     causal: bool,
     bottom_right: bool,
     window_left: int,
@@ -319,8 +333,8 @@ def _fwd_impl(
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward over the kept blocks; shapes and conventions as triton_flash's op."""
-    scalars = (bq, bk, has_partial, heavy_rows, heavy_cols, long_rows, causal, bottom_right,
-               window_left, window_right, softcap, scale, dropout_p)  # fmt: skip
+    scalars = (bq, bk, has_partial, heavy_rows, heavy_cols, long_rows, long_cols, causal,
+               bottom_right, window_left, window_right, softcap, scale, dropout_p)  # fmt: skip
     key = None
     if not is_wrap_triton_enabled():
         key = _plan_key("bs_fwd", q, k, v, mask, seed, scalars, _index_key(index))
@@ -374,6 +388,7 @@ def _bwd_impl(
     heavy_rows: int,
     heavy_cols: int,
     long_rows: bool,
+    long_cols: bool,
     causal: bool,
     bottom_right: bool,
     window_left: int,
@@ -383,8 +398,8 @@ def _bwd_impl(
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward over the kept blocks: (dq, dk, dv); deterministic, no atomics."""
-    scalars = (bq, bk, has_partial, heavy_rows, heavy_cols, long_rows, causal, bottom_right,
-               window_left, window_right, softcap, scale, dropout_p)  # fmt: skip
+    scalars = (bq, bk, has_partial, heavy_rows, heavy_cols, long_rows, long_cols, causal,
+               bottom_right, window_left, window_right, softcap, scale, dropout_p)  # fmt: skip
     key = None
     if not is_wrap_triton_enabled():
         key = backward_plan_key("bs_bwd", dout, q, k, v, mask, seed, out, lse, dlse, scalars,
@@ -407,17 +422,16 @@ def _bwd_impl(
 
     fnum, fidx, pnum, pidx, ptile = index[_BY_COLUMN]
     # The Gluon kernels (triton_flash's programs on the layout's columns and rows; dK/dV's
-    # for 128-key blocks) where rows keep many keys (_GLUON_MIN_KEYS), as the forward's,
-    # past triton_flash's rows' own bound (configs._GLUON_MIN_N). On an H200 (B2 H16
-    # N8192 D128 bf16, 128-key blocks; two runs, benchmarks/results/archive/
+    # for 128-key blocks) past triton_flash's rows' own bound (configs._GLUON_MIN_N):
+    # dQ where rows keep many keys (_GLUON_MIN_KEYS), as the forward's, dK/dV where
+    # columns keep fewer (_GLUON_KV_MIN_QUERIES). On an H200 (B2 H16 N8192 D128 bf16,
+    # 128-key blocks; two runs, benchmarks/results/archive/
     # block-sparse-probe-bwd-h200-2026-12-05-*.txt), against the pointer kernels, both:
-    # 1.22-1.25x at density 1, 1.16-1.17x at 0.25; below 1536 keys a row 0.87-1.05x
-    # (random 0.05 and 0.1, a 1024 window, BigBird; dK/dV's alone 0.93-1.06x, dQ's
-    # 0.92-1.00x), so those keep the pointer kernels.
+    # 1.22-1.25x at density 1, 1.16-1.17x at 0.25.
     # (A forced Gluon row serves every call the kernels admit, short rows included.)
     gluon_ok = _gluon_backward(c, bq, bk, q, k, v, dout, lse)
     kv_cfg, _, block_n, kv_launch = _tiles_meta("bwd_kv", bq, bk, meta, q, nk, causal,
-                                                gluon_ok and long_rows and bk == 128)  # fmt: skip
+                                                gluon_ok and long_cols and bk == 128)  # fmt: skip
     q_cfg, block_m, _, q_launch = _tiles_meta("bwd_q", bq, bk, meta, q, nk, causal,
                                               gluon_ok and long_rows)  # fmt: skip
     args = (
@@ -488,9 +502,9 @@ class _Plan:
 
 triton_blocksparse_fwd = _define("attnhub::triton_blocksparse_fwd", _fwd_impl)
 triton_blocksparse_bwd = _define("attnhub::triton_blocksparse_bwd", _bwd_impl)
-# bq, bk, has_partial, heavy_rows, heavy_cols, long_rows, causal, bottom_right,
-# window_left, window_right, softcap, scale, p
-_N_SCALARS = 13
+# bq, bk, has_partial, heavy_rows, heavy_cols, long_rows, long_cols, causal,
+# bottom_right, window_left, window_right, softcap, scale, p
+_N_SCALARS = 14
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
