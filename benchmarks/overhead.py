@@ -83,7 +83,10 @@ void cg_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
 """
 
 
-def _calls(args: argparse.Namespace) -> tuple[dict[str, Callable[[], object]], str]:
+def _calls(
+    args: argparse.Namespace,
+) -> tuple[dict[str, Callable[[], object]], str, Callable[[], str]]:
+    """The timed calls by name, the header line, and the auto call's ``explain()``."""
     shape = tuple(int(s) for s in args.shape.split(","))
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.float16
@@ -137,7 +140,7 @@ def _calls(args: argparse.Namespace) -> tuple[dict[str, Callable[[], object]], s
         cudnn = torch._scaled_dot_product_cudnn_attention
         calls["cudnn_direct"] = lambda: cudnn(q, k, v, None, False, 0.0, False, False)
         calls["cudnn_named"] = lambda: attnhub.attention(q, k, v, backend="torch_sdpa_cudnn")
-    return calls, f"input {shape} {dtype} on {device}"
+    return calls, f"input {shape} {dtype} on {device}", lambda: str(attnhub.explain(q, k, v))
 
 
 def _served_auto(calls: dict[str, Callable[[], object]]) -> str:
@@ -198,7 +201,7 @@ def _report(
 
 def wall_times(args: argparse.Namespace) -> None:
     """The fastest of ``--rounds`` interleaved rounds of ``--repeat`` calls each."""
-    calls, header = _calls(args)
+    calls, header, explain = _calls(args)
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for fn in calls.values():
@@ -217,6 +220,8 @@ def wall_times(args: argparse.Namespace) -> None:
             sync()
             best[name] = min(best[name], (time.perf_counter() - start) / repeat * 1e6)
     print(header)
+    # Why auto serves what it serves: on CUDA, the measurement its first call made.
+    print(explain())
     title = f"wall time per call, best of {args.rounds} rounds x {repeat}:"
     overheads = _report(title, best, "us", 2, served)
     if args.json:
@@ -240,7 +245,7 @@ def _count_instructions(args: argparse.Namespace, helper: str, out_dir: str) -> 
     import ctypes
 
     lib = ctypes.CDLL(helper)
-    calls, header = _calls(args)
+    calls, header, _ = _calls(args)
     calls = {"empty": lambda: None, **calls}
     for fn in calls.values():
         for _ in range(300):
