@@ -72,8 +72,8 @@ class LayoutFacts(NamedTuple):
     has_partial: bool  # any partial block (the HAS_PARTIAL constexpr)
     heavy_rows: int  # leading entries of the row order that run heads interleaved
     heavy_cols: int  # the same for the column order (dK/dV)
-    long_rows: bool  # rows keep _GLUON_MIN_KEYS keys or more on average (the Gluon forward's)
-    long_cols: bool  # columns keep _GLUON_KV_MIN_QUERIES queries or more on average
+    long_rows: bool  # rows keep _GLUON_MIN_KEYS keys or more on average (Gluon forward, dQ)
+    long_cols: bool  # columns keep _GLUON_KV_MIN_QUERIES queries or more on average (dK/dV)
 
 
 _cache: weakref.WeakKeyDictionary[BlockSparseLayout, dict[str, list[torch.Tensor]]] = (
