@@ -127,6 +127,39 @@ def test_random_masks_are_never_misread():
             assert torch.equal(_rebuilt(plan, nq, nk).expand_as(keep), keep)
 
 
+def test_one_row_masks_take_the_short_path_to_the_same_plan():
+    """A one-row mask (a decoding step's) is read by _one_row, which must give the plan
+    of the general reading (_rows) for every such mask, exactly: all kept, padding on
+    either side, a window's suffix, holes, rows that keep nothing, broadcast shapes."""
+    gen = torch.Generator().manual_seed(1)
+    nk = 12
+    j = torch.arange(nk)
+    cases = [
+        torch.ones(3, 1, 1, nk, dtype=torch.bool),
+        torch.zeros(2, 1, 1, nk, dtype=torch.bool),
+        _padding([12, 7, 3], nk, left=True),
+        _padding([12, 7, 3], nk, left=False),
+        (j >= 4).expand(2, 4, 1, nk),  # a window's suffix, every row alike
+        ((j >= 4) & (j <= 9)).view(1, nk),
+        _padding([9, 5], nk, left=True) & (j >= 6),
+    ]
+    cases += [
+        torch.rand(2, 3, 1, nk, generator=gen) < p for p in (0.1, 0.5, 0.9) for _ in range(20)
+    ]
+    for keep in cases:
+        fast, general = mask_structure._one_row(keep), mask_structure._rows(keep)
+        assert (fast is None) == (general is None), keep
+        if fast is None or general is None:
+            continue
+        assert (fast.causal, fast.alignment, fast.window) == (
+            general.causal, general.alignment, general.window
+        )  # fmt: skip
+        assert (fast.attn_mask is None) == (general.attn_mask is None)
+        if fast.attn_mask is not None and general.attn_mask is not None:
+            assert torch.equal(fast.attn_mask, general.attn_mask)
+        assert torch.equal(_rebuilt(fast, 1, nk).expand_as(keep), keep)
+
+
 def test_float_masks_with_scores_and_masks_that_need_grad_are_left_alone():
     scores = torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), -1e9)
     assert mask_structure.recognize(scores) is None  # -1e9 is a score to add, not -inf

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import pytest
 import torch
@@ -492,6 +493,7 @@ def test_tuning_override_is_scoped_validated_and_nests() -> None:
         (ValueError, "backward_launch='fused'", {"backward_launch": "fused"}),
         (TypeError, "fwd=", {"fwd": (128, 64)}),
         (TypeError, "packed_row_strides", {"packed_row_strides": 0}),
+        (TypeError, "heavy_first", {"heavy_first": 1}),
     ]
     for error, match, kwargs in bad:
         entered = False
@@ -783,6 +785,58 @@ def test_row_strides_are_constants_only_for_packed_rows() -> None:
     with tuning.override(packed_row_strides=False):
         assert ops._row_strides(K=packed, DO=packed) == {"STRIDE_KN": 0, "STRIDE_DOM": 0}
     assert ops._row_strides(K=packed) == {"STRIDE_KN": 24}
+
+
+def _orders_agree(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, **options: Any
+) -> None:
+    """Output, lse and gradients (an lse gradient too) of ops.flash_attention with the
+    row blocks last first and in grid order (tuning.override(heavy_first=...)) are
+    bitwise equal; the override reaches ops._heavy_first."""
+    from attnhub.backends.triton_flash import tuning
+
+    dout, dlse = torch.randn_like(q), torch.randn(q.shape[:-1], device=q.device)
+
+    def run(heavy_first: bool) -> list[torch.Tensor]:
+        with tuning.override(heavy_first=heavy_first):
+            assert ops._heavy_first(causal, 128) is heavy_first
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out, lse = ops.flash_attention(*leaves, causal=causal, **options)
+            return [out, lse, *torch.autograd.grad((out, lse), leaves, (dout, dlse))]
+
+    for first, last in zip(run(True), run(False)):
+        assert torch.equal(first, last)
+
+
+@pytest.mark.parametrize(
+    ("causal", "bottom_right", "window"),
+    [(True, False, None), (True, True, (20, None)), (False, False, None)],
+    ids=["causal", "bottom_right_window", "dense"],
+)
+def test_row_block_order_changes_no_bit(
+    causal: bool, bottom_right: bool, window: tuple[int, None] | None
+) -> None:
+    """HEAVY_FIRST (common._row_block) only reorders the forward's and dQ's programs:
+    several row blocks, a ragged last one, GQA, either order gives the same bits; the
+    rule (ops._heavy_first) turns it on for causal calls up to head dim 128."""
+    torch.manual_seed(3)
+    q = torch.randn(2, 4, 77, 16, device=DEVICE)
+    k, v = (torch.randn(2, 2, 90, 16, device=DEVICE) for _ in range(2))
+    assert ops._heavy_first(causal, 16) is ops._heavy_first(causal, 128) is causal
+    assert not ops._heavy_first(causal, 256)
+    _orders_agree(q, k, v, causal, bottom_right=bottom_right, window=window)
+
+
+@gpu
+@requires_cuda
+@pytest.mark.parametrize("n", [1024, 4096], ids=["N1024", "N4096"])
+def test_row_block_order_changes_no_bit_on_the_gpu(n: int) -> None:
+    """As above on the GPU's own kernels, bf16 D=128 causal: at N=1024 the TMA forward
+    and the pointer dQ, at N=4096 the Gluon forward and dQ (where this Triton and GPU
+    have them; the launch table decides)."""
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(2, 8, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    _orders_agree(q, k, v, True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)

@@ -63,6 +63,19 @@ def _tanh(x):
 
 
 @triton.jit
+def _row_block(HEAVY_FIRST: tl.constexpr):
+    """This program's row block (grid axis 0) for the forward and dQ kernels. With
+    HEAVY_FIRST the blocks run last first: under a causal band the last rows walk the
+    most keys, and the GPU starts programs in grid order (axis 0 fastest), so each
+    head's heaviest block starts first and the grid ends on light blocks instead of a
+    heavy one started late (ops._heavy_first decides where)."""
+    pid_m = tl.program_id(0)
+    if HEAVY_FIRST:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    return pid_m
+
+
+@triton.jit
 def _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p):
     """The float arguments as float32. A plain launch types Python floats as fp32, but
     Inductor (torch.compile through wrap_triton) passes them as fp64, which would turn

@@ -124,6 +124,7 @@ from .common import (
     _load_rows,
     _query_head_bases,
     _query_ranges,
+    _row_block,
     _row_dots,
     _row_streams,
     _row_stride,
@@ -196,14 +197,15 @@ def attn_fwd_kernel(
     INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr, MASK_HEAD: tl.constexpr,
     MASK_TAIL: tl.constexpr, STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
     STORE_LSE: tl.constexpr = True, VARLEN: tl.constexpr = False,
+    HEAVY_FIRST: tl.constexpr = False,
 ):  # fmt: skip
-    """Out (B, H, NQ, DV) and Lse (B, H, NQ) float32 natural log, for one row block.
-    STORE_LSE=False: Lse is not written (a call whose caller neither returns the lse nor
-    differentiates; Lse may then be any pointer)."""
+    """Out (B, H, NQ, DV) and Lse (B, H, NQ) float32 natural log, for one row block
+    (common._row_block's order). STORE_LSE=False: Lse is not written (a call whose caller
+    neither returns the lse nor differentiates; Lse may then be any pointer)."""
     stride_kn = _row_stride(stride_kn, PACKED=STRIDE_KN)
     stride_vn = _row_stride(stride_vn, PACKED=STRIDE_VN)
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = _row_block(HEAVY_FIRST=HEAVY_FIRST) * BLOCK_M
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H
@@ -529,13 +531,15 @@ def attn_bwd_dq_kernel(
     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, MASK_HEAD: tl.constexpr, MASK_TAIL: tl.constexpr,
     STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0, VARLEN: tl.constexpr = False,
+    HEAVY_FIRST: tl.constexpr = False,
 ):  # fmt: skip
-    """dQ, one program per (row block, b * H + h) on grid axes (0, 1): the split
-    backward's second launch (see :func:`_bwd_dq_program`)."""
+    """dQ, one program per (row block, b * H + h) on grid axes (0, 1; row blocks in
+    common._row_block's order): the split backward's second launch (see
+    :func:`_bwd_dq_program`)."""
     stride_kn = _row_stride(stride_kn, PACKED=STRIDE_KN)
     stride_vn = _row_stride(stride_vn, PACKED=STRIDE_VN)
     _bwd_dq_program(
-        tl.program_id(0), tl.program_id(1),
+        _row_block(HEAVY_FIRST=HEAVY_FIRST), tl.program_id(1),
         Q, K, V, Mask, Seed, DO, Lse, Delta, DQ, CuQ, CuK,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,

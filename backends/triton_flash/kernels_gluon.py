@@ -51,6 +51,16 @@ _LOADER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
+def _row_block(HEAVY_FIRST: gl.constexpr):
+    """common._row_block in Gluon: this program's row block, the last first with
+    HEAVY_FIRST."""
+    pid_m = gl.program_id(0)
+    if HEAVY_FIRST:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    return pid_m
+
+
+@gluon.jit
 def _softmax(
     s, m_i, l_i, cols, rows, NK, offset, win_left, win_right, qk_scale,
     MASKED: gl.constexpr, HAS_BAND: gl.constexpr,
@@ -341,13 +351,15 @@ def attn_fwd_gluon_kernel(
     INPUT_PRECISION: gl.constexpr, FOLD_SCALE: gl.constexpr, MASK_HEAD: gl.constexpr,
     MASK_TAIL: gl.constexpr, STRIDE_KN: gl.constexpr = 0, STRIDE_VN: gl.constexpr = 0,
     STORE_LSE: gl.constexpr = True, VARLEN: gl.constexpr = False, STAGES: gl.constexpr = 2,
+    HEAVY_FIRST: gl.constexpr = False,
 ):  # fmt: skip
     """Out (B, H, NQ, 128) and Lse (B, H, NQ) float32 natural log, for one block of
-    BLOCK_M = 128 query rows, as kernels.attn_fwd_kernel (scale folded: FOLD_SCALE)."""
+    BLOCK_M = 128 query rows, as kernels.attn_fwd_kernel (scale folded: FOLD_SCALE; row
+    blocks in common._row_block's order)."""
     gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
     gl.static_assert(VARLEN == 0 and not HAS_SOFTCAP and FOLD_SCALE)
     gl.static_assert(BLOCK_M == 2 * _ROWS and gl.num_warps() == 4)
-    start_m = gl.program_id(0) * BLOCK_M
+    start_m = _row_block(HEAVY_FIRST) * BLOCK_M
     pid_bh = gl.program_id(1).to(gl.int64)
     b = pid_bh // H
     h = pid_bh % H

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .common import _DYNAMIC, _compiled, _key_ranges, _query_ranges, _segment
-from .kernels_gluon import _tile_tokens
+from .kernels_gluon import _row_block, _tile_tokens
 
 LOG2E = gl.constexpr(1.4426950408889634)
 _KEYS = gl.constexpr(64)  # dK/dV: keys per consumer warpgroup (one wgmma M tile of 4 warps)
@@ -651,14 +651,14 @@ def attn_bwd_dq_gluon_kernel(
     HAS_SOFTCAP: gl.constexpr, MASK_KIND: gl.constexpr, HAS_DROPOUT: gl.constexpr,
     INPUT_PRECISION: gl.constexpr, MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
     STRIDE_KN: gl.constexpr = 0, STRIDE_VN: gl.constexpr = 0, VARLEN: gl.constexpr = False,
-    STAGES: gl.constexpr = 2,
+    STAGES: gl.constexpr = 2, HEAVY_FIRST: gl.constexpr = False,
 ):  # fmt: skip
-    """dQ (B, H, NQ, 128) for BLOCK_M = 128 rows of b * H + h (grid axes 0 and 1), as
-    kernels.attn_bwd_dq_kernel."""
+    """dQ (B, H, NQ, 128) for BLOCK_M = 128 rows of b * H + h (grid axes 0 and 1; row
+    blocks in common._row_block's order), as kernels.attn_bwd_dq_kernel."""
     gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
     gl.static_assert(VARLEN == 0 and not HAS_SOFTCAP)
     gl.static_assert(BLOCK_M == 2 * _ROWS and gl.num_warps() == 4)
-    start_m = gl.program_id(0) * BLOCK_M
+    start_m = _row_block(HEAVY_FIRST) * BLOCK_M
     pid_bh = gl.program_id(1).to(gl.int64)
     b = pid_bh // H
     h = pid_bh % H

@@ -37,6 +37,7 @@ from .common import (
     _fp32_scalars,
     _fwd_finish,
     _key_ranges,
+    _row_block,
     _scores,
     _segment,
     _softmax_init,
@@ -84,12 +85,13 @@ def attn_fwd_tma_kernel(
     INPUT_PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr, MASK_HEAD: tl.constexpr,
     MASK_TAIL: tl.constexpr, STRIDE_KN: tl.constexpr = 0, STRIDE_VN: tl.constexpr = 0,
     STORE_LSE: tl.constexpr = True, VARLEN: tl.constexpr = False,
+    HEAVY_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     """Out (B, H, NQ, DV) and Lse (B, H, NQ) float32 natural log, for one row block, as
     kernels.attn_fwd_kernel."""
     tl.static_assert(EVEN_D and MASK_KIND == 0 and not HAS_DROPOUT and VARLEN == 0)
     qk_scale, sm_scale, softcap, dropout_p = _fp32_scalars(qk_scale, sm_scale, softcap, dropout_p)
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = _row_block(HEAVY_FIRST=HEAVY_FIRST) * BLOCK_M
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // H
     h = pid_bh % H

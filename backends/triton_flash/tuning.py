@@ -18,7 +18,8 @@ when autograd runs it on its CUDA device thread or after the block. Under
 
 Who reads it: :func:`configs.launch_config` (``fwd``, ``bwd_kv``, ``bwd_q``; the
 block-sparse ops take their tiles from it too), :func:`configs.backward_launch`
-(``backward_launch``) and ``ops._row_strides`` (``packed_row_strides``, both families).
+(``backward_launch``), ``ops._row_strides`` (``packed_row_strides``, both families) and
+``ops._heavy_first`` (``heavy_first``, triton_flash's forward and dQ kernels).
 The cached launch plans of ``ops`` are keyed by the active override, so a plan built
 under one override is never reused under another.
 """
@@ -50,11 +51,15 @@ class Tuning:
     ``configs``: (direction, LaunchConfig) pairs, direction one of ``DIRECTIONS``.
     ``backward_launch``: one of ``BACKWARD_LAUNCHES``. ``packed_row_strides``: False
     passes every streamed row stride at run time instead of as a constant where rows are
-    packed (ops._row_strides); the outputs are bitwise the same either way."""
+    packed (ops._row_strides); the outputs are bitwise the same either way.
+    ``heavy_first``: True or False forces the order of the row-block programs of the
+    forward and dQ kernels (ops._heavy_first; None: its rule); outputs are bitwise the
+    same either way."""
 
     configs: tuple[tuple[str, LaunchConfig], ...] = ()
     backward_launch: str | None = None
     packed_row_strides: bool = True
+    heavy_first: bool | None = None
 
     def config(self, direction: str) -> LaunchConfig | None:
         """The forced configuration for ``direction``, or None."""
@@ -106,12 +111,14 @@ def override(
     bwd_q: ConfigLike | None = None,
     backward_launch: str | None = None,
     packed_row_strides: bool | None = None,
+    heavy_first: bool | None = None,
 ) -> Iterator[Tuning]:
     """Inside the block, launches use the given configurations (per direction: the
     forward, the dK/dV role, the dQ role), backwards launch as ``backward_launch``
     (``"split"``, ``"merged"`` or ``"merged_heads"``; a merged mode is still split where
     the two roles' launch options differ, see configs.backward_launch) and, with
-    ``packed_row_strides=False``, every row stride is a runtime argument. Arguments left
+    ``packed_row_strides=False``, every row stride is a runtime argument; ``heavy_first``
+    forces the row blocks' program order (True: the last row block first). Arguments left
     None keep the enclosing block's value (or the table's). The backward of a call made
     inside the block uses the block's tuning wherever it runs. Yields the active
     :class:`Tuning`. Bad values raise before the block runs."""
@@ -122,6 +129,8 @@ def override(
         )
     if packed_row_strides is not None and not isinstance(packed_row_strides, bool):
         raise TypeError(f"tuning.override(packed_row_strides=...): expected a bool, got {packed_row_strides!r}")  # fmt: skip
+    if heavy_first is not None and not isinstance(heavy_first, bool):
+        raise TypeError(f"tuning.override(heavy_first=...): expected a bool, got {heavy_first!r}")
     outer = _CURRENT.get() or Tuning()
     forced = dict(outer.configs)
     for direction, value in zip(DIRECTIONS, (fwd, bwd_kv, bwd_q)):
@@ -131,6 +140,7 @@ def override(
         configs=tuple(sorted(forced.items())),
         backward_launch=backward_launch if backward_launch is not None else outer.backward_launch,
         packed_row_strides=outer.packed_row_strides if packed_row_strides is None else packed_row_strides,
+        heavy_first=outer.heavy_first if heavy_first is None else heavy_first,
     )  # fmt: skip
     token = _CURRENT.set(active)
     try:

@@ -125,6 +125,36 @@ def test_nonsquare_with_causal_alignments_and_bool_mask() -> None:
         _check(q, k, v, layout, float_mask, causal=True, alignment=alignment, softcap=2.0)
 
 
+def test_a_structure_mask_is_built_once_per_signature() -> None:
+    """Causal and window calls without a bool mask share one BlockMask per (Nq, Nk,
+    device, causal, offset, window): not rebuilt for another batch, head count or float
+    mask (score_mod's), rebuilt for another window or alignment; the answers match the
+    float64 reference whichever call built the mask."""
+    from attnhub.backends.torch_reference import reference_attention
+
+    attnhub_flex._structure_masks.clear()
+    q, k, v = _qkv(2, 4, 2, 48, 80)
+    calls = [
+        (q, k, v, {"causal": True}),
+        (q[:1, :2], k[:1, :1], v[:1, :1], {"causal": True}),  # B and H broadcast
+        (q, k, v, {"causal": True, "attn_mask": torch.randn(2, 1, 48, 80)}),
+    ]
+    built = attnhub_flex.block_mask_builds
+    for qq, kk, vv, options in calls:
+        got = attnhub.attention(qq, kk, vv, backend="flex_attention", **options)
+        mask = options.pop("attn_mask", None)
+        want, _ = reference_attention(
+            *(t.double() for t in (qq, kk, vv)),
+            None if mask is None else mask.double(),
+            attnhub.AttentionParams(**options, scale=qq.shape[-1] ** -0.5),
+        )
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    assert attnhub_flex.block_mask_builds == built + 1
+    attnhub.attention(q, k, v, causal=True, window=(9, None), backend="flex_attention")
+    attnhub.attention(q, k, v, causal=True, alignment="bottom_right", backend="flex_attention")
+    assert attnhub_flex.block_mask_builds == built + 3
+
+
 def test_reused_layout_reuses_its_block_mask() -> None:
     q, k, v = _qkv(1, 2, 2, 64, 64)
     layout = BlockSparseLayout.sliding_window(64, 10, 16)

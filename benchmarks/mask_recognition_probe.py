@@ -1,0 +1,118 @@
+"""What recognizing a dense mask's structure costs (attnhub.mask_structure), per mask.
+
+A patched model passes ``F.scaled_dot_product_attention`` a new mask tensor every
+forward (Hugging Face's ``sdpa`` path builds one per step: (B, 1, Nq, Nk) bool, or
+(B, 1, 1, Nk) while decoding with padding); the patch reads its structure once per
+tensor. This times, wall clock per mask with the host's launches and synchronizations
+included, the general reading (``_rows``) and the one ``recognize`` takes (``_one_row``
+for a one-row mask), and a whole patched decoding call with a fresh mask each call
+against PyTorch's own call with that mask::
+
+    python benchmarks/mask_recognition_probe.py [--calls 200] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+
+import torch
+import torch.nn.functional as F
+
+import attnhub
+from attnhub import mask_structure
+from attnhub.timing import loop_ms
+
+
+def _padded(b: int, nq: int, nk: int, causal: bool, device: torch.device) -> torch.Tensor:
+    """(B, 1, Nq, Nk) bool: left padding of 0 .. nk/2 keys per batch entry, causal
+    (bottom-right) or not."""
+    j = torch.arange(nk, device=device)
+    pad = torch.linspace(0, nk // 2, b, device=device).long()
+    keep = (j[None, :] >= pad[:, None])[:, None, None, :].expand(b, 1, nq, nk)
+    if causal:
+        i = torch.arange(nq, device=device)[:, None] + (nk - nq)
+        keep = keep & (j[None, :] <= i)
+    return keep.contiguous()
+
+
+def _decode_calls(q: torch.Tensor, nk: int, calls: int) -> str:
+    """A decoding call as a patched model makes it, with a fresh (B, 1, 1, Nk) mask each
+    call (what each step's first layer pays) and with the same mask (the other layers),
+    beside F.sdpa and attnhub.attention given the key mask directly (no structure read)."""
+    device = q.device
+    k, v = (torch.randn(8, 8, nk, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
+    pool = [_padded(8, 1, nk, False, device) for _ in range(calls)]
+    it = iter(range(10**9))
+
+    def fresh() -> torch.Tensor:
+        return pool[next(it) % len(pool)].clone()
+
+    def same() -> torch.Tensor:
+        return pool[0]
+
+    def through(fn, masks, **extra) -> None:  # type: ignore[no-untyped-def]
+        fn(q, k, v, attn_mask=masks(), **extra)
+
+    cells = []
+    for way in ("F.sdpa", "patched", "attention()"):
+        with attnhub.patch(aliases=False) if way == "patched" else contextlib.nullcontext():
+            fn = (
+                functools.partial(through, attnhub.attention)
+                if way == "attention()"
+                else functools.partial(through, F.scaled_dot_product_attention, enable_gqa=True)
+            )
+            for masks in (fresh, same):
+                fn(masks)
+                attnhub.reset_stats()
+                ms = min(loop_ms(functools.partial(fn, masks), device, calls) for _ in range(3))
+                served = attnhub.stats()
+                cells.append(
+                    f"{way} {masks.__name__} mask {ms * 1e3:.1f} (served: {served or 'PyTorch'})"
+                )
+    return f"decode call B8 Hq32/Hkv8 Nk{nk} D128 bf16, left-padded mask, us a call: " + "; ".join(
+        cells
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
+          f"torch {torch.__version__}; us per mask, fastest of 3 loops of {args.calls}")  # fmt: skip
+    masks = {
+        "decode B8 Nk576 all kept": torch.ones(8, 1, 1, 576, dtype=torch.bool, device=device),
+        "decode B8 Nk576 left-padded": _padded(8, 1, 576, False, device),
+        "decode B8 Nk32768 left-padded": _padded(8, 1, 32768, False, device),
+        "prefill B8 N512 causal left-padded": _padded(8, 512, 512, True, device),
+        "prefill B8 N4096 causal left-padded": _padded(8, 4096, 4096, True, device),
+    }
+    for name, keep in masks.items():
+        ways = {
+            "general (_rows)": mask_structure._rows,
+            "recognize's path": mask_structure._recognize,
+        }
+        cells = []
+        for way, read in ways.items():
+            read(keep)
+            us = (
+                min(loop_ms(functools.partial(read, keep), device, args.calls) for _ in range(3))
+                * 1e3
+            )
+            cells.append(f"{way} {us:.1f}")
+        plan = mask_structure._recognize(keep)
+        print(f"{name}: {', '.join(cells)} us; plan: {plan.describe() if plan else None}")
+
+    if device.type != "cuda":
+        return
+    q = torch.randn(8, 32, 1, 128, device=device, dtype=torch.bfloat16)
+    for nk in (576, 4096):
+        print(_decode_calls(q, nk, args.calls))
+
+
+if __name__ == "__main__":
+    main()
