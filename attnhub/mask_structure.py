@@ -154,8 +154,8 @@ def _one_row(keep: torch.Tensor) -> MaskPlan | None:
 
     With one row the candidate always holds: ``key_ok`` is the mask itself, and the
     union's first and last kept keys bound every row, so ``_rows``' element-wise check
-    passes by construction and the plan follows from three numbers: those two
-    keys, and whether every row keeps all keys between them (then no key mask is left).
+    passes by construction and the plan follows from those two keys and whether every
+    row keeps all keys between them (then no key mask is left).
     A row keeps all of them exactly when it keeps as many keys as the span holds, since
     it keeps none outside; so the rows' least and greatest counts decide it."""
     nk = keep.shape[-1]
