@@ -42,22 +42,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import _DYNAMIC, _compiled, _key_ranges, _segment
+from .common import _DYNAMIC, _compiled, _key_ranges, _row_block, _segment
 
 LN2 = gl.constexpr(0.6931471805599453)
 _ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one wgmma M tile of 4 warps)
 _CONSUMER_REGS = gl.constexpr(232)  # registers per thread: consumers, then the loader
 _LOADER_REGS = gl.constexpr(24)
-
-
-@gluon.jit
-def _row_block(HEAVY_FIRST: gl.constexpr):
-    """common._row_block in Gluon: this program's row block, the last first with
-    HEAVY_FIRST."""
-    pid_m = gl.program_id(0)
-    if HEAVY_FIRST:
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    return pid_m
 
 
 @gluon.jit
@@ -359,7 +349,7 @@ def attn_fwd_gluon_kernel(
     gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
     gl.static_assert(VARLEN == 0 and not HAS_SOFTCAP and FOLD_SCALE)
     gl.static_assert(BLOCK_M == 2 * _ROWS and gl.num_warps() == 4)
-    start_m = _row_block(HEAVY_FIRST) * BLOCK_M
+    start_m = _row_block(HEAVY_FIRST=HEAVY_FIRST) * BLOCK_M
     pid_bh = gl.program_id(1).to(gl.int64)
     b = pid_bh // H
     h = pid_bh % H

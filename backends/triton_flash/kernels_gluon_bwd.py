@@ -43,8 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import _DYNAMIC, _compiled, _key_ranges, _query_ranges, _segment
-from .kernels_gluon import _row_block, _tile_tokens
+from .common import _DYNAMIC, _compiled, _key_ranges, _query_ranges, _row_block, _segment
+from .kernels_gluon import _tile_tokens
 
 LOG2E = gl.constexpr(1.4426950408889634)
 _KEYS = gl.constexpr(64)  # dK/dV: keys per consumer warpgroup (one wgmma M tile of 4 warps)
@@ -658,7 +658,7 @@ def attn_bwd_dq_gluon_kernel(
     gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
     gl.static_assert(VARLEN == 0 and not HAS_SOFTCAP)
     gl.static_assert(BLOCK_M == 2 * _ROWS and gl.num_warps() == 4)
-    start_m = _row_block(HEAVY_FIRST) * BLOCK_M
+    start_m = _row_block(HEAVY_FIRST=HEAVY_FIRST) * BLOCK_M
     pid_bh = gl.program_id(1).to(gl.int64)
     b = pid_bh // H
     h = pid_bh % H

@@ -615,8 +615,9 @@ def _forward(
     varlen = _varlen(packed, key_ranges)
     tma_ok = _tma_eligible(c, varlen, q, k, v, out_view)
     gluon_ok = tma_ok and _gluon_eligible(c, q)
+    block_d = max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"])
     cfg = launch_config(
-        "fwd", max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"]), q.element_size(), causal,
+        "fwd", block_d, q.element_size(), causal,
         _capability(q.device), interpreting(), c.walk, lean=mask is None, tma=tma_ok,
         gluon=gluon_ok,
     )  # fmt: skip
@@ -630,7 +631,7 @@ def _forward(
         **c.meta, **cfg.meta(), "FOLD_SCALE": c.fold_scale,
         **_edge_segments(True, nq, nk, cfg, causal, window_left, window_right, ragged=varlen > 0),
         **_row_strides(K=k, V=v), "STORE_LSE": store_lse, "VARLEN": varlen,
-        "HEAVY_FIRST": _heavy_first(causal, max(c.meta["BLOCK_D"], c.meta["BLOCK_DV"])),
+        "HEAVY_FIRST": _heavy_first(causal, block_d),
     }  # fmt: skip
     if cfg.gluon and gluon_ok:
         kernel, tma = kernels_gluon.attn_fwd_gluon_kernel, True

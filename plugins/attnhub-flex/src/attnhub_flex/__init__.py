@@ -316,8 +316,7 @@ def _layout_block_mask(
         return _build_layout_block_mask(
             layout, nq, nk, other_mod, other_bh, query.device, sparse_block
         )
-    offset = nk - nq if params.bottom_right else 0
-    signature = (nq, nk, str(query.device), params.causal, offset, params.window)
+    signature = _structure_signature(query, key, params)
     with _block_masks_lock:
         per_layout = _block_masks.setdefault(layout, {})
         hit = per_layout.get(signature)
@@ -330,6 +329,16 @@ def _layout_block_mask(
     return hit
 
 
+def _structure_signature(
+    query: torch.Tensor, key: torch.Tensor, params: AttentionParams
+) -> tuple[Any, ...]:
+    """What a call's causal and window mask_mod depends on: (Nq, Nk, device, causal, the
+    diagonal's offset, window); the key of both BlockMask caches."""
+    nq, nk = query.shape[2], key.shape[2]
+    offset = nk - nq if params.bottom_right else 0
+    return (nq, nk, str(query.device), params.causal, offset, params.window)
+
+
 def _structure_block_mask(
     mask_mod: Any, query: torch.Tensor, key: torch.Tensor, params: AttentionParams
 ) -> Any:
@@ -338,8 +347,7 @@ def _structure_block_mask(
     ``_structure_masks``); B and H broadcast."""
     global block_mask_builds
     nq, nk = query.shape[2], key.shape[2]
-    offset = nk - nq if params.bottom_right else 0
-    signature = (nq, nk, str(query.device), params.causal, offset, params.window)
+    signature = _structure_signature(query, key, params)
     with _block_masks_lock:
         hit = _structure_masks.get(signature)
     if hit is None:
