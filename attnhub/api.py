@@ -350,16 +350,19 @@ def sdpa_entry(
     scale: Any,
     dropout_p: Any,
     backend: Any,
+    alignment: Any = _TOP_LEFT,
+    window: Any = None,
 ) -> _Entry:
     """The decided entry of ``attention(query, key, value, attn_mask, causal=is_causal,
-    scale=scale, dropout_p=dropout_p, backend=backend)``, not run (not while tracing).
+    alignment=alignment, window=window, scale=scale, dropout_p=dropout_p,
+    backend=backend)``, not run (not while tracing).
 
     :func:`attnhub.patch`'s call: its replacement keeps the entry to reuse for calls
     that match it (``entry[2].check``, ``entry[4]``; see :class:`_Guards`), so this
     runs only where that fails, and goes to the dict directly. An entry that must not
     be reused has guards that never match.
     """
-    options = (is_causal, _TOP_LEFT, None, None, scale, dropout_p, None, False)
+    options = (is_causal, alignment, window, None, scale, dropout_p, None, False)
     try:
         grad_mode = _grad_enabled()
         context: Any = (

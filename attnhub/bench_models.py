@@ -9,10 +9,12 @@ the same weights and tokens:
 - ``attnhub``: ``attn_implementation="attnhub"``
   (:func:`attnhub.integrations.transformers.register`).
 
-Two measurements per way: a training step (forward and backward of the next-token
+Three measurements per way: a training step (forward and backward of the next-token
 loss, no optimizer) in tokens per second, and greedy ``generate`` with the KV cache
 (a batch of prompts, a fixed number of new tokens, ``min_new_tokens`` so that every
-row runs to the end) in new tokens per second; both with peak memory. Timed by wall
+row runs to the end) in new tokens per second, of prompts of one length
+(``generate``) and of left-padded prompts of different lengths (``generate_padded``:
+every step then passes attention a padding mask); each with peak memory. Timed by wall
 clock after a warm-up step, the median of a few repetitions, the ways interleaved, in
 an order that rotates from one repetition to the next, so that drift hits them alike
 (in one fixed order the first way gained from a host that slowed over a run: stock's
@@ -154,6 +156,10 @@ def _generate(model: Any, prompts: torch.Tensor, mask: torch.Tensor, new: int) -
         )  # fmt: skip
 
 
+def _generate_with(prompts: torch.Tensor, mask: torch.Tensor, new: int, model: Any) -> None:
+    _generate(model, prompts, mask, new)
+
+
 @dataclass
 class _Timed:
     seconds: list[float]
@@ -171,23 +177,34 @@ def _time(fn: Callable[[], None], device: torch.device) -> tuple[float, float | 
     return time.perf_counter() - start, peak
 
 
-def _inputs(spec: ModelSpec, vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _inputs(
+    spec: ModelSpec, vocab: int, device: torch.device
+) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The training batch, and each generate task's (prompts, attention mask): all of
+    ``spec.prompt`` tokens, and a batch of prompts of different lengths (entry b keeps
+    its last prompt - b * prompt / (2 * batch) tokens), left-padded as a tokenizer pads
+    a batch for generation: the model then builds a padding mask every step."""
     gen = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(1, vocab, (spec.train_batch, spec.train_seq), generator=gen)
     prompts = torch.randint(1, vocab, (spec.gen_batch, spec.prompt), generator=gen)
-    mask = torch.ones_like(prompts)
-    return ids.to(device), prompts.to(device), mask.to(device)
+    pads = torch.arange(spec.gen_batch) * spec.prompt // (2 * spec.gen_batch)
+    padded = (torch.arange(spec.prompt)[None, :] >= pads[:, None]).long()
+    return ids.to(device), {
+        "generate": (prompts.to(device), torch.ones_like(prompts).to(device)),
+        "generate_padded": ((prompts * padded).to(device), padded.to(device)),
+    }
 
 
 def prewarm(spec: ModelSpec, dtype: torch.dtype, device: torch.device, vocab: int = 32000) -> None:
-    """One training step and one generate() of ``spec`` in both of attnhub's ways, for
-    what they run through attnhub (``attnhub tune --model``)."""
-    ids, prompts, mask = _inputs(spec, vocab, device)
+    """One training step and each generate task of ``spec`` in both of attnhub's ways,
+    for what they run through attnhub (``attnhub tune --model``)."""
+    ids, generate = _inputs(spec, vocab, device)
     for way in ("patch", "attnhub"):
         model, _ = build(spec, way, dtype, device, vocab)
         with _context(way):
             _train_step(model, ids)
-            _generate(model, prompts, mask, spec.new_tokens)
+            for prompts, mask in generate.values():
+                _generate(model, prompts, mask, spec.new_tokens)
         del model
 
 
@@ -195,12 +212,12 @@ def run_model(
     spec: ModelSpec, dtype: torch.dtype, device: torch.device, repeats: int, vocab: int = 32000
 ) -> Iterator[dict[str, Any]]:
     """Rows for one model: each way, training and generation, interleaved repeats."""
-    ids, prompts, mask = _inputs(spec, vocab, device)
-    work: dict[str, Callable[[Any], None]] = {
-        "train": lambda m: _train_step(m, ids),
-        "generate": lambda m: _generate(m, prompts, mask, spec.new_tokens),
-    }
-    tokens = {"train": ids.numel(), "generate": spec.gen_batch * spec.new_tokens}
+    ids, generate = _inputs(spec, vocab, device)
+    work: dict[str, Callable[[Any], None]] = {"train": lambda m: _train_step(m, ids)}
+    tokens = {"train": ids.numel()}
+    for task, (prompts, mask) in generate.items():
+        work[task] = functools.partial(_generate_with, prompts, mask, spec.new_tokens)
+        tokens[task] = spec.gen_batch * spec.new_tokens
     for task, fn in work.items():
         timed: dict[str, _Timed] = {}
         built = {way: build(spec, way, dtype, device, vocab) for way in WAYS}

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .mask_rows import row_keys
 from .tensor_memo import TensorMemo
 
 __all__ = ["MaskPlan", "recognize"]
@@ -150,7 +151,9 @@ def _candidate(keep: torch.Tensor) -> tuple[torch.Tensor, int, int | None] | Non
 
 def _one_row(keep: torch.Tensor) -> MaskPlan | None:
     """:func:`_rows`' plan for a keep-mask with one query row (a decoding step's, made
-    anew each step), in one synchronization instead of three and about half the kernels.
+    anew each step), from its rows' kept keys (:func:`attnhub.mask_rows.row_keys`: one
+    synchronization, where the general reading takes three, and kept for the backends
+    that read the same mask's rows: triton_flash's key ranges, torch_sdpa's key-less rows).
 
     With one row the candidate always holds: ``key_ok`` is the mask itself, and the
     union's first and last kept keys bound every row, so ``_rows``' element-wise check
@@ -159,16 +162,8 @@ def _one_row(keep: torch.Tensor) -> MaskPlan | None:
     A row keeps all of them exactly when it keeps as many keys as the span holds, since
     it keeps none outside; so the rows' least and greatest counts decide it."""
     nk = keep.shape[-1]
-    rows = keep.reshape(-1, nk)
-    columns = torch.arange(nk, device=keep.device)
-    counts = rows.sum(dim=-1)
-    first, last, fewest, most = torch.stack(
-        [
-            torch.where(rows, columns, nk).amin(),
-            torch.where(rows, columns, -1).amax(),
-            *torch.aminmax(counts),
-        ]
-    ).tolist()
+    rows = row_keys(keep)
+    first, last = rows.first_kept, rows.last_kept
     if last < 0:  # no key kept anywhere
         return None
     left = -first if first > 0 else None  # _candidate's reading: rows - first for row 0
@@ -176,7 +171,7 @@ def _one_row(keep: torch.Tensor) -> MaskPlan | None:
     if arguments is None:
         return None
     causal, alignment, window = arguments
-    implied = fewest == most == last - first + 1
+    implied = rows.fewest == rows.most == last - first + 1
     return MaskPlan(None if implied else keep, causal, alignment, window)
 
 
@@ -184,10 +179,9 @@ def _recognize(mask: torch.Tensor) -> MaskPlan | None:
     keep = _keep(mask)
     if keep is None:
         return None
-    nq, nk = keep.shape[-2:]
-    if nq == 0 or nk == 0:
+    if keep.numel() == 0:  # no row or no key: nothing to run as a structure
         return None
-    return _one_row(keep) if nq == 1 else _rows(keep)
+    return _one_row(keep) if keep.shape[-2] == 1 else _rows(keep)
 
 
 def _rows(keep: torch.Tensor) -> MaskPlan | None:

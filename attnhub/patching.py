@@ -94,6 +94,7 @@ from .mask_structure import recognize
 from .registry import on_invalidate
 
 _is_compiling = torch.compiler.is_compiling
+_capturing = torch.cuda.is_current_stream_capturing
 # Bound once, as in attnhub.api: the memo's context reads them on every call.
 _grad_enabled = torch.is_grad_enabled
 _deterministic = torch.are_deterministic_algorithms_enabled
@@ -368,25 +369,32 @@ def _enter_strict(reference_named: bool) -> Any:
 
 
 class _Memo:
-    """One replacement's last reusable decision: ``(context, api entry)``.
+    """One replacement's last reusable decisions: ``value``, ``(context, api entry)``
+    of a call decided without reading a mask's values, and ``masked``, ``(context,
+    weak reference to the mask, its version, the mask handed to the entry, api entry)``
+    of a call whose mask was read (:func:`mask_arguments`).
 
     A model calls attention with one signature many times in a row (every layer of a
     step), so a patched call that has the last one's options, selection in force and
     tensor metadata (checked by the entry's guards, in one C call) runs the runner
     that call was decided to, skipping the domain checks, the strict context and
     :func:`attnhub.attention`'s keyword call (about 15,000 instructions,
-    ``benchmarks/overhead.py``'s ``model_patched`` row). Only calls decided without
-    reading a mask's values are kept: the decision then depends on the tensors'
-    metadata alone. Cleared on any registry, policy or cost-table change.
+    ``benchmarks/overhead.py``'s ``model_patched`` row). A call with a mask reuses the
+    last masked decision only with the very same mask tensor, unchanged (identity and
+    version counter: the layers of one step share it), outside CUDA-graph capture (a
+    captured call does not read its mask: :func:`mask_arguments`): what was read from
+    its values holds then. Cleared on any registry, policy or cost-table change.
     """
 
-    __slots__ = ("__weakref__", "value")
+    __slots__ = ("__weakref__", "masked", "value")
 
     def __init__(self) -> None:
         self.value: tuple[Any, Any] = (_NO_MEMO, None)
+        self.masked: tuple[Any, ...] = _NO_MASKED
 
 
 _NO_MEMO = object()  # a context no call has
+_NO_MASKED: tuple[Any, ...] = (_NO_MEMO, lambda: None, -1, None, None)
 _memos: weakref.WeakSet[_Memo] = weakref.WeakSet()
 
 
@@ -394,6 +402,7 @@ _memos: weakref.WeakSet[_Memo] = weakref.WeakSet()
 def _clear_memos() -> None:
     for memo in list(_memos):
         memo.value = (_NO_MEMO, None)
+        memo.masked = _NO_MASKED
 
 
 def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
@@ -448,20 +457,26 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                 is_causal, enable_gqa, dropout_p, scale, attn_mask is None, _grad_enabled(),
                 _context_get(), _env_get(_ENV_BACKEND), _env_get(_ENV_STRICT),
             )  # fmt: skip
-            last_context, entry = memo.value  # an api entry: (name, runner, guards, ...)
+            if attn_mask is None or memo.masked[1]() is not attn_mask:
+                last_context, entry = memo.value  # an api entry: (name, runner, guards, ...)
+                mask = attn_mask  # what the entry is handed
+            else:  # the mask the last masked call read
+                last_context, _, version, mask, entry = memo.masked
+                if version != attn_mask._version or (attn_mask.is_cuda and _capturing()):
+                    last_context = _NO_MEMO
             if (
                 last_context == context
                 and (
                     entry[2].check(query, key, value)
-                    if attn_mask is None
-                    else entry[2].check(query, key, value, attn_mask)
+                    if mask is None
+                    else entry[2].check(query, key, value, mask)
                 )
                 and (entry[4] is None or entry[4] is _deterministic())
             ):
                 _inside.active = True
                 try:
                     record(entry[0])
-                    return entry[1](query, key, value, attn_mask)
+                    return entry[1](query, key, value, mask)
                 except (ValueError, TypeError) as exc:
                     _note_original(f"attnhub rejects it ({type(exc).__name__}: {exc})", query, key)
                     return original(query, key, value, attn_mask, dropout_p, is_causal,
@@ -494,10 +509,27 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                     record(decided[0])
                     return decided[1](query, key, value, attn_mask)
                 mask, structure = mask_arguments(query, key, attn_mask, is_causal)
-                return attention(
-                    query, key, value, mask,
-                    **structure, scale=scale, dropout_p=dropout_p, backend=backend,
+                if compiling:
+                    return attention(
+                        query, key, value, mask,
+                        **structure, scale=scale, dropout_p=dropout_p, backend=backend,
+                    )  # fmt: skip
+                decided = sdpa_entry(
+                    query, key, value, mask, structure["causal"], scale, dropout_p, backend,
+                    structure.get("alignment", "top_left"), structure.get("window"),
                 )  # fmt: skip
+                if (
+                    context is not None
+                    and attn_mask is not None
+                    and not attn_mask.is_inference()  # it has no version counter
+                    and not (attn_mask.is_cuda and _capturing())  # it was not read
+                ):
+                    # Kept for the next call with this very mask, unchanged (see _Memo).
+                    memo.masked = (
+                        context, weakref.ref(attn_mask), attn_mask._version, mask, decided
+                    )  # fmt: skip
+                record(decided[0])
+                return decided[1](query, key, value, mask)
             except (ValueError, TypeError) as exc:
                 why = f"attnhub rejects it ({type(exc).__name__}: {exc})"
             except BrokenBackendError as exc:  # it is disabled now: PyTorch's serves

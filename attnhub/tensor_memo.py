@@ -37,16 +37,37 @@ class TensorMemo(Generic[T]):
         self._lock = threading.Lock()
         self._limit = limit
 
+    @staticmethod
+    def _key(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        # A view is known by its base and its geometry: attnhub.attention views a mask
+        # of fewer than 4 dims anew at every call (one object per call), and a view
+        # shares its base's version counter.
+        base = tensor._base if tensor._base is not None else tensor
+        geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
+        return base, (id(base), *geometry)
+
+    def get(self, tensor: torch.Tensor, default: T | None = None) -> T | None:
+        """What was computed for ``tensor`` as it is now, or ``default`` (nothing is
+        computed: another module's reading of the tensor, where one was made)."""
+        if tensor.is_inference():
+            return default
+        base, key = self._key(tensor)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is base and entry[1] == base._version:
+            return entry[2]
+        return default
+
+    def clear(self) -> None:
+        """Forget every entry (a probe timing the computation itself)."""
+        with self._lock:
+            self._entries.clear()
+
     def __call__(self, tensor: torch.Tensor, compute: Callable[[torch.Tensor], T]) -> T:
         if tensor.is_inference():
             # An inference tensor (made under torch.inference_mode) has no version
             # counter: an in-place change could not be told apart, so nothing is kept.
             return compute(tensor)
-        # A view is known by its base and its geometry: attnhub.attention views a mask
-        # of fewer than 4 dims anew at every call (one object per call), and a view
-        # shares its base's version counter.
-        base = tensor._base if tensor._base is not None else tensor
-        key = (id(base), tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
+        base, key = self._key(tensor)
         entry = self._entries.get(key)
         if entry is not None and entry[0]() is base and entry[1] == base._version:
             return entry[2]

@@ -34,6 +34,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from attnhub.backend import FLOAT_DTYPES, Backend, Runner
+from attnhub.mask_rows import known_row_keys
 from attnhub.request import AttentionParams, AttentionRequest
 
 from .torch_reference import keep_mask
@@ -233,9 +234,22 @@ def _sdpa_arguments(
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask.to(query.dtype)
     empty_rows = None
-    if attn_mask is not None and query.device.type != "cpu":
+    if (
+        attn_mask is not None
+        and query.device.type != "cpu"
+        and not _every_row_keeps_a_key(attn_mask)
+    ):
         attn_mask, empty_rows = _open_rows_without_keys(attn_mask)
     return attn_mask, is_causal, empty_rows
+
+
+def _every_row_keeps_a_key(mask: torch.Tensor) -> bool:
+    """Whether every row of ``mask`` is known to keep a key, from a reading of this very
+    tensor already made (:mod:`attnhub.mask_rows`: a patched decoding step's padding mask,
+    read by :mod:`attnhub.mask_structure`); never reads it. Then no row needs opening,
+    and the call's output needs no zeroing (a kernel launch every call)."""
+    rows = known_row_keys(mask) if mask.dtype == torch.bool else None
+    return rows is not None and rows.fewest > 0
 
 
 class _BuiltMasks:

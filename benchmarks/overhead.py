@@ -17,7 +17,10 @@ then ``attnhub.attention()`` over the direct call of the kernel it dispatched to
 the candidates). Last, a model's call (issue 16: measure the calls models make):
 Hugging Face's sdpa call (every option by name, its scale, ``is_causal=True``)
 direct, as its ``attn_implementation="attnhub"`` path calls ``attention()``, and under
-``attnhub.patch()`` (the ``model_*`` rows).
+``attnhub.patch()`` (the ``model_*`` rows); and a padded batch's decoding step (one query
+row, a (2, 1, 1, Nk) bool mask with a left-padded entry, the same mask every call as the
+layers of a step share it) direct and patched (the ``decode_*`` rows: on CUDA the patch
+reads the mask's structure on its first call and reuses that decision after).
 
     python benchmarks/overhead.py [--device cuda] [--repeat 2000] [--rounds 200]
     python benchmarks/overhead.py --instructions    # needs valgrind and a C compiler
@@ -117,6 +120,20 @@ def _calls(
     calls["model_patched"] = lambda: patched_sdpa(
         q, k, v, attn_mask=None, dropout_p=0.0, scale=scale, is_causal=True
     )
+    # A padded batch's decoding step as Hugging Face makes it: one query row, a (B, 1, 1,
+    # Nk) bool mask shared by every layer of the step (the second entry left-padded).
+    # Under the patch, on CUDA, the mask is read once (its structure: key padding) and
+    # the layers after the first reuse that decision (patching._Memo's masked slot).
+    _, h, n, d = shape
+    dq, dk, dv = (torch.randn(2, h, m, d, device=device, dtype=dtype) for m in (1, n, n))
+    padding = torch.ones(2, 1, 1, n, device=device, dtype=torch.bool)
+    padding[1, ..., : n // 4] = False
+    calls["decode_direct"] = lambda: sdpa(
+        dq, dk, dv, attn_mask=padding, dropout_p=0.0, scale=scale, is_causal=False
+    )
+    calls["decode_patched"] = lambda: patched_sdpa(
+        dq, dk, dv, attn_mask=padding, dropout_p=0.0, scale=scale, is_causal=False
+    )
     if device.type == "cuda" and torch.backends.cuda.is_flash_attention_available():
         # A pinned kernel against its own ATen op, called the way torch_sdpa_flash calls
         # it (the op's generated binding), and through torch.ops.aten (shown alone).
@@ -166,6 +183,8 @@ _LABELS = (
     ("model_direct", "F.sdpa(..., scale=, is_causal=True) as HF calls it", None),
     ("model_attnhub", "attention(...) as attn_implementation='attnhub' calls it", "model_direct"),
     ("model_patched", "the HF call under attnhub.patch()", "model_direct"),
+    ("decode_direct", "HF decode step, padding mask: F.sdpa", None),
+    ("decode_patched", "the same under attnhub.patch()", "decode_direct"),
 )
 # The direct call of each backend's own kernel: auto's overhead over what it dispatched
 # to (issue 16's "dispatch to a PyTorch kernel costs <= 2 us over calling that kernel").

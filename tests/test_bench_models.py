@@ -29,7 +29,7 @@ TINY = dict(layers=1, hidden=64, heads=4, kv_heads=2, train_batch=2, train_seq=1
 def test_every_way_runs_each_family(spec):
     rows = list(bm.run_model(spec, torch.float32, torch.device("cpu"), repeats=1, vocab=50))
     assert {(r["task"], r["way"]) for r in rows} == {
-        (task, way) for task in ("train", "generate") for way in bm.WAYS
+        (task, way) for task in ("train", "generate", "generate_padded") for way in bm.WAYS
     }
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["seconds"] > 0
@@ -63,7 +63,7 @@ def test_cli(tmp_path, monkeypatch):
     argv = ["bench", "--models", "--device", "cpu", "--repeats", "1", "--no-progress", "-o", str(output)]  # fmt: skip
     assert cli.main(argv) == 0
     data = json.loads(output.read_text())
-    assert data["kind"] == "models" and len(data["results"]) == 6
+    assert data["kind"] == "models" and len(data["results"]) == 9
     assert "| llama | train |" in output.with_suffix(".md").read_text()
 
 
@@ -81,7 +81,7 @@ def test_each_way_is_timed_in_each_position_equally_often(monkeypatch):
     list(bm.run_model(spec, torch.float32, torch.device("cpu"), repeats=3, vocab=50))
     # Per task: two warm-up calls' contexts (one per way), then 3 repeats x 3 ways.
     per_task = len(bm.WAYS) + 3 * len(bm.WAYS)
-    for task in range(2):
+    for task in range(3):
         timed_ways = ways_seen[task * per_task + len(bm.WAYS) : (task + 1) * per_task]
         rounds = [tuple(timed_ways[i : i + 3]) for i in range(0, 9, 3)]
         assert sorted(rounds) == sorted(bm.rotated(bm.WAYS, r) for r in range(3))
@@ -104,3 +104,34 @@ def test_the_table_gives_the_ratio_of_medians_of_the_fastest_repeats_and_paired(
     # patch: medians 2.0 / 1.25, fastest 1.0 / 1.0, per repeat 0.8, 2.0, 0.8;
     # attnhub: medians 2.0 / 4.0, fastest 1.0 / 0.5, per repeat 2.0, 0.5, 0.5.
     assert "| 1.60 / 1.00 / 0.80 |" in line and "| 0.50 / 2.00 / 0.50 |" in line
+
+
+def test_left_padded_generation_gives_stock_tokens_in_every_way(monkeypatch):
+    """The generate_padded task's batch (left-padded prompts: a padding mask every step)
+    generates stock's tokens in each way, the patch reading masks as on CUDA: the
+    prefill's (causal and key padding), once for its layers; the decoding steps' masks
+    ((B, 1, 1, Nk), broadcast over the query heads that transformers packs into rows
+    for grouped-query attention) are not read, and run as given."""
+    from attnhub import mask_structure, patching
+
+    monkeypatch.setattr(patching, "STRUCTURED_MASK_DEVICES", frozenset({"cpu", "cuda"}))
+    plans = []
+    real = mask_structure._recognize
+    monkeypatch.setattr(mask_structure, "_recognize", lambda m: plans.append(real(m)) or plans[-1])
+    spec = bm.ModelSpec("llama", "llama", **{**TINY, "layers": 3, "gen_batch": 4, "prompt": 12})
+    _, generate = bm._inputs(spec, 50, torch.device("cpu"))
+    prompts, mask = generate["generate_padded"]
+    assert mask.sum(1).tolist() == [12, 11, 9, 8]  # left padding of 0, 1, 3, 4 tokens
+    tokens = {}
+    for way in bm.WAYS:
+        model, _ = bm.build(spec, way, torch.float64, torch.device("cpu"), vocab=50)
+        with bm._context(way), torch.no_grad():
+            tokens[way] = model.generate(
+                input_ids=prompts, attention_mask=mask, max_new_tokens=5, min_new_tokens=5,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        if way == "patch":
+            assert len(plans) == 1 and plans[0] is not None
+            assert plans[0].causal and plans[0].attn_mask is not None
+    assert torch.equal(tokens["patch"], tokens["sdpa"])
+    assert torch.equal(tokens["attnhub"], tokens["sdpa"])

@@ -26,8 +26,8 @@ RUNTIME_LAYERS: tuple[frozenset[str], ...] = (
             "mkl_vml",
         }
     ),
-    frozenset({"backend", "block_sparse", "mask_structure"}),
-    frozenset({"registry"}),
+    frozenset({"backend", "block_sparse", "mask_rows"}),
+    frozenset({"registry", "mask_structure"}),
     frozenset({"ranking", "output_check"}),
     frozenset({"cost_model"}),
     frozenset({"cost_table"}),

@@ -160,6 +160,13 @@ def test_one_row_masks_take_the_short_path_to_the_same_plan():
         assert torch.equal(_rebuilt(fast, 1, nk).expand_as(keep), keep)
 
 
+def test_a_mask_without_rows_has_no_plan():
+    """A mask of an empty batch has no structure to run: None (the call runs as given).
+    The one-row reading raised a RuntimeError on it (a reduction over no rows)."""
+    assert mask_structure.recognize(torch.zeros(0, 1, 1, 5, dtype=torch.bool)) is None
+    assert mask_structure.recognize(torch.zeros(0, 1, 4, 5, dtype=torch.bool)) is None
+
+
 def test_float_masks_with_scores_and_masks_that_need_grad_are_left_alone():
     scores = torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), -1e9)
     assert mask_structure.recognize(scores) is None  # -1e9 is a score to add, not -inf

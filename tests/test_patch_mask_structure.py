@@ -22,12 +22,16 @@ def structured_on_cpu(monkeypatch):  # type: ignore[no-untyped-def]
         seen.append({"mask": attn_mask, **options})
         return real(query, key, value, attn_mask, **options)
 
-    # Calls whose mask is not read are decided without attention()'s keyword call.
+    # Eager calls are decided without attention()'s keyword call (sdpa_entry), with the
+    # structure read off their mask.
     real_entry = patching.sdpa_entry
 
-    def entry_spy(query, key, value, attn_mask, is_causal, scale, dropout_p, backend):  # type: ignore[no-untyped-def]
-        seen.append({"mask": attn_mask, "causal": is_causal})
-        return real_entry(query, key, value, attn_mask, is_causal, scale, dropout_p, backend)
+    def entry_spy(query, key, value, attn_mask, is_causal, scale, dropout_p, backend,  # type: ignore[no-untyped-def]
+                  alignment="top_left", window=None):  # fmt: skip
+        seen.append({"mask": attn_mask, "causal": is_causal, "alignment": alignment,
+                     "window": window})  # fmt: skip
+        return real_entry(query, key, value, attn_mask, is_causal, scale, dropout_p, backend,
+                          alignment, window)  # fmt: skip
 
     monkeypatch.setattr(patching, "attention", spy)
     monkeypatch.setattr(patching, "sdpa_entry", entry_spy)
@@ -138,6 +142,16 @@ def test_a_windowed_decoding_step_runs_as_a_window(structured_on_cpu):
     assert attnhub.stats() == {"torch_reference": 1}
     assert structured_on_cpu[-1]["window"] == (width - 1, None)
     assert structured_on_cpu[-1]["alignment"] == "bottom_right"
+
+
+def test_a_masked_call_on_an_empty_batch_is_served_as_stock(structured_on_cpu):
+    """B = 0 with a decoding step's (B, 1, 1, Nk) mask: the patch raised a RuntimeError
+    from the mask's reading (stock returns an empty output)."""
+    q, k, v = torch.randn(0, 2, 1, 8), torch.randn(0, 2, 6, 8), torch.randn(0, 2, 6, 8)
+    mask = torch.ones(0, 1, 1, 6, dtype=torch.bool)
+    with attnhub.patch():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert out.shape == STOCK(q, k, v, attn_mask=mask).shape == (0, 2, 1, 8)
 
 
 @pytest.mark.gpu

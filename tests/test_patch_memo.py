@@ -30,9 +30,9 @@ def decided(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     seen: list[tuple[Any, ...]] = []
     real = patching.sdpa_entry
 
-    def spy(query, key, value, attn_mask, is_causal, scale, dropout_p, backend):  # type: ignore[no-untyped-def]
+    def spy(query, key, value, attn_mask, is_causal, scale, dropout_p, backend, *structure):  # type: ignore[no-untyped-def]
         seen.append((is_causal, scale, dropout_p))
-        return real(query, key, value, attn_mask, is_causal, scale, dropout_p, backend)
+        return real(query, key, value, attn_mask, is_causal, scale, dropout_p, backend, *structure)
 
     monkeypatch.setattr(patching, "sdpa_entry", spy)
     attnhub.reset_stats()
@@ -180,19 +180,41 @@ def test_a_torch_function_mode_sees_calls_after_the_memo_is_warm(decided):
         assert handle.function in seen
 
 
-def test_masks_whose_values_decide_are_read_at_every_call(decided, monkeypatch):
-    """A mask read for its structure (on the devices where it is) is not memoized: two
-    masks of one shape, one causal and one padding, each run as what they are."""
+def test_masks_whose_values_decide_are_reused_only_for_the_same_unchanged_tensor(
+    decided, monkeypatch
+):  # type: ignore[no-untyped-def]
+    """A mask read for its structure (on the devices where it is) is decided per mask
+    tensor: the layers of a step, which share one, decide once; another tensor of the
+    same shape (a causal one, then a padding one), or the same tensor changed in place,
+    is read and decided again, each run as what it is."""
     monkeypatch.setattr(patching, "STRUCTURED_MASK_DEVICES", frozenset({"cpu", "cuda"}))
+    reads = []
+    real = patching.recognize
+    monkeypatch.setattr(patching, "recognize", lambda m: reads.append(1) or real(m))
     q, k, v = _qkv(nk=7)
     causal = torch.ones(7, 7, dtype=torch.bool).tril()
     padding = torch.ones(7, 7, dtype=torch.bool)
     padding[:, 5:] = False
     with attnhub.patch():
-        for mask in (causal, padding, causal):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            torch.testing.assert_close(out, ORIGINAL(q, k, v, attn_mask=mask))
-    assert decided == []  # each went through the mask's reading and attention()
+        for mask, layers in ((causal, 3), (padding, 2), (causal, 1)):
+            for _ in range(layers):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                torch.testing.assert_close(out, ORIGINAL(q, k, v, attn_mask=mask))
+        assert len(decided) == len(reads) == 3
+        padding[:, 3:] = False  # in place: a new mask under the same tensor
+        for _ in range(2):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=padding)
+            torch.testing.assert_close(out, ORIGINAL(q, k, v, attn_mask=padding))
+        assert len(decided) == len(reads) == 4
+        with torch.inference_mode():  # no version counter: decided at every call
+            fresh = torch.ones(7, 7, dtype=torch.bool).tril()
+            for _ in range(2):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=fresh)
+                torch.testing.assert_close(out, ORIGINAL(q, k, v, attn_mask=fresh))
+        assert len(decided) == len(reads) == 6
+        invalidate_caches()  # the registry changed: decided again
+        F.scaled_dot_product_attention(q, k, v, attn_mask=padding)
+        assert len(decided) == 7
 
 
 def test_masks_decided_by_metadata_are_memoized_and_run_on_new_values(decided):

@@ -76,6 +76,27 @@ def test_rows_without_keys_are_opened_and_reported_and_no_other_row_changes(dtyp
         )
 
 
+def test_rows_known_to_keep_a_key_are_not_opened():
+    """A mask whose rows were read (attnhub.mask_rows: a patched decoding step's, by
+    mask_structure) and all keep a key needs no opening and its output no zeroing; one
+    not read, one with a row of none, one changed since, or a float mask is opened as
+    before (the reading itself is never made here)."""
+    from attnhub import mask_rows
+
+    padded = torch.tensor([[True] * 6, [False] * 2 + [True] * 4]).view(2, 1, 1, 6)
+    assert not torch_sdpa._every_row_keeps_a_key(padded)  # not read: not known
+    assert mask_rows.known_row_keys(padded) is None
+    mask_rows.row_keys(padded)
+    assert torch_sdpa._every_row_keeps_a_key(padded)
+    assert not torch_sdpa._every_row_keeps_a_key(padded.clone())  # another tensor
+    padded[1] = False  # in place: a row of none now
+    assert not torch_sdpa._every_row_keeps_a_key(padded)
+    mask_rows.row_keys(padded)
+    assert not torch_sdpa._every_row_keeps_a_key(padded)
+    scores = torch.zeros(2, 1, 1, 6)
+    assert not torch_sdpa._every_row_keeps_a_key(scores)
+
+
 def test_on_cuda_torch_sdpa_serves_masks_and_rows_without_keys():
     """Before, a CUDA request with a mask (or bottom-right causal with Nq > Nk) was
     declined for the NaN PyTorch gives on key-less rows; those rows are now mended."""

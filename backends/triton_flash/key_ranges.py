@@ -14,7 +14,8 @@ benchmarks/results/archive/workloads-padding-h200-2026-12-02-953f2b6.md).
 What qualifies (:func:`ranges_of`): a bool mask of shape (1 or B, 1, 1, Nk) whose True
 entries form one run per batch entry (an empty run too: every row then has no key and
 gets zeros, lse -inf, as the contract says), in an eager call outside CUDA-graph
-capture; reading the runs costs one device synchronization per mask tensor, kept while
+capture; reading the runs costs one device synchronization per mask tensor (none where
+:mod:`attnhub.mask_structure` read the mask first: :mod:`attnhub.mask_rows`), kept while
 the tensor lives unchanged (:class:`attnhub.tensor_memo.TensorMemo`), so the layers of
 one forward pass pay it once (under ``torch.inference_mode``, every layer: inference
 tensors keep no version counter). Dropout calls keep the mask path (its random stream is
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from attnhub.mask_rows import row_keys
 from attnhub.tensor_memo import TensorMemo
 
 from .ops import (
@@ -45,20 +47,13 @@ _memo: TensorMemo[torch.Tensor | None] = TensorMemo()
 
 def _runs(mask: torch.Tensor) -> torch.Tensor | None:
     """int32 (mb, 2) [first, end) of each row's True run of a (mb, 1, 1, Nk) bool mask,
-    or None where a row's True entries are not one run ((0, 0) for a row of none)."""
-    rows = mask.reshape(mask.shape[0], mask.shape[-1])
-    nk = rows.shape[1]
-    columns = torch.arange(nk, device=rows.device)
-    first = torch.where(rows, columns, nk).amin(1)
-    end = torch.where(rows, columns + 1, 0).amax(1)
-    count = rows.sum(1)
-    seen = count > 0
-    if not bool(((end - first == count) | ~seen).all()):  # the one synchronization
+    or None where a row's True entries are not one run ((0, 0) for a row of none). The
+    rows' reading is :mod:`attnhub.mask_structure`'s where it read this mask (a patched
+    decoding step's), else made here (one synchronization) and kept for it."""
+    rows = row_keys(mask)
+    if not rows.runs:
         return None
-    zero = torch.zeros_like(first)
-    return torch.stack([torch.where(seen, first, zero), torch.where(seen, end, zero)], 1).to(
-        torch.int32
-    )
+    return torch.stack([rows.first, rows.end], 1).to(torch.int32)
 
 
 def ranges_of(
