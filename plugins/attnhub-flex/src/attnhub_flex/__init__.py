@@ -164,7 +164,11 @@ block_mask_builds = 0
 
 # Calls whose mask is only causal and window structure (no bool attn_mask, no layout): their
 # mask_mod depends on (Nq, Nk, causal, the diagonal's offset, window) alone, so one
-# BlockMask per such signature and device serves every call (B and H broadcast). Built
+# BlockMask per such signature, device, batch and head count serves every such call
+# (a model's layers share all of them). B and H are the call's, not broadcast: with a
+# (1, 1) BlockMask an fp32 call (B3 H2 Hkv1 Nq104 Nk3 D32 Dv64, bottom-right causal)
+# failed to compile on an H100 (Inductor's NoValidChoicesError, 2026-12-05; it passed
+# with the call's B and H before the cache, and passes again with them). Built
 # per call, create_block_mask ran at every call: a causal forward through the plugin
 # read 10-29 TFLOP/s on an H100 where the kernel alone runs 320-460 (2026-12-05,
 # benchmarks/results/archive/row-order-*). At most _STRUCTURE_MASKS entries, the
@@ -343,15 +347,16 @@ def _structure_block_mask(
     mask_mod: Any, query: torch.Tensor, key: torch.Tensor, params: AttentionParams
 ) -> Any:
     """The BlockMask of a call masked by causal and window structure alone (``mask_mod``
-    from :func:`_mods` with no bool attn_mask), built once per signature (see
-    ``_structure_masks``); B and H broadcast."""
+    from :func:`_mods` with no bool attn_mask), built once per signature, batch and
+    query head count (see ``_structure_masks``)."""
     global block_mask_builds
-    nq, nk = query.shape[2], key.shape[2]
-    signature = _structure_signature(query, key, params)
+    b, hq, nq = query.shape[:3]
+    nk = key.shape[2]
+    signature = (*_structure_signature(query, key, params), b, hq)
     with _block_masks_lock:
         hit = _structure_masks.get(signature)
     if hit is None:
-        hit = _flex_module().create_block_mask(mask_mod, None, None, nq, nk, device=query.device)
+        hit = _flex_module().create_block_mask(mask_mod, b, hq, nq, nk, device=query.device)
         with _block_masks_lock:
             block_mask_builds += 1
             if len(_structure_masks) >= _STRUCTURE_MASKS:
