@@ -371,8 +371,9 @@ def _enter_strict(reference_named: bool) -> Any:
 class _Memo:
     """One replacement's last reusable decisions: ``value``, ``(context, api entry)``
     of a call decided without reading a mask's values, and ``masked``, ``(context,
-    weak reference to the mask, its version, the mask handed to the entry, api entry)``
-    of a call whose mask was read (:func:`mask_arguments`).
+    weak reference to the mask, its version, the mask handed to the entry (the plan's
+    key mask, None, or ``_SAME_MASK``: the call's own), api entry)`` of a call whose
+    mask was read (:func:`mask_arguments`).
 
     A model calls attention with one signature many times in a row (every layer of a
     step), so a patched call that has the last one's options, selection in force and
@@ -395,6 +396,7 @@ class _Memo:
 
 _NO_MEMO = object()  # a context no call has
 _NO_MASKED: tuple[Any, ...] = (_NO_MEMO, lambda: None, -1, None, None)
+_SAME_MASK = object()  # in _Memo.masked: the entry is handed the call's own mask
 _memos: weakref.WeakSet[_Memo] = weakref.WeakSet()
 
 
@@ -462,6 +464,8 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                 mask = attn_mask  # what the entry is handed
             else:  # the mask the last masked call read
                 last_context, _, version, mask, entry = memo.masked
+                if mask is _SAME_MASK:
+                    mask = attn_mask
                 if version != attn_mask._version or (attn_mask.is_cuda and _capturing()):
                     last_context = _NO_MEMO
             if (
@@ -524,9 +528,12 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                     and not attn_mask.is_inference()  # it has no version counter
                     and not (attn_mask.is_cuda and _capturing())  # it was not read
                 ):
-                    # Kept for the next call with this very mask, unchanged (see _Memo).
+                    # Kept for the next call with this very mask, unchanged (see _Memo),
+                    # without keeping the mask alive (a (B, 1, N, N) mask run as given
+                    # can be large): a weak reference, and _SAME_MASK for "hand it on".
+                    handed = _SAME_MASK if mask is attn_mask else mask
                     memo.masked = (
-                        context, weakref.ref(attn_mask), attn_mask._version, mask, decided
+                        context, weakref.ref(attn_mask), attn_mask._version, handed, decided
                     )  # fmt: skip
                 record(decided[0])
                 return decided[1](query, key, value, mask)

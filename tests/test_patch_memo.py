@@ -217,6 +217,28 @@ def test_masks_whose_values_decide_are_reused_only_for_the_same_unchanged_tensor
         assert len(decided) == 7
 
 
+def test_the_memo_does_not_keep_a_mask_alive(decided, monkeypatch):
+    """A mask that is no structure is handed on as given; the memo refers to it weakly,
+    so a step's (B, 1, N, N) mask is freed with the step (it was kept until the next
+    masked call)."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(patching, "STRUCTURED_MASK_DEVICES", frozenset({"cpu", "cuda"}))
+    q, k, v = _qkv(nk=7)
+    mask = torch.rand(2, 1, 7, 7, generator=torch.Generator().manual_seed(1)) > 0.4
+    mask[..., 0] = True
+    with attnhub.patch():
+        for _ in range(2):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            torch.testing.assert_close(out, ORIGINAL(q, k, v, attn_mask=mask))
+        assert len(decided) == 1
+        gone = weakref.ref(mask)
+        del mask
+        gc.collect()
+        assert gone() is None
+
+
 def test_masks_decided_by_metadata_are_memoized_and_run_on_new_values(decided):
     q, k, v = _qkv()
     with attnhub.patch():
