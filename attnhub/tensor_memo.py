@@ -37,25 +37,26 @@ class TensorMemo(Generic[T]):
         self._lock = threading.Lock()
         self._limit = limit
 
-    @staticmethod
-    def _key(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    def _find(self, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple | None]:
+        """(the tensor's base, its key, its entry where one holds for the tensor as it
+        is now, else None)."""
         # A view is known by its base and its geometry: attnhub.attention views a mask
         # of fewer than 4 dims anew at every call (one object per call), and a view
         # shares its base's version counter.
         base = tensor._base if tensor._base is not None else tensor
-        geometry = (tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
-        return base, (id(base), *geometry)
+        key = (id(base), tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is base and entry[1] == base._version:
+            return base, key, entry
+        return base, key, None
 
     def get(self, tensor: torch.Tensor, default: T | None = None) -> T | None:
         """What was computed for ``tensor`` as it is now, or ``default`` (nothing is
         computed: another module's reading of the tensor, where one was made)."""
         if tensor.is_inference():
             return default
-        base, key = self._key(tensor)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is base and entry[1] == base._version:
-            return entry[2]
-        return default
+        entry = self._find(tensor)[2]
+        return default if entry is None else entry[2]
 
     def clear(self) -> None:
         """Forget every entry (a probe timing the computation itself)."""
@@ -67,9 +68,8 @@ class TensorMemo(Generic[T]):
             # An inference tensor (made under torch.inference_mode) has no version
             # counter: an in-place change could not be told apart, so nothing is kept.
             return compute(tensor)
-        base, key = self._key(tensor)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is base and entry[1] == base._version:
+        base, key, entry = self._find(tensor)
+        if entry is not None:
             return entry[2]
         value = compute(tensor)
         with self._lock:
