@@ -28,7 +28,7 @@ Masks recognized: bool (True = may attend) and float masks whose every value is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -207,7 +207,21 @@ def _rows(keep: torch.Tensor) -> MaskPlan | None:
     return MaskPlan(key_mask, causal, alignment, window)
 
 
-_memo: TensorMemo[MaskPlan | None] = TensorMemo()
+def _recognize_to_keep(mask: torch.Tensor) -> tuple[MaskPlan, bool] | None:
+    """:func:`_recognize`'s plan as the memo keeps it: (plan, whether its key mask is
+    ``mask`` itself). A plan whose key mask is the mask (a bool decoding-step mask,
+    :func:`_one_row`) is kept without it: the memo would otherwise keep each such mask
+    alive until its table is cleared (64 steps of a (B, 1, 1, Nk) mask, 64 MB at B 8,
+    Nk 128K)."""
+    plan = _recognize(mask)
+    if plan is None:
+        return None
+    if plan.attn_mask is mask:
+        return replace(plan, attn_mask=None), True
+    return plan, False
+
+
+_memo: TensorMemo[tuple[MaskPlan, bool] | None] = TensorMemo()
 
 
 def recognize(mask: torch.Tensor) -> MaskPlan | None:
@@ -219,4 +233,8 @@ def recognize(mask: torch.Tensor) -> MaskPlan | None:
     """
     if mask.requires_grad or mask.dim() < 2:
         return None
-    return _memo(mask, _recognize)
+    found = _memo(mask, _recognize_to_keep)
+    if found is None:
+        return None
+    plan, key_mask_is_mask = found
+    return replace(plan, attn_mask=mask) if key_mask_is_mask else plan

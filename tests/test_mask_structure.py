@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -183,6 +185,20 @@ def test_recognition_is_cached_per_tensor_and_version():
     keep.fill_(True)  # an in-place change is another mask
     again = mask_structure.recognize(keep)
     assert again is not None and not again.causal and again.attn_mask is None
+
+
+def test_a_decoding_mask_whose_plan_is_the_mask_is_not_kept_alive_by_the_memo():
+    """A one-row bool mask with padding is its own plan's key mask. The memo kept that
+    plan, so each step's mask lived on until 64 more were read (failed before)."""
+    mask = _padding([12, 7, 3], 12, left=True)
+    plan = mask_structure.recognize(mask)
+    assert plan is not None and plan.attn_mask is mask
+    again = mask_structure.recognize(mask)  # from the memo: the same plan, the same mask
+    assert again == plan and again.attn_mask is mask
+    alive = weakref.ref(mask)
+    del mask, plan, again
+    gc.collect()
+    assert alive() is None
 
 
 def test_a_mask_made_under_inference_mode_is_recognized_at_every_call():
