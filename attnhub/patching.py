@@ -520,7 +520,7 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                     )  # fmt: skip
                 decided = sdpa_entry(
                     query, key, value, mask, structure["causal"], scale, dropout_p, backend,
-                    structure.get("alignment", "top_left"), structure.get("window"),
+                    structure["alignment"], structure["window"],
                 )  # fmt: skip
                 if (
                     context is not None
@@ -591,7 +591,8 @@ def _reads_mask(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor 
 def mask_arguments(
     query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool
 ) -> tuple[torch.Tensor | None, dict[str, Any]]:
-    """``attn_mask`` and ``is_causal`` as :func:`attnhub.attention`'s arguments.
+    """``attn_mask`` and ``is_causal`` as :func:`attnhub.attention`'s arguments: (the
+    mask to pass, ``{"causal", "alignment", "window"}``).
 
     A dense mask that is exactly causal, window and key-padding structure (what model
     code materializes for SDPA, Hugging Face's among them) becomes ``causal``,
@@ -605,16 +606,16 @@ def mask_arguments(
     made before would fix its derived key mask into the graph, blind to later writes
     into the captured mask).
     """
-    if (
-        attn_mask is None
+    plan = (
+        None
+        if attn_mask is None
         or _is_compiling()
         or not _reads_mask(query, key, attn_mask)
         or (attn_mask.is_cuda and torch.cuda.is_current_stream_capturing())
-    ):
-        return attn_mask, {"causal": is_causal}
-    plan = recognize(attn_mask)
-    if plan is None:
-        return attn_mask, {"causal": is_causal}
+        else recognize(attn_mask)
+    )
+    if plan is None:  # the mask as given
+        return attn_mask, {"causal": is_causal, "alignment": "top_left", "window": None}
     return plan.attn_mask, {
         "causal": plan.causal,
         "alignment": plan.alignment,

@@ -104,7 +104,9 @@ def test_structure_is_read_only_on_the_listed_devices():
     mask = _hf_mask([8, 4], 8)
     q = torch.randn(2, 2, 8, 8)
     assert "cpu" not in patching.STRUCTURED_MASK_DEVICES
-    assert patching.mask_arguments(q, q, mask, False) == (mask, {"causal": False})
+    assert patching.mask_arguments(q, q, mask, False) == (
+        mask, {"causal": False, "alignment": "top_left", "window": None}
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
