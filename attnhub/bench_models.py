@@ -156,10 +156,6 @@ def _generate(model: Any, prompts: torch.Tensor, mask: torch.Tensor, new: int) -
         )  # fmt: skip
 
 
-def _generate_with(prompts: torch.Tensor, mask: torch.Tensor, new: int, model: Any) -> None:
-    _generate(model, prompts, mask, new)
-
-
 @dataclass
 class _Timed:
     seconds: list[float]
@@ -216,7 +212,7 @@ def run_model(
     work: dict[str, Callable[[Any], None]] = {"train": lambda m: _train_step(m, ids)}
     tokens = {"train": ids.numel()}
     for task, (prompts, mask) in generate.items():
-        work[task] = functools.partial(_generate_with, prompts, mask, spec.new_tokens)
+        work[task] = functools.partial(_generate, prompts=prompts, mask=mask, new=spec.new_tokens)
         tokens[task] = spec.gen_batch * spec.new_tokens
     for task, fn in work.items():
         timed: dict[str, _Timed] = {}
