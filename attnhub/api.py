@@ -24,7 +24,7 @@ from . import autotune, call_stats, dispatch
 from .backend import Runner
 from .errors import BrokenBackendError
 from .registry import get_registry, on_invalidate
-from .request import AttentionParams, AttentionRequest
+from .request import OPTION_NAMES, AttentionParams, AttentionRequest
 from .validation import (
     RequestFacts,
     build_request,
@@ -534,9 +534,8 @@ class _Guards:
 
 
 def _options_dict(options: tuple[Any, ...]) -> dict[str, Any]:
-    names = ("causal", "alignment", "window", "softcap", "scale", "dropout_p",
-             "block_sparse", "return_lse")  # fmt: skip
-    return dict(zip(names, options))
+    """The options tuple (in ``OPTION_NAMES``' order) as keyword arguments."""
+    return dict(zip(OPTION_NAMES, options, strict=True))
 
 
 def _traced_choice(facts: RequestFacts, backend: Any) -> str:

@@ -14,7 +14,7 @@ graph serves every batch size, and the request's ``batch`` is None.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -64,6 +64,11 @@ class AttentionParams:
     @property
     def bottom_right(self) -> bool:
         return self.alignment == "bottom_right"
+
+
+# The call options of attnhub.attention and explain, in this order wherever they travel
+# as a tuple (the api's hot path passes them positionally): AttentionParams' fields.
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(AttentionParams))
 
 
 @dataclass(frozen=True)

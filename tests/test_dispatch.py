@@ -7,12 +7,15 @@ and through ``attnhub.attention`` where the whole path runs on CPU tensors.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import re
 import subprocess
 import sys
 import threading
+import typing
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +26,7 @@ from attnhub import registry as registry_module
 from attnhub.backend import Backend
 from attnhub.backends.torch_reference import reference_attention
 from attnhub.registry import BackendRegistry
-from attnhub.request import AttentionParams, AttentionRequest
+from attnhub.request import OPTION_NAMES, AttentionParams, AttentionRequest
 
 
 class _Fake(Backend):
@@ -961,3 +964,26 @@ def test_a_backend_whose_lse_has_no_gradient_never_serves_a_loss_on_the_lse(fake
         torch.testing.assert_close(g.double(), e, atol=1e-5, rtol=1e-4)
     with pytest.raises(attnhub.NoBackendError, match="a gradient through the returned lse"):
         attnhub.attention(q, k, v, causal=True, return_lse=True, backend="detached_lse")
+
+
+def test_the_call_options_are_named_in_one_place():
+    """attention(), explain() and the option plumbing behind them name the options of
+    OPTION_NAMES (AttentionParams' fields), in its order, which is also the order of
+    the options tuples the hot path passes positionally: an option added to one of
+    them and not to the others fails here."""
+    from attnhub import validation
+
+    def keyword_only(function: Any) -> tuple[str, ...]:
+        parameters = inspect.signature(function).parameters.values()
+        return tuple(p.name for p in parameters if p.kind is p.KEYWORD_ONLY)
+
+    assert keyword_only(attnhub.attention) == (*OPTION_NAMES, "backend")
+    assert keyword_only(attnhub.explain) == (*OPTION_NAMES, "backend")
+    for overload in getattr(typing, "get_overloads", lambda f: [])(api.attention):
+        assert keyword_only(overload) == (*OPTION_NAMES, "backend")
+    assert tuple(inspect.signature(api._options_key).parameters) == OPTION_NAMES
+    assert keyword_only(validation.make_params) == ("key", *OPTION_NAMES)
+    values = tuple(range(len(OPTION_NAMES)))
+    assert api._options_dict(values) == dict(zip(OPTION_NAMES, values))
+    with pytest.raises(ValueError):  # a tuple of another length is a bug, not a call
+        api._options_dict(values[:-1])
