@@ -333,6 +333,8 @@ def _outside_domain(
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
             return "attn_mask is not a tensor"
+        if attn_mask.dim() < 2:  # PyTorch's function raises (IndexError): it must here too
+            return f"attn_mask is {attn_mask.dim()}-D"
         if attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
             return f"attn_mask dtype {attn_mask.dtype} differs from the query's {query.dtype}"
         if is_causal:

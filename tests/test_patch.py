@@ -125,6 +125,10 @@ OUTSIDE = {
     "bad-mask-shape": lambda q, k, v: ((q, k, v), {"attn_mask": torch.ones(3, 5, dtype=torch.bool)}),
     "d-differs": lambda q, k, v: ((q, k[..., :8], v), {}),
     "not-tensor": lambda q, k, v: (([1.0], k, v), {}),
+    # PyTorch raises IndexError for masks of rank 0 and 1 (2.13, every CPU path), where
+    # attnhub.attention serves them: the patched function raised nothing (failed before).
+    "0-d-mask": lambda q, k, v: ((q, k, v), {"attn_mask": torch.tensor(True)}),
+    "1-d-mask": lambda q, k, v: ((q, k, v), {"attn_mask": torch.zeros(7)}),
 }  # fmt: skip
 
 
