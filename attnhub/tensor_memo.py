@@ -9,7 +9,9 @@ version counter (an in-place change makes it another mask; writes that bypass th
 counter, through ``.data``, a NumPy or DLPack view or the untyped storage, are not
 seen, as autograd does not see them). Inference tensors
 (``torch.inference_mode``) have no version counter: their answers are computed at
-every call, never kept (one synchronization per layer then).
+every call, never kept (one synchronization per layer then). What is computed for an
+ordinary tensor under that mode is kept apart from what is computed outside it (it is
+made of inference tensors, which autograd cannot save).
 """
 
 from __future__ import annotations
@@ -44,7 +46,11 @@ class TensorMemo(Generic[T]):
         # of fewer than 4 dims anew at every call (one object per call), and a view
         # shares its base's version counter.
         base = tensor._base if tensor._base is not None else tensor
-        key = (id(base), tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype)
+        # What is computed under torch.inference_mode is made of inference tensors, which
+        # a call recorded by autograd cannot save for its backward: kept apart, for
+        # calls in that mode.
+        key = (id(base), tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype,
+               torch.is_inference_mode_enabled())  # fmt: skip
         entry = self._entries.get(key)
         if entry is not None and entry[0]() is base and entry[1] == base._version:
             return base, key, entry

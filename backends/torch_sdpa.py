@@ -277,8 +277,10 @@ class _BuiltMasks:
             if attn_mask.is_inference():
                 return None  # it keeps no version counter: an in-place change is invisible
             version = attn_mask._version
+        # Built under torch.inference_mode, a mask is an inference tensor, which a call
+        # recorded by autograd cannot save: such builds serve only calls in that mode.
         return (version, query.shape[2], key.shape[2], query.dtype, query.device,
-                params.causal, params.alignment)  # fmt: skip
+                params.causal, params.alignment, torch.is_inference_mode_enabled())  # fmt: skip
 
     def get(self, query: torch.Tensor, key: torch.Tensor, attn_mask: Any, params: AttentionParams) -> Any:  # fmt: skip
         k = self._key(query, key, attn_mask, params)

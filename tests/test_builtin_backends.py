@@ -490,3 +490,31 @@ def test_gpu_pinned_runner_matches_forward(name, scale):
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # a CPU call with at most 16 keys gets an explicit mask, built for its lengths
+        {"causal": True, "alignment": "bottom_right", "float_mask": True},
+    ],
+    ids=["short-keys", "bottom-right-with-mask"],
+)
+def test_torch_sdpa_masks_built_in_inference_mode_are_not_reused_with_a_backward(options):
+    """torch_sdpa keeps the masks it builds for a call's lengths; one built under
+    torch.inference_mode is an inference tensor, which a call recorded by autograd
+    cannot save: such a call, the next with a backward, raised RuntimeError."""
+    options = dict(options)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 16, generator=gen) for n in (5, 7, 7))
+    if options.pop("float_mask", False):
+        options["attn_mask"] = torch.randn(2, 1, 5, 7, generator=gen)
+    with torch.inference_mode():
+        attnhub.attention(q, k, v, backend="torch_sdpa", **options)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attnhub.attention(*leaves, backend="torch_sdpa", **options)
+    out.sum().backward()
+    expected = [t.clone().requires_grad_() for t in (q, k, v)]
+    attnhub.attention(*expected, backend="torch_reference", **options).sum().backward()
+    for got, want in zip(leaves, expected):
+        torch.testing.assert_close(got.grad, want.grad)

@@ -83,3 +83,19 @@ def test_a_reading_is_kept_per_tensor_and_version(monkeypatch):
 def test_what_is_not_a_bool_mask_with_keys_is_refused(bad):
     with pytest.raises(ValueError, match="keep: expected a bool mask with at least one key"):
         mask_rows.row_keys(bad)
+
+
+def test_a_reading_made_in_inference_mode_serves_only_that_mode():
+    """A reading made under torch.inference_mode is made of inference tensors, which a
+    call recorded by autograd cannot save: a call outside that mode reads the mask
+    anew (it was handed the inference mode's reading: failed before)."""
+    mask = torch.rand(3, 1, 1, 9, generator=torch.Generator().manual_seed(0)) > 0.4
+    with torch.inference_mode():
+        inside = mask_rows.row_keys(mask)
+    assert inside.first.is_inference()
+    outside = mask_rows.row_keys(mask)
+    assert outside is not inside and not outside.first.is_inference()
+    assert torch.equal(outside.first, inside.first) and torch.equal(outside.end, inside.end)
+    assert mask_rows.known_row_keys(mask) is outside
+    with torch.inference_mode():
+        assert mask_rows.row_keys(mask) is inside  # each mode keeps its own
