@@ -320,7 +320,7 @@ def _outside_domain(
         and query.dim() == 4
         and key.dim() == 4
         and value.dim() == 4
-        and (enable_gqa is True or query.size(1) == key.size(1))
+        and (enable_gqa is True or (enable_gqa is False and query.size(1) == key.size(1)))
     ):
         return None
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -339,6 +339,8 @@ def _outside_domain(
             return f"attn_mask dtype {attn_mask.dtype} differs from the query's {query.dtype}"
         if is_causal:
             return "is_causal with attn_mask"
+    if enable_gqa is not True and enable_gqa is not False:  # PyTorch raises TypeError
+        return "enable_gqa is not a bool"
     if query.shape[1] != key.shape[1] and enable_gqa is not True:
         return f"Hq={query.shape[1]} != Hkv={key.shape[1]} without enable_gqa"
     if not isinstance(is_causal, bool):

@@ -129,6 +129,10 @@ OUTSIDE = {
     # attnhub.attention serves them: the patched function raised nothing (failed before).
     "0-d-mask": lambda q, k, v: ((q, k, v), {"attn_mask": torch.tensor(True)}),
     "1-d-mask": lambda q, k, v: ((q, k, v), {"attn_mask": torch.zeros(7)}),
+    # PyTorch's binding takes enable_gqa as a bool only (TypeError for 1, 0, None): so
+    # must the patched function (it served them: failed before).
+    "gqa-flag-int": lambda q, k, v: ((q, k, v), {"enable_gqa": 1}),
+    "gqa-flag-none": lambda q, k, v: ((q, k[:, :2], v[:, :2]), {"enable_gqa": None}),
 }  # fmt: skip
 
 
