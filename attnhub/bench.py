@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -248,8 +249,25 @@ class BenchConfig:
             raise ValueError(f"window_shape must be B,H,N,D, got {self.window_shape!r}")
         if len(self.block_sparse_shape) != 4:
             raise ValueError(f"block_sparse_shape must be B,H,N,D, got {self.block_sparse_shape!r}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        sizes = {
+            "head_dims": self.head_dims,
+            "seqlens": self.seqlens,
+            "windows": self.windows,
+            "window_shape": self.window_shape,
+            "block_sparse_shape": self.block_sparse_shape,
+            "block_sparse_long_seqlens": self.block_sparse_long_seqlens,
+            "flex_seqlens": self.flex_seqlens or (),
+            "tokens": (self.tokens,),
+            "hidden": (self.hidden,),
+            "block_size": (self.block_size,),
+            "rep": (self.rep,),
+            "cpu_reps": (self.cpu_reps,),
+        }
+        for name, values in sizes.items():
+            if any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name} must be positive integers, got {values!r}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0 ms, got {self.warmup}")
         parse_dtype(self.block_sparse_dtype)
         for spec in (*self.block_sparse_layouts, self.block_sparse_long_layout):
             check_layout_spec(spec)
@@ -875,12 +893,38 @@ def _config_json(config: BenchConfig) -> dict[str, Any]:
 
 
 def _ints(text: str) -> tuple[int, ...]:
+    """Comma-separated positive integers (sizes, lengths, windows), at least one."""
     try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
+        values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
+        values = ()
+    if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
+            f"expected comma-separated positive integers, got {text!r}"
+        )
+    return values
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -966,8 +1010,12 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--causal", type=_causal, help="no, yes or both (default)")
     g.add_argument("--modes", type=_modes, help="comma-separated of fwd,bwd,fwd_bwd (default all)")
     g.add_argument("--backends", type=_names, help=f"default {','.join(DEFAULT_BACKENDS)}")
-    g.add_argument("--tokens", type=int, default=16384, help="B = tokens // N (default 16384)")
-    g.add_argument("--hidden", type=int, default=2048, help="H = hidden // D (default 2048)")
+    g.add_argument(
+        "--tokens", type=positive_int, default=16384, help="B = tokens // N (default 16384)"
+    )
+    g.add_argument(
+        "--hidden", type=positive_int, default=2048, help="H = hidden // D (default 2048)"
+    )
     g.add_argument(
         "--window",
         action="store_true",
@@ -978,7 +1026,7 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--window-shape",
-        type=_ints,
+        type=_shape,
         default=WINDOW_SHAPE,
         help="B,H,N,D of the sliding-window extra (default 2,16,16384,128)",
     )
@@ -996,11 +1044,13 @@ def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     g.add_argument("--warmup", type=int, default=25, help="do_bench warmup in ms (default 25)")
-    g.add_argument("--rep", type=int, default=100, help="do_bench repetitions in ms (default 100)")
+    g.add_argument(
+        "--rep", type=positive_int, default=100, help="do_bench repetitions in ms (default 100)"
+    )
     g.add_argument(
         "--no-memory", dest="memory", action="store_false", help="skip the peak-memory runs"
     )
-    g.add_argument("--time-budget", type=float, help="seconds; grid points not started by then are skipped")  # fmt: skip
+    g.add_argument("--time-budget", type=positive_float, help="seconds; grid points not started by then are skipped")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> BenchConfig:
@@ -1065,7 +1115,10 @@ def add_block_sparse_arguments(parser: argparse.ArgumentParser) -> None:
         help="shape of the extra (default 2,16,8192,128)",
     )
     g.add_argument(
-        "--block-size", type=int, default=BLOCK_SIZE, help="layout block size (default 128)"
+        "--block-size",
+        type=positive_int,
+        default=BLOCK_SIZE,
+        help="layout block size (default 128)",
     )
     g.add_argument("--block-sparse-dtype", type=_dtype, default="bfloat16", help="default bf16")
     g.add_argument(
@@ -1156,7 +1209,7 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-flex", dest="flex", action="store_false", help="with --decode: leave FlexAttention out")  # fmt: skip
     g.add_argument("--serving", action="store_true", help="decode and varlen through the public API (attnhub.bench_serving)")  # fmt: skip
     g.add_argument("--varlen", action="store_true", help="attention_varlen through the public API only")  # fmt: skip
-    g.add_argument("--iters", type=int, default=20, help="with --serving/--varlen: timed calls per case (default 20)")  # fmt: skip
+    g.add_argument("--iters", type=positive_int, default=20, help="with --serving/--varlen: timed calls per case (default 20)")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .bench import environment, write_json
+from .bench import environment, positive_int, write_json
 from .call_stats import reset_stats, stats
 from .patching import patch
 from .timing import rotated, synchronize
@@ -313,7 +313,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("models (--models)")
     g.add_argument("--models", action="store_true", help="Hugging Face models end to end: stock sdpa vs patch() vs attn_implementation='attnhub'")  # fmt: skip
     g.add_argument("--model-names", help=f"with --models: comma-separated subset of {','.join(m.name for m in MODELS)}")  # fmt: skip
-    g.add_argument("--repeats", type=int, default=6, help="with --models: timed repetitions per way, the order of the ways rotating (default 6)")  # fmt: skip
+    g.add_argument("--repeats", type=positive_int, default=6, help="with --models: timed repetitions per way, the order of the ways rotating (default 6)")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:

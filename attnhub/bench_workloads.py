@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .api import attention, explain
-from .bench import environment, parse_dtype, write_json
+from .bench import environment, parse_dtype, positive_float, write_json
 from .errors import error_line
 from .patching import patch
 from .request import AttentionParams, dtype_name
@@ -488,7 +488,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --workloads: only workloads whose name contains this (or any of these, comma-separated)",
     )
     g.add_argument("--workload-set", choices=WORKLOAD_SETS, default="issue16", help="with --workloads: issue16 (issue 16's list), models (model families' calls off that list: see model_workloads) or all (default issue16)")  # fmt: skip
-    g.add_argument("--budget", type=float, default=0.15, help="with --workloads: seconds of timed calls per competitor (default 0.15)")  # fmt: skip
+    g.add_argument("--budget", type=positive_float, default=0.15, help="with --workloads: seconds of timed calls per competitor (default 0.15)")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:

@@ -191,3 +191,56 @@ def test_explain_backend_follows_the_attnhub_backend_grammar(capsys):
         expected = attnhub.explain(q, k, v, backend=listed)
         assert cli.main([*EXPLAIN, "--backend", names]) == 0
         assert capsys.readouterr().out == f"{expected}\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["--head-dims=0"], "--head-dims"),  # was a ZeroDivisionError traceback
+        (["--head-dims=-64"], "--head-dims"),
+        (["--seqlens="], "--seqlens"),
+        (["--seqlens=1024,x"], "--seqlens"),
+        (["--windows=0"], "--windows"),
+        (["--flex-seqlens=0"], "--flex-seqlens"),
+        (["--window-shape=2,16,128"], "--window-shape"),
+        (["--tokens=0"], "--tokens"),
+        (["--hidden=-1"], "--hidden"),
+        (["--rep=0"], "--rep"),
+        (["--time-budget=-1"], "--time-budget"),
+        (["--time-budget=nan"], "--time-budget"),
+        (["--block-size=0"], "--block-size"),
+        (["--block-sparse-long-seqlens=0"], "--block-sparse-long-seqlens"),
+        (["--iters=0"], "--iters"),
+        (["--repeats=0"], "--repeats"),
+        (["--budget=0"], "--budget"),
+    ],
+)
+def test_bench_rejects_sizes_and_counts_below_one_naming_the_option(argv, option, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", *argv])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"attnhub bench: error: argument {option}: " in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"head_dims": (0,)},
+        {"seqlens": (1024, -1)},
+        {"tokens": 0},
+        {"hidden": 0},
+        {"windows": (0,)},
+        {"window_shape": (2, 0, 64, 16)},
+        {"block_sparse_long_seqlens": (0,)},
+        {"rep": 0},
+        {"warmup": -1},
+    ],
+    ids=lambda f: next(iter(f)),
+)
+def test_bench_config_rejects_sizes_below_one(field):
+    from attnhub.bench import BenchConfig
+
+    with pytest.raises(ValueError, match=next(iter(field))):
+        BenchConfig(**field)
