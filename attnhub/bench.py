@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import math
 import os
 import platform
 import statistics
@@ -59,6 +58,7 @@ from typing import Any
 
 import torch
 
+from .cli import positive_float, positive_int
 from .jsonfile import write_json
 from .request import dtype_name, dtype_tag
 
@@ -903,28 +903,6 @@ def _ints(text: str) -> tuple[int, ...]:
             f"expected comma-separated positive integers, got {text!r}"
         )
     return values
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (0 < value < math.inf):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 def _names(text: str) -> tuple[str, ...]:

@@ -37,8 +37,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .bench import environment, positive_int, write_json
+from .bench import environment, write_json
 from .call_stats import reset_stats, stats
+from .cli import positive_int
 from .patching import patch
 from .timing import rotated, synchronize
 

@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from .api import attention, explain
-from .bench import environment, parse_dtype, positive_float, write_json
+from .bench import environment, parse_dtype, write_json
+from .cli import positive_float
 from .errors import error_line
 from .patching import patch
 from .request import AttentionParams, dtype_name

@@ -11,6 +11,7 @@ the option, never with a traceback: exit 1 keeps each command's own meaning.
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import reprlib
 import sys
@@ -57,6 +58,17 @@ def positive_int(text: str) -> int:
 def nonnegative_int(text: str) -> int:
     """An integer >= 0 (a size the contract allows to be 0)."""
     return _integer(text, 0)
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a time budget)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
 
 
 def usable_device(text: str) -> torch.device:
