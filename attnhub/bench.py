@@ -1232,7 +1232,11 @@ def main(args: argparse.Namespace) -> int:
 
         return serving_main(args)
     if args.report:
-        data = bench_report.merge([bench_report.load(p) for p in args.report])
+        try:
+            data = bench_report.merge([bench_report.load(p) for p in args.report])
+        except ValueError as exc:
+            print(f"attnhub bench: {exc}", file=sys.stderr)
+            return 2
         target = Path(args.output) if args.output else Path(args.report[0])
         if args.output:
             write_json(data, target)

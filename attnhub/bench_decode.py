@@ -567,7 +567,14 @@ def main(args: argparse.Namespace) -> int:
     """``attnhub bench --decode`` (see the module docstring)."""
     if args.report:
         (source,) = args.report
-        data = json.loads(pathlib.Path(source).read_text())
+        try:
+            data = json.loads(pathlib.Path(source).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            data = f"cannot read results ({exc})"
+        if not isinstance(data, dict) or "meta" not in data or "rows" not in data:
+            why = data if isinstance(data, str) else "not decode results (no 'meta' and 'rows')"
+            print(f"attnhub bench --decode: {source}: {why}", file=sys.stderr)
+            return 2
         output = pathlib.Path(args.output or source)
     else:
         if not torch.cuda.is_available():

@@ -33,7 +33,12 @@ Row = dict[str, Any]
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(Path(path).read_text())
+    """The bench results in ``path``; ValueError naming the file where it cannot be read,
+    is not JSON or is not bench results."""
+    try:
+        data: Any = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read bench results ({exc})") from None
     if not isinstance(data, dict) or "results" not in data or "env" not in data:
         raise ValueError(f"{path}: not attnhub bench results (no 'env' and 'results')")
     return data

@@ -121,7 +121,11 @@ def main(args: argparse.Namespace) -> int:
     if args.workloads or args.model:
         return prewarm(args)
     if args.from_results:
-        results = bench_report.merge([bench_report.load(p) for p in args.from_results])
+        try:
+            results = bench_report.merge([bench_report.load(p) for p in args.from_results])
+        except ValueError as exc:
+            print(f"attnhub tune: {exc}", file=sys.stderr)
+            return 2
         source = ", ".join(Path(p).name for p in args.from_results)
     else:
         overrides: dict[str, Any] = {}

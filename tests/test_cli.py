@@ -244,3 +244,25 @@ def test_bench_config_rejects_sizes_below_one(field):
 
     with pytest.raises(ValueError, match=next(iter(field))):
         BenchConfig(**field)
+
+
+@pytest.mark.parametrize(
+    "content", [None, "not json", '{"a": 1}'], ids=["missing", "not-json", "not-results"]
+)
+@pytest.mark.parametrize(
+    ("command", "argv"),
+    [("bench", ["--report"]), ("tune", ["--from-results"]), ("bench", ["--decode", "--report"])],
+    ids=["bench-report", "tune-from-results", "decode-report"],
+)
+def test_results_files_that_cannot_be_read_are_reported_naming_the_file(
+    command, argv, content, tmp_path, capsys
+):
+    """A missing, non-JSON or non-results file: a one-line error naming it and exit
+    status 2 (a FileNotFoundError, JSONDecodeError or ValueError traceback before)."""
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    assert cli.main([command, *argv, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"attnhub {command}" in err and str(path) in err, err
+    assert "Traceback" not in err
