@@ -120,9 +120,18 @@ class PagedKVCache:
         """The started step's new tokens per sequence (empty between steps)."""
         return tuple(self._step or ())
 
+    def _index(self, name: str, value: Any, count: int) -> int:
+        """``value`` as an index into ``count`` rows or layers: an int in [0, count)
+        (a negative one would silently name another from the end)."""
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if not 0 <= value < count:
+            raise ValueError(f"{name} must be in [0, {count}), got {value}")
+        return value
+
     def pages_of(self, b: int) -> list[int]:
         """The pages sequence ``b`` holds, in key order."""
-        return list(self._pages[b])
+        return list(self._pages[self._index("b", b, self.batch)])
 
     def start(self, new_tokens: Sequence[int] | int) -> None:
         """Begin a step adding ``new_tokens[b]`` tokens to sequence ``b`` (an int: the
@@ -182,6 +191,7 @@ class PagedKVCache:
         take its row)."""
         if self._step is not None:
             raise RuntimeError("PagedKVCache.release: inside a step")
+        b = self._index("b", b, self.batch)
         self._free.extend(reversed(self._pages[b]))
         self._pages[b] = []
         self._table[b] = -1
@@ -206,9 +216,15 @@ class PagedKVCache:
         step's count for every sequence. Returns (B, Hq, Nq, D), bottom-right causal.
 
         ``options`` (scale, softcap, window, backend) go to the attention call.
+
+        Raises:
+            TypeError, ValueError: a layer outside [0, num_layers), or tensors that do
+                not fit the step or the pools (nothing is written then).
+            RuntimeError: no step started.
         """
         if self._step is None:
             raise RuntimeError("PagedKVCache.attend: call start() first")
+        layer = self._index("layer", layer, len(self.k_pools))
         k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
         if query.dim() == 3:
             return self._attend_packed(k_pool, v_pool, query, key, value, options)
@@ -243,6 +259,17 @@ class PagedKVCache:
                 f"query, key, value: expected {total} packed tokens (the step's), got "
                 f"{query.shape[0]}, {key.shape[0]}, {value.shape[0]}"
             )
+        # The pools are written before the attention call validates anything: what the
+        # write would cast or fail on is refused first, with nothing written.
+        for name, t, pool in (("key", key, k_pool), ("value", value, v_pool)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+            if t.shape[1:] != pool.shape[2:] or t.dtype != pool.dtype or t.device != pool.device:
+                raise ValueError(
+                    f"{name}: expected (T, Hkv, D) = (T, {pool.shape[2]}, {pool.shape[3]}) "
+                    f"{pool.dtype} on {pool.device}, the cache's, got {tuple(t.shape)} "
+                    f"{t.dtype} on {t.device}"
+                )
         if self._prefill is None:  # once per step, shared by the layers
             positions = torch.cat([torch.arange(c) for c in self._step]).long()
             rows = torch.cat([torch.full((c,), b) for b, c in enumerate(self._step)]).long()

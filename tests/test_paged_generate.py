@@ -251,3 +251,33 @@ def test_bad_steps_raise_before_anything_is_allocated():
     cache.finish()
     with pytest.raises(ValueError, match="page_size"):
         _cache(page_size=0)
+
+
+def test_bad_rows_layers_and_prefill_tensors_raise_naming_the_argument():
+    """A row or layer out of range raised IndexError, and a negative one silently named
+    another from the end; a prefill key or value that does not fit the pools raised
+    RuntimeError from the page write (or was cast into them). Now: TypeError or
+    ValueError naming the argument, nothing written."""
+    cache = _cache(num_layers=2)
+    for bad in (2, -1):
+        with pytest.raises(ValueError, match="b must be in"):
+            cache.pages_of(bad)
+        with pytest.raises(ValueError, match="b must be in"):
+            cache.release(bad)
+    with pytest.raises(TypeError, match="b must be an int"):
+        cache.release(True)
+    cache.start([3, 2])
+    q, k, v = torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    for bad in (2, -1):
+        with pytest.raises(ValueError, match="layer must be in"):
+            cache.attend(bad, q, k, v)
+    for name, key, value in [
+        ("key", k.double(), v),
+        ("value", k, v.double()),
+        ("key", torch.randn(5, 1, 8), v),
+        ("value", k, torch.randn(5, 2, 4)),
+    ]:
+        with pytest.raises(ValueError, match=f"^{name}: expected"):
+            cache.attend(0, q, key, value)
+    assert not any(pool.any() for pool in (*cache.k_pools, *cache.v_pools))
+    cache.attend(1, q, k, v)  # and the step goes on
