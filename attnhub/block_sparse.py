@@ -48,6 +48,15 @@ def _blocks(n: int, block: int) -> int:
     return -(-n // block)
 
 
+def _int_at_least(name: str, value: Any, low: int) -> int:
+    """``value``, an int >= ``low`` (TypeError or ValueError naming ``name``)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class BlockIndex:
     """Compressed lists of one direction: for each row block, the column blocks kept.
@@ -120,6 +129,9 @@ class BlockSparseLayout:
         Evaluated one query block at a time, so building needs O(bq * Nk) memory.
         """
         bq, bk = _pair(block_size)
+        for name, value, low in (("seq_len_q", seq_len_q, 0), ("seq_len_k", seq_len_k, 0),
+                                 ("batch", batch, 1), ("heads", heads, 1)):  # fmt: skip
+            _int_at_least(name, value, low)
         nqb, nkb = _blocks(seq_len_q, bq), _blocks(seq_len_k, bk)
         keep = torch.zeros(batch, heads, nqb, nkb, dtype=torch.bool, device=device)
         full = torch.zeros_like(keep)
@@ -130,7 +142,13 @@ class BlockSparseLayout:
         for row in range(nqb):
             q = torch.arange(row * bq, (row + 1) * bq, device=device).view(1, 1, -1, 1)
             valid = (q < seq_len_q) & in_range_k
-            tile = mask_mod(b, h, q, kv).expand(batch, heads, bq, nkb * bk) & valid
+            kept = mask_mod(b, h, q, kv)
+            if not isinstance(kept, torch.Tensor) or kept.dtype != torch.bool:
+                raise TypeError(
+                    "mask_mod must return a bool tensor (True = kept), got "
+                    f"{getattr(kept, 'dtype', type(kept).__name__)}"
+                )
+            tile = kept.expand(batch, heads, bq, nkb * bk) & valid
             tile = tile.view(batch, heads, bq, nkb, bk)
             valid = valid.expand(1, 1, bq, nkb * bk).view(1, 1, bq, nkb, bk)
             keep[:, :, row] = tile.any(dim=(2, 4))
@@ -157,8 +175,7 @@ class BlockSparseLayout:
     ) -> BlockSparseLayout:
         """Local attention: query i keeps keys within ``window`` positions before it
         (and after it too, if not ``causal``)."""
-        if window < 0:
-            raise ValueError(f"window must be >= 0, got {window}")
+        _int_at_least("window", window, 0)
 
         def mod(
             b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
@@ -181,6 +198,9 @@ class BlockSparseLayout:
         """Sparse Transformer's strided pattern, in blocks: each query block keeps its
         ``local_blocks`` nearest key blocks and every ``stride``-th key block (the
         "summary" columns), optionally causal (then the diagonal block is partial)."""
+        for name, value, low in (("seq_len", seq_len, 0), ("block_size", block_size, 1),
+                                 ("local_blocks", local_blocks, 0), ("stride", stride, 1)):  # fmt: skip
+            _int_at_least(name, value, low)
         n = _blocks(seq_len, block_size)
         qb = torch.arange(n, device=device).view(-1, 1)
         kb = torch.arange(n, device=device).view(1, -1)
@@ -202,6 +222,11 @@ class BlockSparseLayout:
         """BigBird / Longformer: global blocks (rows and columns), a band of
         ``window_blocks`` around the diagonal, and ``random_blocks`` random key blocks
         per query block (drawn from a generator seeded with ``seed``)."""
+        for name, value, low in (("seq_len", seq_len, 0), ("block_size", block_size, 1),
+                                 ("global_blocks", global_blocks, 0),
+                                 ("window_blocks", window_blocks, 0),
+                                 ("random_blocks", random_blocks, 0)):  # fmt: skip
+            _int_at_least(name, value, low)
         n = _blocks(seq_len, block_size)
         qb = torch.arange(n).view(-1, 1)
         kb = torch.arange(n).view(1, -1)

@@ -153,3 +153,36 @@ def test_bad_layouts_and_mismatches_raise_naming_block_sparse():
     heads3 = BlockSparseLayout.from_block_mask(torch.ones(1, 3, 1, 1, dtype=torch.bool), 64)
     with pytest.raises(ValueError, match="does not broadcast to B=1, Hq=1"):
         attnhub.attention(q, q, q, block_sparse=heads3)
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "name"),
+    [
+        # Before: a ZeroDivisionError (block_size 0, stride 0), an empty layout for a
+        # negative length, and silently other layouts: random_blocks=-1 drew all but one
+        # key block per row, negative global or local blocks kept none.
+        (lambda: BlockSparseLayout.causal(-5, 16), ValueError, "seq_len_q"),
+        (lambda: BlockSparseLayout.causal(64.5, 16), TypeError, "seq_len_q"),
+        (lambda: BlockSparseLayout.sliding_window(64, 1.5, 16), TypeError, "window"),
+        (lambda: BlockSparseLayout.sliding_window(64, -1, 16), ValueError, "window"),
+        (lambda: BlockSparseLayout.strided(64, 0), ValueError, "block_size"),
+        (lambda: BlockSparseLayout.strided(64, 16, stride=0), ValueError, "stride"),
+        (lambda: BlockSparseLayout.strided(64, 16, local_blocks=-1), ValueError, "local_blocks"),
+        (lambda: BlockSparseLayout.strided(-1, 16), ValueError, "seq_len"),
+        (lambda: BlockSparseLayout.bigbird(64, 0), ValueError, "block_size"),
+        (lambda: BlockSparseLayout.bigbird(64, 16, random_blocks=-1), ValueError, "random_blocks"),
+        (lambda: BlockSparseLayout.bigbird(64, 16, global_blocks=-3), ValueError, "global_blocks"),
+        (lambda: BlockSparseLayout.bigbird(64, 16, window_blocks=-1), ValueError, "window_blocks"),
+        (lambda: BlockSparseLayout.bigbird(64, True), TypeError, "block_size"),
+        (lambda: BlockSparseLayout.from_mask_mod(_causal, 64, 64, 16, batch=0), ValueError, "batch"),
+        (lambda: BlockSparseLayout.from_mask_mod(_causal, 64, 64, 16, heads=-1), ValueError, "heads"),
+        (lambda: BlockSparseLayout.from_mask_mod(lambda b, h, q, kv: q - kv, 64, 64, 16), TypeError, "mask_mod"),
+    ],
+)  # fmt: skip
+def test_layout_builders_reject_bad_arguments_naming_them(build, error, name):
+    with pytest.raises(error, match=name):
+        build()
+
+
+def _causal(b, h, q, kv):  # type: ignore[no-untyped-def]
+    return kv <= q
