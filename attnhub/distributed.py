@@ -112,10 +112,29 @@ def _resolve(world_size: Any, rank: Any) -> tuple[int, int]:
                 "world_size must be an int when torch.distributed is not initialized "
                 "(or pass a process group once it is)"
             )
-        return dist.get_world_size(group), dist.get_rank(group) if rank is None else rank
-    if rank is None:
+        world_size = dist.get_world_size(group)
+        rank = dist.get_rank(group) if rank is None else rank
+    elif rank is None:
         raise TypeError("rank must be an int when world_size is one")
+    _check_world(world_size, rank)
     return world_size, rank
+
+
+def _check_group(group: Any) -> None:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be None (the default group) or a torch.distributed.ProcessGroup, "
+            f"got {type(group).__name__}"
+        )
+
+
+def _check_dim(x: Any, dim: Any, name: str = "x") -> int:
+    """``dim`` of the tensor ``x``, as a non-negative index."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.ndim <= dim < x.ndim:
+        raise ValueError(f"dim must be an int in [{-x.ndim}, {x.ndim}) for a {x.ndim}-d {name}, got {dim!r}")  # fmt: skip
+    return dim % x.ndim
 
 
 def _check_world(world_size: Any, rank: Any) -> None:
@@ -185,6 +204,7 @@ def shard(
     (:func:`local_length`); pass ``seq_len=N`` to :func:`context_parallel_attention`
     when the ranks' shards then differ in length.
     """
+    dim = _check_dim(x, dim)
     world_size, rank = _resolve(world_size, rank)
     chunks = _local_chunks(x.shape[dim], world_size, rank, _check_layout(layout))
     return torch.cat([x.narrow(dim, offset, length) for offset, length in chunks], dim=dim)
@@ -223,6 +243,18 @@ def unshard(shards: Sequence[torch.Tensor], dim: int, layout: str = "zigzag") ->
     world_size = len(shards)
     if world_size < 1:
         raise ValueError("shards must hold one tensor per rank, got none")
+    dim = _check_dim(shards[0], dim, "shards[0]")
+    for r, s in enumerate(shards):
+        if (
+            not isinstance(s, torch.Tensor)
+            or s.ndim != shards[0].ndim
+            or any(a != b for i, (a, b) in enumerate(zip(s.shape, shards[0].shape)) if i != dim)
+        ):
+            raise ValueError(
+                f"shards[{r}]: expected a tensor of shards[0]'s shape but along dim {dim} "
+                f"({tuple(shards[0].shape)}), got "
+                f"{tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__}"
+            )
     lengths = [s.shape[dim] for s in shards]
     n = _sharded_length(lengths, dim, layout)
     pieces: list[tuple[int, torch.Tensor]] = []
@@ -245,6 +277,8 @@ def positions(
     of a ``seq_len`` sequence, in the shard's order: feed them to rotary embeddings (or
     anything positional) instead of ``arange(N_local)``. ``world_size`` and ``rank`` as
     :func:`shard`."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
     return shard(torch.arange(seq_len, device=device), 0, world_size, rank, layout)
 
 
@@ -267,6 +301,7 @@ def gather(
     whose lengths are not a ``layout`` sharding, raise a ValueError on every rank, after
     the lengths' all-gather and before the shards' (which would otherwise abort or
     hang on mismatched sizes)."""
+    _check_group(group)
     world_size = dist.get_world_size(group)
     problem = None
     if layout not in LAYOUTS:
@@ -922,6 +957,7 @@ def context_parallel_attention(
         RuntimeError: a peer that does not take part, once the group's timeout expires.
     """
     layout = _check_layout(layout)
+    _check_group(group)
     api._validate(
         query, key, value, None,
         {"causal": causal, "alignment": alignment, "window": None, "softcap": softcap,

@@ -62,6 +62,22 @@ def test_shard_errors():
         cp.shard(torch.zeros(8), 0, 2)
     with pytest.raises(ValueError, match=r"lengths along dim 0 are \[4, 6\]; zigzag shards "):
         cp.unshard([torch.zeros(4), torch.zeros(6)], 0)
+    # Before: ZeroDivisionError, IndexError, AttributeError and RuntimeErrors from torch.
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        cp.shard(torch.zeros(8), 0, 0, 0)
+    with pytest.raises(ValueError, match=r"dim must be an int in \[-1, 1\)"):
+        cp.shard(torch.zeros(8), 1, 2, 0)
+    with pytest.raises(TypeError, match="x must be a tensor"):
+        cp.shard([0.0] * 8, 0, 2, 0)
+    with pytest.raises(ValueError, match=r"shards\[1\]: expected a tensor of shards\[0\]'s shape"):
+        cp.unshard([torch.zeros(2, 4), torch.zeros(3, 4)], 1)
+    with pytest.raises(ValueError, match="seq_len must be an int >= 0"):
+        cp.positions(-1, 2, 0)
+    q = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(
+        TypeError, match=r"group must be None .* or a torch\.distributed\.ProcessGroup"
+    ):
+        cp.context_parallel_attention(q, q, q, group="world")
 
 
 def _expressed(call: Any, c_rows: int, c_keys: int) -> torch.Tensor:
