@@ -169,8 +169,11 @@ def use_backend(*names: str | Sequence[str], strict: bool = False) -> Iterator[N
         raise TypeError(f"strict must be a bool, got {strict!r}")
     flat: list[str] = []
     for item in names:
-        # Each a name or a non-empty ordered sequence of names, as backend= takes.
-        flat.extend(normalize_backend_arg(item, "use_backend's names") or ("",))
+        # Each a name or a non-empty ordered sequence of names, as backend= takes (None,
+        # which backend= reads as no restriction, names nothing here).
+        if item is None:
+            raise TypeError("use_backend's names must be backend names or sequences of them, got None")  # fmt: skip
+        flat.extend(normalize_backend_arg(item, "use_backend's names") or ())
     registry = get_registry()
     for name in flat:
         registry.get(name)  # ValueError listing the known names
@@ -204,6 +207,11 @@ def set_policy(policy: RankingPolicy | None) -> None:
     priority.
     """
     global _policy
+    if policy is not None and not callable(getattr(policy, "rank", None)):
+        raise TypeError(
+            f"policy must be None or a RankingPolicy (an object with a rank(request, "
+            f"eligible) method), got {type(policy).__name__}"
+        )
     _policy = policy
     clear_cache()
 

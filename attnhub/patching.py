@@ -209,8 +209,9 @@ def patch(
         registry = get_registry()
         for name in names:
             registry.get(name)  # ValueError listing the known names
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    for name, flag in (("strict", strict), ("aliases", aliases)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     handle = PatchHandle(names, strict, aliases)
     global _original
     with _lock:

@@ -987,3 +987,16 @@ def test_the_call_options_are_named_in_one_place():
     assert api._options_dict(values) == dict(zip(OPTION_NAMES, values))
     with pytest.raises(ValueError):  # a tuple of another length is a bug, not a call
         api._options_dict(values[:-1])
+
+
+def test_selection_and_policy_arguments_are_checked_where_they_are_given():
+    """set_policy took any object (the next call warned and ranked by priority); a None
+    name in use_backend read as the unknown backend ''; patch(aliases=2) was taken.
+    Each is a TypeError naming the argument now."""
+    with pytest.raises(TypeError, match="policy must be None or a RankingPolicy"):
+        attnhub.set_policy("fastest")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"use_backend's names .* got None"), attnhub.use_backend(None):  # type: ignore[arg-type]  # fmt: skip
+        pass
+    with pytest.raises(TypeError, match="aliases must be a bool"):
+        attnhub.patch(aliases=2)  # type: ignore[arg-type]
+    assert not attnhub.patching.is_patched()
