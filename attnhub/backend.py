@@ -79,6 +79,7 @@ class Backend:
     ``deterministic``      the backward is bitwise reproducible
     ``memory``             "linear" (O(N) extra memory) or "quadratic" (O(N^2))
     ``compile_safe``       ``torch.compile(fullgraph=True)`` traces it without a break
+                           (a call being traced is offered only to such backends)
     ``compiles_per_shape`` its first call of each new shape compiles (seconds): autotune
                            does not time it (a user's first call would pay that), it is
                            ranked by the policies beneath the measurement; the cost
@@ -256,6 +257,7 @@ _FEATURE_ROWS: tuple[tuple[str, str, str], ...] = (
     ("needs_grad", "backward", "backward (an input requires grad)"),
     ("lse_needs_grad", "lse_grad", "a gradient through the returned lse"),
     ("mask_needs_grad", "mask_grad", "a gradient for attn_mask"),
+    ("traced", "compile_safe", "tracing by torch.compile or torch.export"),
 )
 
 _Check = Callable[[Backend, AttentionRequest], "str | None"]

@@ -74,6 +74,7 @@ def request_key(request: AttentionRequest) -> str:
     """A stable text key for a request, the same in every process; the batch bucketed to
     a power of two like the lengths (a server's batch varies call by call)."""
     fields = dataclasses.asdict(request)
+    del fields["traced"]  # measured eagerly; the same call traced is ranked by it too
     fields["dtype"] = dtype_name(request.dtype)
     if request.batch is not None:
         fields["batch"] = seqlen_bucket(request.batch)

@@ -129,6 +129,11 @@ class AttentionRequest:
     # |scale| <= FP32_MAX / log2(e) (2.36e38): kernels that keep scores in log2 units
     # (scale * log2 e in float32) overflow beyond it, whatever q.k is.
     scale_in_log2_range: bool = True
+    # Decided while torch.compile or torch.export traces the call: the chosen backend's
+    # forward goes into the graph, so only backends that declare ``compile_safe`` are
+    # eligible, and one whose compiled form serves less than its eager one says so.
+    # Measurements are taken eagerly and rank traced calls too (measured.request_key).
+    traced: bool = False
 
     @property
     def lse_needs_grad(self) -> bool:
@@ -183,6 +188,8 @@ class AttentionRequest:
             flags.append("backward")
         if self.deterministic:
             flags.append("deterministic")
+        if self.traced:
+            flags.append("traced")
         if not self.last_dim_contiguous:
             flags.append("last dim strided")
         lengths = "Nq==Nk" if self.same_seqlen else ("Nq>Nk" if self.q_longer else "Nq<Nk")

@@ -518,6 +518,7 @@ def request_facts(
         # request.LOG2_SCALE_LIMIT written out: Dynamo folds a literal to a constant,
         # not a global imported from another module (a test checks they agree).
         ("scale_in_log2_range", -2.3586574916681825e38 <= params.scale <= 2.3586574916681825e38),
+        ("traced", torch.compiler.is_compiling()),
     )
 
 

@@ -128,6 +128,7 @@ class _ShortKeys(Backend):
     causal_alignments = frozenset({"top_left", "bottom_right"})
     gqa = True
     memory = "linear"
+    compile_safe = True
     admitted: list[int] = []  # noqa: RUF012 (the key buckets it was found eligible for)
 
     def extra_reasons(self, request: AttentionRequest) -> list[str]:
@@ -166,6 +167,41 @@ def test_a_graph_never_runs_a_backend_on_a_call_it_cannot_serve(
         out = compiled(q, k, v)
         _close(out, _reference(q, k, v, causal=True, alignment="bottom_right"))
     assert short_keys.admitted == [16]  # chosen for the short calls (one decision)
+
+
+class _EagerOnly(_ShortKeys):
+    """Serves every call, outranking the built-in backends, but does not declare
+    ``compile_safe``: a graph must never trace it in."""
+
+    name = "eager_only"
+    compile_safe = False
+    traced: list[bool] = []  # noqa: RUF012 (whether each call it ran was being traced)
+
+    def extra_reasons(self, request: AttentionRequest) -> list[str]:
+        return []
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        _EagerOnly.traced.append(torch.compiler.is_compiling())
+        from attnhub.backends.torch_reference import reference_attention
+
+        return reference_attention(query, key, value, None, params)[0]
+
+
+def test_a_graph_never_traces_a_backend_that_is_not_compile_safe() -> None:
+    """Backend.compile_safe was declared and never read: a traced call took the
+    eager-only backend, the one ranked first (failed before)."""
+    registry = get_registry()
+    registry.add(_EagerOnly())
+    _EagerOnly.traced.clear()
+    try:
+        q, k, v = _qkv(2, 6, 10)
+        assert attnhub.explain(q, k, v).chosen == "eager_only"
+        attnhub.attention(q, k, v)
+        compiled = torch.compile(lambda q, k, v: attnhub.attention(q, k, v), backend="eager", fullgraph=True)  # fmt: skip
+        _close(compiled(q, k, v), _reference(q, k, v))
+        assert _EagerOnly.traced == [False]  # the eager call only
+    finally:
+        registry.remove(_EagerOnly.name)
 
 
 # -- torch.compile: the patched F.scaled_dot_product_attention ----------------------

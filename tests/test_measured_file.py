@@ -256,3 +256,17 @@ def test_a_failed_measurement_write_leaves_no_temporary_file(
         measured.MeasurementStore(target).put(cuda_request(), _measurement())
     assert "could not write measurements" in caplog.text
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_a_traced_request_reads_the_eager_measurement():
+    """Measurements are taken eagerly; the same call traced by torch.compile (a request
+    that differs only in ``traced``) is ranked by them too: one key for both."""
+    import dataclasses
+
+    import torch
+
+    from attnhub.measured import request_key
+    from attnhub.request import AttentionRequest
+
+    eager = AttentionRequest("cuda", (9, 0), torch.bfloat16, 4, 16, 4, 4096, 4096, True, False, 128, 128)  # fmt: skip
+    assert request_key(dataclasses.replace(eager, traced=True)) == request_key(eager)

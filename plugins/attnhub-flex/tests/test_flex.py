@@ -129,3 +129,38 @@ def test_the_first_cpu_lse_of_a_process_is_within_the_bound() -> None:
         assert proc.returncode == 0, proc.stderr
         problem, same = json.loads(proc.stdout.splitlines()[-1])
         assert problem is None and same, (problem, same)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"softcap": 3.0},
+        {"window": (None, 1), "softcap": 3.0},
+        {"causal": True, "alignment": "bottom_right", "window": (2, None), "scale": -0.4},
+        {"causal": True, "return_lse": True},
+    ],
+    ids=["softcap", "window-softcap", "bottom-right-window-negative-scale", "lse"],
+)
+def test_compiled_cpu_calls_do_not_take_flex(options: dict) -> None:
+    """Traced on the CPU, flex_attention is lowered by Inductor, whose kernel there is
+    forward-only without the lse and failed to compile some masks; its eager path's
+    warning filter and the BlockMask cache's lock could not be traced at all. Each of
+    these calls failed under torch.compile; now another backend serves them there."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 16, generator=gen) for n in (5, 9, 9))
+    both = ["flex_attention", "torch_reference"]
+    assert attnhub.explain(q, k, v, **options, backend=both).chosen == "flex_attention"
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> object:
+        return attnhub.attention(q, k, v, **options, backend=both)
+
+    got = torch.compile(call, fullgraph=True)(q, k, v)
+    want = attnhub.attention(
+        q.double(), k.double(), v.double(), backend="torch_reference", **options
+    )
+    for g, w in zip(
+        got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)
+    ):
+        torch.testing.assert_close(g, w.float(), atol=2e-5, rtol=2e-5)
+    torch._dynamo.reset()

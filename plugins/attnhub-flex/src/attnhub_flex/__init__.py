@@ -320,6 +320,10 @@ def _layout_block_mask(
         return _build_layout_block_mask(
             layout, nq, nk, other_mod, other_bh, query.device, sparse_block
         )
+    if torch.compiler.is_compiling():  # built in the graph; no cache or lock traced
+        return _build_layout_block_mask(
+            layout, nq, nk, other_mod, other_bh, query.device, sparse_block
+        )
     signature = _structure_signature(query, key, params)
     with _block_masks_lock:
         per_layout = _block_masks.setdefault(layout, {})
@@ -352,6 +356,8 @@ def _structure_block_mask(
     global block_mask_builds
     b, hq, nq = query.shape[:3]
     nk = key.shape[2]
+    if torch.compiler.is_compiling():  # built in the graph; no cache or lock traced
+        return _flex_module().create_block_mask(mask_mod, b, hq, nq, nk, device=query.device)
     signature = (*_structure_signature(query, key, params), b, hq)
     with _block_masks_lock:
         hit = _structure_masks.get(signature)
@@ -399,6 +405,13 @@ class FlexAttention(Backend):
         return None
 
     def extra_reasons(self, request: AttentionRequest) -> list[str]:
+        if request.device_type == "cpu" and request.traced:
+            # Traced, flex_attention is lowered by Inductor, whose CPU kernel is
+            # forward-only without the lse ("torch.compile on CPU only supports
+            # inference and `return_lse` is not supported yet", torch 2.13) and failed
+            # to compile for a bottom-right causal window with a negative scale (a C++
+            # compile error, dev CPU, 2026-12-05). Eager CPU calls run its math path.
+            return ["traced on CPU: Inductor's FlexAttention kernel there is limited"]
         if request.device_type == "cpu" and request.needs_grad:
             # FlexAttention's own words: "FlexAttention does not support backward on CPU".
             return ["FlexAttention has no backward on CPU"]
