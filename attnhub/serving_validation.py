@@ -31,7 +31,7 @@ from .request import (
     seqlen_bucket,
     softcap_log2,
 )
-from .validation import _shape, _type_name, make_params
+from .validation import _shape, _type_name, check_strided, make_params
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -91,6 +91,7 @@ class KVCacheCall:
 def _check_float_tensor(name: str, t: Any, dims: int, layout: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {_type_name(t)}")
+    check_strided(name, t)
     if t.dim() != dims:
         raise ValueError(
             f"{name} must be {dims}-D {layout}, got a {t.dim()}-D tensor of shape {_shape(t)}"

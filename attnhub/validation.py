@@ -179,12 +179,20 @@ def _shape(t: Any) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
+def check_strided(name: str, t: torch.Tensor) -> None:
+    """A dense tensor: not nested (whose sizes PyTorch will not even report) or sparse."""
+    if t.is_nested or t.layout != torch.strided:
+        kind = "a nested" if t.is_nested else f"a {t.layout}"
+        raise TypeError(f"{name} must be a dense (strided) tensor, got {kind} tensor")
+
+
 def check_tensors(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
     """Types, ranks, dtypes, devices and shapes of the tensors (see contract.md, Errors)."""
     tensors = (query, key, value)
     for name, t in zip(_TENSOR_NAMES, tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {_type_name(t)}")
+        check_strided(name, t)
         if t.dim() != 4:
             layout = "(B, Hq, Nq, D)" if name == "query" else "(B, Hkv, Nk, D)"
             raise ValueError(
@@ -240,6 +248,7 @@ def check_mask(attn_mask: Any, query: torch.Tensor, key: torch.Tensor) -> None:
     """
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be None or a torch.Tensor, got {_type_name(attn_mask)}")
+    check_strided("attn_mask", attn_mask)
     if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
         raise TypeError(
             f"attn_mask must be bool (True = may attend) or floating, got {attn_mask.dtype}"

@@ -4,6 +4,7 @@ empty tensors behave as the reference says."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -444,3 +445,34 @@ def test_numpy_bools_for_flags_are_named() -> None:
         attnhub.attention(*_qkv(), return_lse=np.bool_(False))
     with pytest.raises(TypeError, match=r"dropout_p must be a real number, got numpy\.bool"):
         attnhub.attention(*_qkv(), dropout_p=np.bool_(False))
+
+
+def _nested_or_sparse(t: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "sparse":
+        return t.to_sparse()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "prototype stage"
+        return torch.nested.nested_tensor([t[0], t[0, ..., :3, :]])
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value", "attn_mask"])
+@pytest.mark.parametrize("kind", ["nested", "sparse"])
+def test_nested_and_sparse_tensors_are_refused_naming_the_argument(which: str, kind: str) -> None:
+    """A nested tensor reached PyTorch's "NestedTensorImpl doesn't support sizes"
+    RuntimeError (failed before); a sparse one, whatever its first dense operation
+    raised. Both are a TypeError naming the argument."""
+    tensors = {"query": torch.randn(1, 2, 5, 8), "key": torch.randn(1, 2, 5, 8),
+               "value": torch.randn(1, 2, 5, 8), "attn_mask": torch.randn(1, 5, 5)}  # fmt: skip
+    tensors[which] = _nested_or_sparse(tensors[which], kind)
+    got = "a nested" if kind == "nested" else "a torch.sparse_coo"
+    with pytest.raises(TypeError, match=rf"{which} must be a dense \(strided\) tensor, got {got} tensor"):  # fmt: skip
+        attnhub.attention(tensors["query"], tensors["key"], tensors["value"], tensors["attn_mask"])
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value"])
+def test_sparse_packed_tensors_are_refused_naming_the_argument(which: str) -> None:
+    packed = {name: torch.randn(5, 2, 8) for name in ("query", "key", "value")}
+    packed[which] = packed[which].to_sparse()
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(TypeError, match=f"{which} must be a dense"):
+        attnhub.attention_varlen(packed["query"], packed["key"], packed["value"], cu, cu)
