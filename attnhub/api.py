@@ -47,11 +47,11 @@ _call_cache_get = _call_cache.get
 _grad_enabled = torch.is_grad_enabled
 _deterministic = torch.are_deterministic_algorithms_enabled
 _is_compiling = torch.compiler.is_compiling
-_context_get = dispatch._context_selection.get
+_context_get = dispatch.context_selection.get
 _env_get = dispatch.environment_get
 _ENV_BACKEND, _ENV_STRICT = dispatch.ENVIRONMENT_KEYS
-_stats_local = call_stats._local
-_new_stats_counts = call_stats._new_thread_counts
+_stats_local = call_stats.local
+_new_stats_counts = call_stats.new_thread_counts
 _CALL_CACHE_LIMIT = 4096
 
 

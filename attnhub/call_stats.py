@@ -19,25 +19,28 @@ import threading
 ORIGINAL = "pytorch_original"
 """The name under which patched calls that went to PyTorch's own function are counted."""
 
-_local = threading.local()
+local = threading.local()  # .counts: this thread's dict (api's per-call path reads it)
 _thread_counts: list[dict[str, int]] = []
 _baseline: dict[str, int] = {}
 _lock = threading.Lock()
 
 
-def _new_thread_counts() -> dict[str, int]:
+def new_thread_counts() -> dict[str, int]:
+    """A new, empty counts dict for the calling thread (``local.counts``), the one
+    :func:`attnhub.stats` sums with the others; the api's per-call path makes its
+    thread's first with it (it reads ``local.counts`` itself, inlined)."""
     counts: dict[str, int] = {}
     with _lock:
         _thread_counts.append(counts)
-    _local.counts = counts
+    local.counts = counts
     return counts
 
 
 def record(name: str) -> None:
     """Count one call served by backend ``name`` (in the calling thread's own dict)."""
-    counts = getattr(_local, "counts", None)
+    counts = getattr(local, "counts", None)
     if counts is None:
-        counts = _new_thread_counts()
+        counts = new_thread_counts()
     counts[name] = counts.get(name, 0) + 1
 
 

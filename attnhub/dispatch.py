@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import logging
 import os
@@ -68,9 +69,25 @@ class Selection:
 
 
 _DEFAULT_SELECTION = Selection()
-_context_selection: contextvars.ContextVar[Selection | None] = contextvars.ContextVar(
+# The selection use_backend() puts in force (None: none), thread- and task-local. The
+# api's and the patch's per-call paths read it (their cache keys hold it), and the patch
+# makes it strict around its calls (enter_strict).
+context_selection: contextvars.ContextVar[Selection | None] = contextvars.ContextVar(
     "attnhub_selection", default=None
 )
+_STRICT_PATCH = Selection(None, True, "attnhub.patch")
+
+
+def enter_strict(keep_reference: bool) -> contextvars.Token[Selection | None]:
+    """Make the current context's selection strict (no fallback to the reference),
+    unless ``keep_reference`` (the reference was named): the token to reset it with
+    (``context_selection.reset``)."""
+    outer = context_selection.get()
+    if keep_reference:
+        return context_selection.set(outer)
+    return context_selection.set(
+        _STRICT_PATCH if outer is None else dataclasses.replace(outer, strict=True)
+    )
 
 
 # os.environ.get encodes the key and decodes the value on every call (about 0.7 us);
@@ -128,7 +145,7 @@ def normalize_backend_arg(
 
 def current_selection(backend: str | Sequence[str] | None = None) -> Selection:
     """The selection in force for one call: the argument, else the context, else the env."""
-    context = _context_selection.get()
+    context = context_selection.get()
     env = environment_selection()
     strict = any(s is not None and s.strict for s in (context, env))
     names = normalize_backend_arg(backend)
@@ -177,17 +194,17 @@ def use_backend(*names: str | Sequence[str], strict: bool = False) -> Iterator[N
     registry = get_registry()
     for name in flat:
         registry.get(name)  # ValueError listing the known names
-    outer = _context_selection.get()
+    outer = context_selection.get()
     selection = Selection(
         tuple(flat) if flat else (outer.names if outer else None),
         strict or bool(outer and outer.strict),
         "use_backend",
     )
-    token = _context_selection.set(selection)
+    token = context_selection.set(selection)
     try:
         yield
     finally:
-        _context_selection.reset(token)
+        context_selection.reset(token)
 
 
 # -- ranking -------------------------------------------------------------------

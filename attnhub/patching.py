@@ -72,7 +72,6 @@ Nesting
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import threading
@@ -98,7 +97,7 @@ _capturing = torch.cuda.is_current_stream_capturing
 # Bound once, as in attnhub.api: the memo's context reads them on every call.
 _grad_enabled = torch.is_grad_enabled
 _deterministic = torch.are_deterministic_algorithms_enabled
-_context_get = dispatch._context_selection.get
+_context_get = dispatch.context_selection.get
 _env_get = dispatch.environment_get
 _ENV_BACKEND, _ENV_STRICT = dispatch.ENVIRONMENT_KEYS
 
@@ -132,7 +131,6 @@ class _Inside(threading.local):
 
 _inside = _Inside()
 _logged_fallbacks: set[str] = set()
-_STRICT = dispatch.Selection(None, True, "attnhub.patch")
 _LOGGED_LIMIT = 4096
 # One C call over the tensor arguments (about 0.1 us): True when any has
 # __torch_function__ or a TorchFunctionMode is active, as PyTorch's own check.
@@ -364,15 +362,6 @@ def _note_original(why: str, query: Any, key: Any) -> None:
     log.info("attnhub.patch: PyTorch's own scaled_dot_product_attention serves a call: %s", note)
 
 
-def _enter_strict(reference_named: bool) -> Any:
-    """Make the current context strict (no fallback to the reference) unless named."""
-    outer = dispatch._context_selection.get()
-    if reference_named:
-        return dispatch._context_selection.set(outer)
-    strict = _STRICT if outer is None else dataclasses.replace(outer, strict=True)
-    return dispatch._context_selection.set(strict)
-
-
 class _Memo:
     """One replacement's last reusable decisions: ``value``, ``(context, api entry)``
     of a call decided without reading a mask's values, and ``masked``, ``(context,
@@ -506,7 +495,7 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
             # patching; a patch must never make a model much slower.
             # (Under torch.compile the choice is made at trace time, with the selection
             # in force then; context variables cannot be traced.)
-            token = None if compiling else _enter_strict(reference_named)
+            token = None if compiling else dispatch.enter_strict(reference_named)
             try:
                 if not compiling and not _reads_mask(query, key, attn_mask):
                     # Decided from metadata alone: kept for the next call.
@@ -554,7 +543,7 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                 why = f"{str(exc).splitlines()[0]} ({exc.signature})"
             finally:
                 if token is not None:
-                    dispatch._context_selection.reset(token)
+                    dispatch.context_selection.reset(token)
                 _inside.active = False
         _note_original(why, query, key)
         return original(query, key, value, attn_mask, dropout_p, is_causal,

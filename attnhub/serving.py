@@ -372,7 +372,7 @@ def _unchecked_key(*args: Any) -> tuple[Any, ...] | None:
             backend if backend is None or isinstance(backend, str) else tuple(backend),
             torch.is_grad_enabled(),
             torch.are_deterministic_algorithms_enabled(),
-            dispatch._context_selection.get(),
+            dispatch.context_selection.get(),
             dispatch.environment_get(dispatch.ENVIRONMENT_KEYS[0]),
             dispatch.environment_get(dispatch.ENVIRONMENT_KEYS[1]),
         )
