@@ -128,12 +128,20 @@ def _check_group(group: Any) -> None:
         )
 
 
+def _dim_problem(x: torch.Tensor, dim: Any, name: str) -> str | None:
+    """Why ``dim`` is not a dim of the tensor ``x`` (None: it is)."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.ndim <= dim < x.ndim:
+        return f"dim must be an int in [{-x.ndim}, {x.ndim}) for a {x.ndim}-d {name}, got {dim!r}"  # fmt: skip
+    return None
+
+
 def _check_dim(x: Any, dim: Any, name: str = "x") -> int:
     """``dim`` of the tensor ``x``, as a non-negative index."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.ndim <= dim < x.ndim:
-        raise ValueError(f"dim must be an int in [{-x.ndim}, {x.ndim}) for a {x.ndim}-d {name}, got {dim!r}")  # fmt: skip
+    problem = _dim_problem(x, dim, name)
+    if problem is not None:
+        raise ValueError(problem)
     return dim % x.ndim
 
 
@@ -303,13 +311,14 @@ def gather(
     hang on mismatched sizes)."""
     _check_group(group)
     world_size = dist.get_world_size(group)
-    problem = None
-    if layout not in LAYOUTS:
-        problem = f"layout must be one of {LAYOUTS}, got {layout!r}"
-    elif isinstance(dim, bool) or not isinstance(dim, int) or not -x.ndim <= dim < x.ndim:
-        problem = f"dim must be an int in [{-x.ndim}, {x.ndim}) for a {x.ndim}-d shard, got {dim!r}"
-    elif seq_len is not None and (
-        isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0
+    problem = (
+        f"layout must be one of {LAYOUTS}, got {layout!r}"
+        if layout not in LAYOUTS
+        else _dim_problem(x, dim, "shard")
+    )
+    if problem is None and (
+        seq_len is not None
+        and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0)
     ):
         problem = f"seq_len must be None or an int >= 0, got {seq_len!r}"
     if problem is None:
