@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from attnhub import bench_report
 from attnhub.backends.triton_flash import decode
 
 DEV = "cuda"
@@ -568,12 +569,9 @@ def main(args: argparse.Namespace) -> int:
     if args.report:
         (source,) = args.report
         try:
-            data = json.loads(pathlib.Path(source).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            data = f"cannot read results ({exc})"
-        if not isinstance(data, dict) or "meta" not in data or "rows" not in data:
-            why = data if isinstance(data, str) else "not decode results (no 'meta' and 'rows')"
-            print(f"attnhub bench --decode: {source}: {why}", file=sys.stderr)
+            data = bench_report.load(source, ("meta", "rows"), "decode")
+        except ValueError as exc:
+            print(f"attnhub bench --decode: {exc}", file=sys.stderr)
             return 2
         output = pathlib.Path(args.output or source)
     else:

@@ -32,15 +32,17 @@ from .request import dtype_tag
 Row = dict[str, Any]
 
 
-def load(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The bench results in ``path``; ValueError naming the file where it cannot be read,
-    is not JSON or is not bench results."""
+def load(
+    path: str | os.PathLike[str], keys: tuple[str, str] = ("env", "results"), what: str = "bench"
+) -> dict[str, Any]:
+    """The ``what`` results in ``path`` (a JSON object with ``keys``); ValueError naming
+    the file where it cannot be read, is not JSON or is not such results."""
     try:
         data: Any = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read bench results ({exc})") from None
-    if not isinstance(data, dict) or "results" not in data or "env" not in data:
-        raise ValueError(f"{path}: not attnhub bench results (no 'env' and 'results')")
+        raise ValueError(f"{path}: cannot read {what} results ({exc})") from None
+    if not isinstance(data, dict) or any(k not in data for k in keys):
+        raise ValueError(f"{path}: not attnhub {what} results (no {' and '.join(map(repr, keys))})")
     return data
 
 
