@@ -605,7 +605,7 @@ def mask_arguments(
         if attn_mask is None
         or _is_compiling()
         or not _reads_mask(query, key, attn_mask)
-        or (attn_mask.is_cuda and torch.cuda.is_current_stream_capturing())
+        or (attn_mask.is_cuda and _capturing())
         else recognize(attn_mask)
     )
     if plan is None:  # the mask as given
