@@ -439,6 +439,17 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
             return original(query, key, value, attn_mask, dropout_p, is_causal,
                             scale=scale, enable_gqa=enable_gqa)  # fmt: skip
         compiling = _is_compiling()
+        if attn_mask is not None and not compiling:
+            rows = _packed_rows(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+            if rows:
+                # G query rows per head sharing one mask row: the grouped decoding step
+                # they pack (see _packed_rows), served as that step, which reads the mask.
+                batch, heads, _, _ = query.shape
+                out = scaled_dot_product_attention(
+                    query.reshape(batch, heads * rows, 1, query.shape[3]), key, value,
+                    attn_mask, dropout_p, False, scale=scale, enable_gqa=True,
+                )  # fmt: skip
+                return out.reshape(batch, heads, rows, out.shape[3])
         context: Any = None  # None: not a call the memo keeps
         if (
             not compiling
@@ -561,6 +572,68 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
 # Devices where a mask's structure is worth reading: those with kernels that skip
 # masked blocks (triton_flash).
 STRUCTURED_MASK_DEVICES = frozenset({"cuda"})
+
+
+# The most query rows per head that _packed_rows unpacks into heads: Hugging Face packs
+# the q/kv head ratio (at most 16 in the models we know); a longer query that shares one
+# mask row is a prefill, which the forward kernels tile as it is.
+PACKED_ROWS_MAX = 16
+
+
+def _packed_rows(
+    query: Any, key: Any, value: Any, attn_mask: torch.Tensor,
+    dropout_p: Any, is_causal: Any, enable_gqa: Any,
+) -> int:  # fmt: skip
+    """G (> 1) when a masked call's G query rows per head share one mask row, else 0.
+
+    Hugging Face's sdpa path decodes grouped-query attention with a mask by packing
+    (``pack_gqa``): the query (B, Hkv * G, 1, D) reshaped to (B, Hkv, G, D), the key
+    padding mask (B, 1, 1, Nk) as it is. Such a mask has no row per query, so
+    :func:`mask_arguments` would leave it unread and the call would run as given. It is
+    exactly the decoding step (B, H * G, 1, D) with ``enable_gqa=True`` (query head
+    h * G + g attends key head h * G // (H * G / Hkv) = h // (H / Hkv), as row g of head
+    h does), whose mask has a row per query and is read: a key-padding plan for the
+    decoding kernels. Only where masks are read (``STRUCTURED_MASK_DEVICES``), and only
+    for calls PyTorch serves (same batch, head dim, dtype and device; heads that group;
+    a mask that broadcasts), not causal (a causal diagonal differs per row) and without
+    dropout (its draws would differ): every other call runs as given.
+    """
+    if not (
+        attn_mask.__class__ is _Tensor
+        and query.__class__ is _Tensor
+        and key.__class__ is _Tensor
+        and value.__class__ is _Tensor
+        and is_causal is False
+        and dropout_p.__class__ is float
+        and dropout_p == 0.0
+        and (enable_gqa is True or enable_gqa is False)
+        and attn_mask.device.type in STRUCTURED_MASK_DEVICES
+        and query.dim() == key.dim() == value.dim() == 4
+        and 2 <= attn_mask.dim() <= 4
+        and not (query.is_nested or key.is_nested or value.is_nested)
+    ):
+        return 0
+    batch, heads, rows, dim = query.shape
+    kv_batch, kv_heads, keys, _ = key.shape
+    if not (
+        1 < rows <= PACKED_ROWS_MAX
+        and batch == kv_batch == value.shape[0]
+        and kv_heads == value.shape[1]
+        and keys == value.shape[2]
+        and dim == key.shape[3]
+        and kv_heads > 0
+        and heads % kv_heads == 0
+        and (enable_gqa or heads == kv_heads)
+        and query.dtype == key.dtype == value.dtype
+        and (attn_mask.dtype == torch.bool or attn_mask.dtype == query.dtype)
+        and query.device == key.device == value.device == attn_mask.device
+        and attn_mask.shape[-1] == keys
+        # One row for all heads and rows, per batch entry at most.
+        and all(m == 1 for m in attn_mask.shape[-3 if attn_mask.dim() == 4 else 0 : -1])
+        and (attn_mask.dim() < 4 or attn_mask.shape[0] in (1, batch))
+    ):
+        return 0
+    return rows
 
 
 def _reads_mask(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import attnhub
 from attnhub import patching
+from attnhub.mask_structure import recognize
 
 STOCK = F.scaled_dot_product_attention
 
@@ -19,7 +20,7 @@ def structured_on_cpu(monkeypatch):  # type: ignore[no-untyped-def]
     real = patching.attention
 
     def spy(query, key, value, attn_mask=None, **options):  # type: ignore[no-untyped-def]
-        seen.append({"mask": attn_mask, **options})
+        seen.append({"mask": attn_mask, "query_shape": tuple(query.shape), **options})
         return real(query, key, value, attn_mask, **options)
 
     # Eager calls are decided without attention()'s keyword call (sdpa_entry), with the
@@ -29,7 +30,7 @@ def structured_on_cpu(monkeypatch):  # type: ignore[no-untyped-def]
     def entry_spy(query, key, value, attn_mask, is_causal, scale, dropout_p, backend,  # type: ignore[no-untyped-def]
                   alignment="top_left", window=None):  # fmt: skip
         seen.append({"mask": attn_mask, "causal": is_causal, "alignment": alignment,
-                     "window": window})  # fmt: skip
+                     "window": window, "query_shape": tuple(query.shape)})  # fmt: skip
         return real_entry(query, key, value, attn_mask, is_causal, scale, dropout_p, backend,
                           alignment, window)  # fmt: skip
 
@@ -85,11 +86,12 @@ def test_structured_masks_give_the_same_answer(structured_on_cpu, case, backend)
 
 
 def test_masks_that_are_not_exactly_a_structure_run_as_given(structured_on_cpu):
-    n = 10
-    almost = _hf_mask([10, 6], n)
-    almost[1, 0, 8, 9] = True  # one key past the diagonal
+    # More query rows than PACKED_ROWS_MAX: broadcast_rows is not a packed decoding step.
+    n = patching.PACKED_ROWS_MAX + 4
+    almost = _hf_mask([n, 6], n)
+    almost[1, 0, n - 2, n - 1] = True  # one key past the diagonal
     broadcast_rows = torch.rand(2, 1, 1, n) > 0.3  # no row per query: no diagonal to read
-    scores = torch.zeros(n, n).masked_fill(~_hf_mask([10], n)[0, 0], -1e4)  # scores, not -inf
+    scores = torch.zeros(n, n).masked_fill(~_hf_mask([n], n)[0, 0], -1e4)  # scores, not -inf
     q = k = v = torch.randn(2, 2, n, 8)
     for mask in (almost, broadcast_rows, scores):
         structured_on_cpu.clear()
@@ -191,3 +193,128 @@ def test_gpu_a_captured_call_runs_its_mask_dense():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, STOCK(q, k, v, attn_mask=mask), atol=2e-3, rtol=2e-3)
+
+
+def _packed_step(batch=3, kv_heads=2, rows=4, keys=9, dtype=torch.float64, grad=False):  # type: ignore[no-untyped-def]
+    """Hugging Face's packed grouped-query decoding step (``pack_gqa``): query
+    (B, Hkv, G, D), key/value (B, Hkv, Nk, D), a left-padding mask (B, 1, 1, Nk)."""
+    q = torch.randn(batch, kv_heads, rows, 8, dtype=dtype, requires_grad=grad)
+    k, v = (torch.randn(batch, kv_heads, keys, 8, dtype=dtype, requires_grad=grad) for _ in "kv")
+    lengths = torch.arange(batch) % keys + 1
+    mask = (torch.arange(keys) >= keys - lengths[:, None])[:, None, None, :]
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize(
+    "form",
+    ["bool", "float", "mask batch 1", "3-D mask", "grouped heads"],
+)
+def test_a_packed_grouped_decoding_step_runs_as_the_step(structured_on_cpu, form):
+    """The padded decoding step Hugging Face packs (query rows = the heads of a group,
+    one mask row for all) ran as given: its mask has no row per query, so it was not
+    read and the step never reached the decoding kernels (patched padded generation ran
+    at 0.88x stock on an H100). It runs as the (B, Hkv * G, 1, D) grouped step now, with
+    its key mask read, giving stock's output and gradients."""
+    q, k, v, mask = _packed_step(grad=True)
+    gqa = False
+    if form == "float":
+        mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+    elif form == "mask batch 1":
+        mask = mask[-1:]
+    elif form == "3-D mask":
+        mask = mask[-1]
+    elif form == "grouped heads":  # query heads grouped over the key heads too
+        q = torch.randn(3, 4, 2, 8, dtype=q.dtype, requires_grad=True)
+        gqa = True
+    expected = STOCK(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
+    with attnhub.patch():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want)
+    (call,) = structured_on_cpu
+    heads, rows = q.shape[1], q.shape[2]
+    assert call["query_shape"] == (3, heads * rows, 1, 8)
+    plan = recognize(mask)  # read: run as its plan, not as the mask given
+    assert plan is not None
+    assert (call["causal"], call["alignment"], call["window"]) == (
+        plan.causal, plan.alignment, plan.window
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["row per query", "mask per head", "dropout", "too many rows", "not a listed device"],
+)
+def test_calls_that_are_not_a_packed_step_run_as_given(structured_on_cpu, monkeypatch, change):
+    q, k, v, mask = _packed_step()
+    options = {}
+    if change == "row per query":  # a mask row per query: read as such, not unpacked
+        mask = mask.expand(-1, 1, q.shape[2], -1).clone()
+        mask[0, 0, 0, -2] = False
+    elif change == "mask per head":
+        mask = mask.expand(-1, q.shape[1], 1, -1).clone()
+        mask[0, 1, 0, -2] = False
+    elif change == "dropout":
+        options = {"dropout_p": 0.5}
+    elif change == "too many rows":
+        q = torch.randn(3, 2, patching.PACKED_ROWS_MAX + 1, 8, dtype=q.dtype)
+    else:
+        monkeypatch.setattr(patching, "STRUCTURED_MASK_DEVICES", frozenset({"cuda"}))
+    torch.manual_seed(0)
+    expected = STOCK(q, k, v, attn_mask=mask, **options)
+    with attnhub.patch():
+        torch.manual_seed(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **options)
+    assert out.shape == expected.shape
+    if change != "dropout":  # dropout draws need not be stock's
+        torch.testing.assert_close(out, expected)
+    assert all(call["query_shape"] == tuple(q.shape) for call in structured_on_cpu)
+
+
+@pytest.mark.parametrize("bad", ["heads do not group", "batch", "mask keys", "dtype"])
+def test_packed_steps_that_stock_refuses_fail_as_stock(structured_on_cpu, bad):
+    """Only calls PyTorch serves are unpacked: the others keep its error."""
+    q, k, v, mask = _packed_step()
+    gqa = False
+    if bad == "heads do not group":
+        q, gqa = torch.randn(3, 3, 4, 8, dtype=q.dtype), True
+    elif bad == "batch":
+        q = q[:2]
+    elif bad == "mask keys":
+        mask = mask[..., :-1]
+    else:
+        q = q.float()
+    with pytest.raises(RuntimeError) as stock:
+        STOCK(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    with attnhub.patch(), pytest.raises(RuntimeError) as patched:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    assert str(patched.value) == str(stock.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_a_packed_grouped_decoding_step_runs_as_the_step(structured_on_cpu, dtype):
+    """On CUDA the packed step runs unpacked, with its mask read, on the backend that
+    attention() picks for that step, close to the float64 answer in bf16/fp16."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    batch, kv_heads, rows, keys, dim = 4, 8, 4, 4096, 128
+    q = torch.randn(batch, kv_heads, rows, dim, device="cuda", dtype=dtype)
+    k, v = (torch.randn(batch, kv_heads, keys, dim, device="cuda", dtype=dtype) for _ in "kv")
+    lengths = torch.tensor([keys, keys - 1, keys - 100, 17], device="cuda")
+    mask = (torch.arange(keys, device="cuda") >= keys - lengths[:, None])[:, None, None, :]
+    expected = STOCK(q.double(), k.double(), v.double(), attn_mask=mask)
+    attnhub.reset_stats()
+    with attnhub.patch():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    step = q.reshape(batch, kv_heads * rows, 1, dim)
+    key_mask, structure = patching.mask_arguments(step, k, mask, False)
+    unpacked = attnhub.explain(step, k, v, key_mask, **structure)
+    assert attnhub.stats() == {unpacked.chosen: 1}
+    (call,) = structured_on_cpu
+    assert call["query_shape"] == tuple(step.shape)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
