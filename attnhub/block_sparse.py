@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from .argcheck import int_at_least
+
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -46,15 +48,6 @@ def _pair(block_size: int | tuple[int, int]) -> tuple[int, int]:
 
 def _blocks(n: int, block: int) -> int:
     return -(-n // block)
-
-
-def _int_at_least(name: str, value: Any, low: int) -> int:
-    """``value``, an int >= ``low`` (TypeError or ValueError naming ``name``)."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -131,7 +124,7 @@ class BlockSparseLayout:
         bq, bk = _pair(block_size)
         for name, value, low in (("seq_len_q", seq_len_q, 0), ("seq_len_k", seq_len_k, 0),
                                  ("batch", batch, 1), ("heads", heads, 1)):  # fmt: skip
-            _int_at_least(name, value, low)
+            int_at_least(name, value, low)
         nqb, nkb = _blocks(seq_len_q, bq), _blocks(seq_len_k, bk)
         keep = torch.zeros(batch, heads, nqb, nkb, dtype=torch.bool, device=device)
         full = torch.zeros_like(keep)
@@ -175,7 +168,7 @@ class BlockSparseLayout:
     ) -> BlockSparseLayout:
         """Local attention: query i keeps keys within ``window`` positions before it
         (and after it too, if not ``causal``)."""
-        _int_at_least("window", window, 0)
+        int_at_least("window", window, 0)
 
         def mod(
             b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
@@ -200,7 +193,7 @@ class BlockSparseLayout:
         "summary" columns), optionally causal (then the diagonal block is partial)."""
         for name, value, low in (("seq_len", seq_len, 0), ("block_size", block_size, 1),
                                  ("local_blocks", local_blocks, 0), ("stride", stride, 1)):  # fmt: skip
-            _int_at_least(name, value, low)
+            int_at_least(name, value, low)
         n = _blocks(seq_len, block_size)
         qb = torch.arange(n, device=device).view(-1, 1)
         kb = torch.arange(n, device=device).view(1, -1)
@@ -226,7 +219,7 @@ class BlockSparseLayout:
                                  ("global_blocks", global_blocks, 0),
                                  ("window_blocks", window_blocks, 0),
                                  ("random_blocks", random_blocks, 0)):  # fmt: skip
-            _int_at_least(name, value, low)
+            int_at_least(name, value, low)
         n = _blocks(seq_len, block_size)
         qb = torch.arange(n).view(-1, 1)
         kb = torch.arange(n).view(1, -1)

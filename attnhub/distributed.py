@@ -76,6 +76,7 @@ import torch
 import torch.distributed as dist
 
 from . import api, dispatch
+from .argcheck import int_at_least
 from .registry import get_registry
 from .validation import _check_window, make_params
 
@@ -146,12 +147,8 @@ def _check_dim(x: Any, dim: Any, name: str = "x") -> int:
 
 
 def _check_world(world_size: Any, rank: Any) -> None:
-    for name, value in (("world_size", world_size), ("rank", rank)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
+    int_at_least("world_size", world_size, 1)
+    if int_at_least("rank", rank, 0) >= world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
 
 
@@ -285,8 +282,7 @@ def positions(
     of a ``seq_len`` sequence, in the shard's order: feed them to rotary embeddings (or
     anything positional) instead of ``arange(N_local)``. ``world_size`` and ``rank`` as
     :func:`shard`."""
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-        raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
+    int_at_least("seq_len", seq_len, 0)
     return shard(torch.arange(seq_len, device=device), 0, world_size, rank, layout)
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .argcheck import int_at_least
 from .serving import attention_kvcache, attention_varlen
 
 __all__ = ["PagedKVCache"]
@@ -81,14 +82,12 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         check_indices: bool = True,
     ) -> None:
+        pages_per_seq = num_pages if pages_per_seq is None else pages_per_seq
         for name, value in (("num_layers", num_layers), ("batch", batch),
                             ("num_pages", num_pages), ("page_size", page_size),
-                            ("kv_heads", kv_heads), ("head_dim", head_dim)):  # fmt: skip
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        pages_per_seq = num_pages if pages_per_seq is None else pages_per_seq
-        if not isinstance(pages_per_seq, int) or pages_per_seq < 1:
-            raise ValueError(f"pages_per_seq must be a positive int, got {pages_per_seq!r}")
+                            ("kv_heads", kv_heads), ("head_dim", head_dim),
+                            ("pages_per_seq", pages_per_seq)):  # fmt: skip
+            int_at_least(name, value, 1)
         self.page_size = page_size
         self.num_pages = num_pages
         self.pages_per_seq = pages_per_seq
@@ -124,7 +123,7 @@ class PagedKVCache:
         """``value`` as an index into ``count`` rows or layers: an int in [0, count)
         (a negative one would silently name another from the end)."""
         if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            int_at_least(name, value, 0)  # its TypeError
         if not 0 <= value < count:
             raise ValueError(f"{name} must be in [0, {count}), got {value}")
         return value

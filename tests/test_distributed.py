@@ -71,8 +71,10 @@ def test_shard_errors():
         cp.shard([0.0] * 8, 0, 2, 0)
     with pytest.raises(ValueError, match=r"shards\[1\]: expected a tensor of shards\[0\]'s shape"):
         cp.unshard([torch.zeros(2, 4), torch.zeros(3, 4)], 1)
-    with pytest.raises(ValueError, match="seq_len must be an int >= 0"):
+    with pytest.raises(ValueError, match="seq_len must be >= 0, got -1"):
         cp.positions(-1, 2, 0)
+    with pytest.raises(TypeError, match=r"seq_len must be an int, got float 8\.0"):
+        cp.positions(8.0, 2, 0)
     q = torch.zeros(1, 1, 4, 8)
     with pytest.raises(
         TypeError, match=r"group must be None .* or a torch\.distributed\.ProcessGroup"

@@ -24,6 +24,7 @@ RUNTIME_LAYERS: tuple[frozenset[str], ...] = (
             "tensor_memo",
             "timing",
             "mkl_vml",
+            "argcheck",
         }
     ),
     frozenset({"backend", "block_sparse", "mask_rows"}),

@@ -1,0 +1,18 @@
+"""Checks of plain Python arguments shared by attnhub's helpers (block-sparse layouts,
+the paged KV cache, context-parallel shards): each raises a ``TypeError`` or
+``ValueError`` naming the argument. The attention calls' own checks are in
+:mod:`attnhub.validation`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def int_at_least(name: str, value: Any, low: int) -> int:
+    """``value``, an int (not a bool) >= ``low``: else a TypeError or ValueError naming
+    ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
