@@ -224,6 +224,20 @@ def test_decode_step_equals_dense_attention_on_the_gathered_keys():
         torch.testing.assert_close(out[b : b + 1], dense)
 
 
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        ({"num_layers": 0}, ValueError, "num_layers must be >= 1, got 0"),
+        ({"batch": True}, TypeError, "batch must be an int, got bool True"),  # was a batch of 1
+        ({"page_size": 16.0}, TypeError, r"page_size must be an int, got float 16\.0"),
+        ({"pages_per_seq": -2}, ValueError, "pages_per_seq must be >= 1, got -2"),
+    ],
+)
+def test_bad_sizes_raise_naming_the_argument(changes, error, message):
+    with pytest.raises(error, match=message):
+        _cache(**changes)
+
+
 def test_bad_steps_raise_before_anything_is_allocated():
     cache = _cache(num_pages=2, pages_per_seq=2)
     with pytest.raises(ValueError, match="new_tokens"):
