@@ -171,9 +171,14 @@ def test_draws_stay_inside_the_declarations() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error"),
-    [({"size": "huge"}, "size must be one of"), ({"count": -1}, "count must be >= 0")],
+    ("kwargs", "exception", "error"),
+    [
+        ({"size": "huge"}, ValueError, "size must be one of"),
+        ({"count": -1}, ValueError, "count must be >= 0"),
+        ({"count": 2.5}, TypeError, "count must be an int"),
+        ({"device": "nope"}, ValueError, "device must be a torch.device or a device string"),
+    ],
 )
-def test_bad_arguments(kwargs: dict[str, object], error: str) -> None:
-    with pytest.raises(ValueError, match=error):
-        sample_cases("torch_sdpa", "cpu", **kwargs)  # type: ignore[arg-type]
+def test_bad_arguments(kwargs: dict[str, object], exception: type, error: str) -> None:
+    with pytest.raises(exception, match=error):
+        sample_cases("torch_sdpa", **kwargs)  # type: ignore[arg-type]

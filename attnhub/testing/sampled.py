@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnhub.argcheck import int_at_least
 from attnhub.backend import Backend
 
 from .cases import Case, _admitted, _head_dim_ok, _resolve
@@ -141,10 +142,14 @@ def sample_cases(
     """
     if size not in SPACES:
         raise ValueError(f"size must be one of {tuple(SPACES)}, got {size!r}")
-    if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
+    int_at_least("count", count, 0)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:  # torch.device("nope"): RuntimeError
+        raise ValueError(
+            f"device must be a torch.device or a device string, got {device!r}"
+        ) from exc
     backend = _resolve(backend)
-    device = torch.device(device)
     dtypes = sorted(backend.dtypes, key=str)
     if not dtypes:
         return []
