@@ -439,17 +439,6 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
             return original(query, key, value, attn_mask, dropout_p, is_causal,
                             scale=scale, enable_gqa=enable_gqa)  # fmt: skip
         compiling = _is_compiling()
-        if attn_mask is not None and not compiling:
-            rows = _packed_rows(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
-            if rows:
-                # G query rows per head sharing one mask row: the grouped decoding step
-                # they pack (see _packed_rows), served as that step, which reads the mask.
-                batch, heads, _, _ = query.shape
-                out = scaled_dot_product_attention(
-                    query.reshape(batch, heads * rows, 1, query.shape[3]), key, value,
-                    attn_mask, dropout_p, False, scale=scale, enable_gqa=True,
-                )  # fmt: skip
-                return out.reshape(batch, heads, rows, out.shape[3])
         context: Any = None  # None: not a call the memo keeps
         if (
             not compiling
@@ -498,6 +487,17 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                                     scale=scale, enable_gqa=enable_gqa)  # fmt: skip
                 finally:
                     _inside.active = False
+        if attn_mask is not None and not compiling:  # after the memo: it never holds these
+            rows = _packed_rows(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+            if rows:
+                # G query rows per head sharing one mask row: the grouped decoding step
+                # they pack (see _packed_rows), served as that step (its mask is read).
+                batch, heads, _, _ = query.shape
+                out = scaled_dot_product_attention(
+                    query.reshape(batch, heads * rows, 1, query.shape[3]), key, value,
+                    attn_mask, dropout_p, False, scale=scale, enable_gqa=True,
+                )  # fmt: skip
+                return out.reshape(batch, heads, rows, out.shape[3])
         why = _outside_domain(query, key, value, attn_mask, is_causal, enable_gqa)
         if why is None:
             _inside.active = True
@@ -598,26 +598,28 @@ def _packed_rows(
     a mask that broadcasts), not causal (a causal diagonal differs per row) and without
     dropout (its draws would differ): every other call runs as given.
     """
+    # Cheapest refusals first: a patched call that misses the memo pays for these.
     if not (
-        attn_mask.__class__ is _Tensor
-        and query.__class__ is _Tensor
-        and key.__class__ is _Tensor
-        and value.__class__ is _Tensor
+        query.__class__ is _Tensor
+        and query.dim() == 4
+        and 1 < query.shape[2] <= PACKED_ROWS_MAX
         and is_causal is False
         and dropout_p.__class__ is float
         and dropout_p == 0.0
         and (enable_gqa is True or enable_gqa is False)
-        and attn_mask.device.type in STRUCTURED_MASK_DEVICES
-        and query.dim() == key.dim() == value.dim() == 4
+        and attn_mask.__class__ is _Tensor
+        and key.__class__ is _Tensor
+        and value.__class__ is _Tensor
+        and key.dim() == value.dim() == 4
         and 2 <= attn_mask.dim() <= 4
         and not (query.is_nested or key.is_nested or value.is_nested)
+        and attn_mask.device.type in STRUCTURED_MASK_DEVICES
     ):
         return 0
     batch, heads, rows, dim = query.shape
     kv_batch, kv_heads, keys, _ = key.shape
     if not (
-        1 < rows <= PACKED_ROWS_MAX
-        and batch == kv_batch == value.shape[0]
+        batch == kv_batch == value.shape[0]
         and kv_heads == value.shape[1]
         and keys == value.shape[2]
         and dim == key.shape[3]
