@@ -20,7 +20,9 @@ direct, as its ``attn_implementation="attnhub"`` path calls ``attention()``, and
 ``attnhub.patch()`` (the ``model_*`` rows); and a padded batch's decoding step (one query
 row, a (2, 1, 1, Nk) bool mask with a left-padded entry, the same mask every call as the
 layers of a step share it) direct and patched (the ``decode_*`` rows: on CUDA the patch
-reads the mask's structure on its first call and reuses that decision after).
+reads the mask's structure on its first call and reuses that decision after), and the
+same step of a grouped-query model as Hugging Face packs it (the ``packed_*`` rows: four
+query rows per key head; on CUDA the patch runs it as the grouped one-row step).
 
     python benchmarks/overhead.py [--device cuda] [--repeat 2000] [--rounds 200]
     python benchmarks/overhead.py --instructions    # needs valgrind and a C compiler
@@ -134,6 +136,16 @@ def _calls(
     calls["decode_patched"] = lambda: patched_sdpa(
         dq, dk, dv, attn_mask=padding, dropout_p=0.0, scale=scale, is_causal=False
     )
+    # The same step of a grouped-query model, as Hugging Face packs it (pack_gqa: the 4
+    # query heads of each key head as 4 query rows, the mask as it is). Under the patch,
+    # on CUDA, it runs as the (2, 4h, 1, d) grouped step (patching._packed_rows).
+    pq = torch.randn(2, h, 4, d, device=device, dtype=dtype)
+    calls["packed_direct"] = lambda: sdpa(
+        pq, dk, dv, attn_mask=padding, dropout_p=0.0, scale=scale, is_causal=False
+    )
+    calls["packed_patched"] = lambda: patched_sdpa(
+        pq, dk, dv, attn_mask=padding, dropout_p=0.0, scale=scale, is_causal=False
+    )
     if device.type == "cuda" and torch.backends.cuda.is_flash_attention_available():
         # A pinned kernel against its own ATen op, called the way torch_sdpa_flash calls
         # it (the op's generated binding), and through torch.ops.aten (shown alone).
@@ -185,6 +197,8 @@ _LABELS = (
     ("model_patched", "the HF call under attnhub.patch()", "model_direct"),
     ("decode_direct", "HF decode step, padding mask: F.sdpa", None),
     ("decode_patched", "the same under attnhub.patch()", "decode_direct"),
+    ("packed_direct", "HF packed GQA decode step (4 rows): F.sdpa", None),
+    ("packed_patched", "the same under attnhub.patch()", "packed_direct"),
 )
 # The direct call of each backend's own kernel: auto's overhead over what it dispatched
 # to (issue 16's "dispatch to a PyTorch kernel costs <= 2 us over calling that kernel").
