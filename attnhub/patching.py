@@ -574,9 +574,10 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
 STRUCTURED_MASK_DEVICES = frozenset({"cuda"})
 
 
-# The most query rows per head that _packed_rows unpacks into heads: Hugging Face packs
-# the q/kv head ratio (at most 16 in the models we know); a longer query that shares one
-# mask row is a prefill, which the forward kernels tile as it is.
+# The most query rows per head that _packed_rows unpacks into heads. Hugging Face packs
+# the q/kv head ratio: 2 to 8 in the grouped-query models we measure (Llama, Mistral,
+# Qwen2). More rows (a multi-query model's 32 or more heads, or a prefill whose rows share
+# one mask row) run as given: the unpacked step is unmeasured there.
 PACKED_ROWS_MAX = 16
 
 
@@ -591,8 +592,8 @@ def _packed_rows(
     padding mask (B, 1, 1, Nk) as it is. Such a mask has no row per query, so
     :func:`mask_arguments` would leave it unread and the call would run as given. It is
     exactly the decoding step (B, H * G, 1, D) with ``enable_gqa=True`` (query head
-    h * G + g attends key head h * G // (H * G / Hkv) = h // (H / Hkv), as row g of head
-    h does), whose mask has a row per query and is read: a key-padding plan for the
+    h * G + g attends key head (h * G + g) // (H * G / Hkv) = h // (H / Hkv), as row g
+    of head h does), whose mask has a row per query and is read: a key-padding plan for the
     decoding kernels. Only where masks are read (``STRUCTURED_MASK_DEVICES``), and only
     for calls PyTorch serves (same batch, head dim, dtype and device; heads that group;
     a mask that broadcasts), not causal (a causal diagonal differs per row) and without
