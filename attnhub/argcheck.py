@@ -16,3 +16,13 @@ def int_at_least(name: str, value: Any, low: int) -> int:
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
     return value
+
+
+def index_below(name: str, value: Any, count: int) -> int:
+    """``value``, an int index in [0, ``count``) (a negative one is refused, not taken
+    from the end): else a TypeError or ValueError naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not 0 <= value < count:
+        raise ValueError(f"{name} must be in [0, {count}), got {value}")
+    return value

@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 
 from . import api, dispatch
-from .argcheck import int_at_least
+from .argcheck import index_below, int_at_least
 from .registry import get_registry
 from .validation import _check_window, make_params
 
@@ -148,8 +148,7 @@ def _check_dim(x: Any, dim: Any, name: str = "x") -> int:
 
 def _check_world(world_size: Any, rank: Any) -> None:
     int_at_least("world_size", world_size, 1)
-    if int_at_least("rank", rank, 0) >= world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    index_below("rank", rank, world_size)
 
 
 def chunk_ids(world_size: int, rank: int, layout: str = "zigzag") -> tuple[int, ...]:

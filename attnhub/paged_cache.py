@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from .argcheck import int_at_least
+from .argcheck import index_below, int_at_least
 from .serving import attention_kvcache, attention_varlen
 
 __all__ = ["PagedKVCache"]
@@ -119,18 +119,9 @@ class PagedKVCache:
         """The started step's new tokens per sequence (empty between steps)."""
         return tuple(self._step or ())
 
-    def _index(self, name: str, value: Any, count: int) -> int:
-        """``value`` as an index into ``count`` rows or layers: an int in [0, count)
-        (a negative one would silently name another from the end)."""
-        if not isinstance(value, int) or isinstance(value, bool):
-            int_at_least(name, value, 0)  # its TypeError
-        if not 0 <= value < count:
-            raise ValueError(f"{name} must be in [0, {count}), got {value}")
-        return value
-
     def pages_of(self, b: int) -> list[int]:
         """The pages sequence ``b`` holds, in key order."""
-        return list(self._pages[self._index("b", b, self.batch)])
+        return list(self._pages[index_below("b", b, self.batch)])
 
     def start(self, new_tokens: Sequence[int] | int) -> None:
         """Begin a step adding ``new_tokens[b]`` tokens to sequence ``b`` (an int: the
@@ -190,7 +181,7 @@ class PagedKVCache:
         take its row)."""
         if self._step is not None:
             raise RuntimeError("PagedKVCache.release: inside a step")
-        b = self._index("b", b, self.batch)
+        b = index_below("b", b, self.batch)
         self._free.extend(reversed(self._pages[b]))
         self._pages[b] = []
         self._table[b] = -1
@@ -223,7 +214,7 @@ class PagedKVCache:
         """
         if self._step is None:
             raise RuntimeError("PagedKVCache.attend: call start() first")
-        layer = self._index("layer", layer, len(self.k_pools))
+        layer = index_below("layer", layer, len(self.k_pools))
         k_pool, v_pool = self.k_pools[layer], self.v_pools[layer]
         if query.dim() == 3:
             return self._attend_packed(k_pool, v_pool, query, key, value, options)
