@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .argcheck import int_at_least
 from .request import (
     LOG2_SCALE_LIMIT,
     AttentionParams,
@@ -336,8 +337,7 @@ def _unchecked_varlen(
             raise ValueError(
                 f"check_indices=False needs {name} (the cu_seqlens are not read), got None"
             )
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise TypeError(f"{name} must be an int >= 0, got {value!r}")
+        int_at_least(name, value, 0)
     # No sequence is longer than the packed tokens: with none on a side (Tq or Tk of 0),
     # the request is empty, as the checked path finds, and the reference answers.
     max_q, max_k = min(max_seqlen_q, shape["tq"]), min(max_seqlen_k, shape["tk"])

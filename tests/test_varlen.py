@@ -598,8 +598,10 @@ def test_unchecked_indices_read_nothing_and_give_the_same_answer(monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     with pytest.raises(ValueError, match="check_indices=False needs max_seqlen_q"):
         attnhub.attention_varlen(**args, check_indices=False)
-    with pytest.raises(TypeError, match="max_seqlen_k must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match="max_seqlen_k must be >= 0, got -1"):
         attnhub.attention_varlen(**args, max_seqlen_q=3, max_seqlen_k=-1, check_indices=False)
+    with pytest.raises(TypeError, match=r"max_seqlen_q must be an int, got float 3\.0"):
+        attnhub.attention_varlen(**args, max_seqlen_q=3.0, max_seqlen_k=4, check_indices=False)
     with pytest.raises(TypeError, match="check_indices must be a bool, got str"):
         attnhub.attention_varlen(**args, check_indices="no")
     q, k, v = _packed([3, 2], [3, 2], hq=2, hkv=2, d=8, dtype=torch.float32, seed=0)
