@@ -9,7 +9,7 @@ wall clock: host gaps (launch overhead, Python) show as the difference between t
 step's wall clock and the kernels' sum.
 
     python benchmarks/model_profile.py [--models gemma2-window1024-softcap50] [--host-top 40] \
-        [--task train|generate] [--top 8] [--json FILE]
+        [--task train|generate|generate_padded] [--top 8] [--json FILE]
 """
 
 from __future__ import annotations
@@ -78,12 +78,12 @@ def profile_way(
     top: int,
     host_top: int = 0,
 ) -> dict[str, Any]:
-    ids, prompts, mask = bm._inputs(spec, 32000, device)
+    ids, generate = bm._inputs(spec, 32000, device)
     model, implementation = bm.build(spec, way, torch.bfloat16, device, 32000)
     if task == "train":
         fn = functools.partial(bm._train_step, model, ids)
     else:
-        fn = functools.partial(bm._generate, model, prompts, mask, spec.new_tokens)
+        fn = functools.partial(bm._generate, model, *generate[task], spec.new_tokens)
     with bm._context(way):
         fn()
         fn()
@@ -136,7 +136,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gemma2-window1024-softcap50")
-    parser.add_argument("--task", choices=("train", "generate"), default="train")
+    parser.add_argument("--task", choices=("train", "generate", "generate_padded"), default="train")
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument(
         "--host-top",

@@ -1,0 +1,180 @@
+"""Where a patched model's ``generate`` spends its time, against stock and the other ways.
+
+``attnhub bench --models`` gives each way's tokens per second; this splits a patched
+run's wall clock into the host time inside ``F.scaled_dot_product_attention`` (wall
+clock of the Python call, no synchronization: what the model's host thread pays per
+call) by the call's layer, next to stock's and attn_implementation="attnhub"'s (its
+``attention`` call), and times variants of the patched way that
+each remove one suspect:
+
+- ``sdpa``: stock (``attn_implementation="sdpa"``);
+- ``patch``: under ``attnhub.patch()`` entered for each run, as the models bench does;
+- ``patch-once``: the patch entered once for every run (its memo survives between runs);
+- ``patch-torch_sdpa``: ``patch(backend="torch_sdpa")``: PyTorch's kernel choice behind the
+  patch's dispatch (no mask reading's plan, no Triton launch);
+- ``attnhub``: ``attn_implementation="attnhub"``.
+
+    python benchmarks/patched_generate_probe.py [--model llama] [--task generate_padded] \
+        [--repeats 6] [--json OUT]
+
+Prints, per way, the median run time, its ratio to stock, and the mean host time of an
+attention call by layer (layer 0 of a decoding step sees a new key length and a new
+mask; the others repeat layer 0's shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import attnhub
+from attnhub import bench_models as bm
+from attnhub.integrations import transformers as hf_attnhub
+from attnhub.timing import synchronize
+
+WAYS = ("sdpa", "patch", "patch-once", "patch-torch_sdpa", "attnhub")
+
+
+@contextlib.contextmanager
+def _timed_calls(
+    owner: Any, name: str, layers: int, host: dict[int, list[float]]
+) -> Iterator[None]:
+    """``owner.name`` (F.scaled_dot_product_attention, PyTorch's or a patch's, or the
+    ``attention`` that attn_implementation="attnhub" calls) wrapped so that each call's
+    host time is appended to ``host[call index % layers]``."""
+    inner = getattr(owner, name)
+    count = [0]
+
+    def timed(*args: Any, **kwargs: Any) -> torch.Tensor:
+        start = time.perf_counter()
+        out = inner(*args, **kwargs)
+        host[count[0] % layers].append(time.perf_counter() - start)
+        count[0] += 1
+        return out
+
+    setattr(owner, name, timed)
+    try:
+        yield
+    finally:
+        setattr(owner, name, inner)
+
+
+def _way_context(way: str) -> contextlib.AbstractContextManager[Any]:
+    if way == "patch":
+        return attnhub.patch(aliases=False)
+    if way == "patch-torch_sdpa":
+        return attnhub.patch("torch_sdpa", aliases=False)
+    return contextlib.nullcontext()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--model", default="llama")
+    parser.add_argument(
+        "--task", choices=("generate", "generate_padded"), default="generate_padded"
+    )
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    (spec,) = [m for m in bm.MODELS if m.name == args.model]
+    _, generate = bm._inputs(spec, 32000, device)
+    prompts, mask = generate[args.task]
+    models = {}
+    for way in WAYS:
+        models[way], _ = bm.build(
+            spec, "attnhub" if way == "attnhub" else "sdpa", torch.bfloat16, device, 32000
+        )
+    run: dict[str, Callable[[], None]] = {
+        way: functools.partial(bm._generate, models[way], prompts, mask, spec.new_tokens)
+        for way in WAYS
+    }
+    once = attnhub.patch(aliases=False)
+    once.undo()  # re-entered around each of its runs below, the same handle's function
+
+    def context(way: str) -> contextlib.AbstractContextManager[Any]:
+        if way == "patch-once":
+            return _Reentered(once)
+        return _way_context(way)
+
+    seconds: dict[str, list[float]] = defaultdict(list)
+    host: dict[str, dict[int, list[float]]] = {way: defaultdict(list) for way in WAYS}
+    served: dict[str, dict[str, int]] = {}
+    for way in WAYS:  # warm-up: compiles, autotuning, caches
+        with context(way):
+            run[way]()
+            attnhub.reset_stats()
+            run[way]()
+            served[way] = attnhub.stats()
+    for repeat in range(args.repeats):
+        for way in WAYS[repeat % len(WAYS) :] + WAYS[: repeat % len(WAYS)]:
+            timed = (
+                (hf_attnhub, "attention")
+                if way == "attnhub"
+                else (F, "scaled_dot_product_attention")
+            )
+            with context(way), _timed_calls(*timed, spec.layers, host[way]):
+                synchronize(device)
+                start = time.perf_counter()
+                run[way]()
+                synchronize(device)
+                seconds[way].append(time.perf_counter() - start)
+    stock = statistics.median(seconds["sdpa"])
+    print(
+        f"# {args.model} {args.task}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, {args.repeats} repeats"
+    )
+    print(
+        "way                 median s  x sdpa   host us per attention call by layer (mean)   served"
+    )
+    rows = []
+    for way in WAYS:
+        median = statistics.median(seconds[way])
+        by_layer = [
+            statistics.fmean(host[way][i]) * 1e6 if host[way][i] else float("nan")
+            for i in range(spec.layers)
+        ]
+        print(
+            f"{way:18}  {median:8.4f}  {stock / median:5.3f}   "
+            + " ".join(f"{t:6.1f}" for t in by_layer)
+            + f"   {served[way]}"
+        )
+        rows.append(
+            {
+                "way": way,
+                "seconds": seconds[way],
+                "host_us_by_layer": by_layer,
+                "served": served[way],
+            }
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "task": args.task, "rows": rows}, f, indent=1)
+
+
+class _Reentered(contextlib.AbstractContextManager[Any]):
+    """A patch handle's own function installed again for a block (its memo kept)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def __enter__(self) -> None:
+        self.saved = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = self.handle.function
+
+    def __exit__(self, *exc: object) -> None:
+        F.scaled_dot_product_attention = self.saved
+
+
+if __name__ == "__main__":
+    main()
