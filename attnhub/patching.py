@@ -85,7 +85,7 @@ import torch.nn.functional as F
 from torch.overrides import handle_torch_function
 
 from . import dispatch
-from .api import attention, sdpa_entry
+from .api import _Guards, attention, sdpa_entry
 from .call_stats import ORIGINAL, record
 from .dispatch import normalize_backend_arg
 from .errors import BrokenBackendError, NoBackendError
@@ -492,12 +492,16 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
             if rows:
                 # G query rows per head sharing one mask row: the grouped decoding step
                 # they pack (see _packed_rows), served as that step (its mask is read).
-                batch, heads, _, _ = query.shape
+                batch, heads, _, dim = query.shape
+                unpacked = (batch, heads * rows, 1, dim)
                 out = scaled_dot_product_attention(
-                    query.reshape(batch, heads * rows, 1, query.shape[3]), key, value,
+                    query.reshape(unpacked), key, value,
                     attn_mask, dropout_p, False, scale=scale, enable_gqa=True,
                 )  # fmt: skip
-                return out.reshape(batch, heads, rows, out.shape[3])
+                packed = (batch, heads, rows, out.shape[3])
+                if context is not None:
+                    _fold_unpacking(memo, context, query, key, value, attn_mask, unpacked, packed)
+                return out.reshape(packed)
         why = _outside_domain(query, key, value, attn_mask, is_causal, enable_gqa)
         if why is None:
             _inside.active = True
@@ -637,6 +641,49 @@ def _packed_rows(
     ):
         return 0
     return rows
+
+
+def _fold_unpacking(
+    memo: _Memo,
+    context: tuple[Any, ...],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor,
+    unpacked: tuple[int, ...],
+    packed: tuple[int, ...],
+) -> None:
+    """Keep the unpacked step's entry for the packed calls that follow (the other layers
+    of the step): under the packed call's context, with guards on the packed tensors and
+    a runner that unpacks, so that they hit the memo as any repeated call does, instead of
+    checking :func:`_packed_rows` and calling again every layer. Only where the unpacked
+    call just kept its entry in ``memo.masked`` for this mask (it read the mask): the
+    guards' match pins the packed tensors' metadata, and so the unpacked query's, that
+    the entry was decided for."""
+    inner_context, mask_ref, version, handed, entry = memo.masked
+    if (
+        mask_ref() is not attn_mask
+        or version != attn_mask._version
+        or inner_context != (False, True, *context[2:])  # the unpacked call's
+    ):
+        return
+    # The memo checks the tensors it hands the entry: the mask the plan derived, if any.
+    mask = attn_mask if handed is _SAME_MASK else handed
+    guards = _Guards.make((query, key, value) if mask is None else (query, key, value, mask))
+    if guards is None:
+        return
+    name, runner, _, _, deterministic = entry
+
+    def run_unpacked(query: Any, key: Any, value: Any, attn_mask: Any) -> torch.Tensor:
+        return runner(query.reshape(unpacked), key, value, attn_mask).reshape(packed)
+
+    memo.masked = (
+        context,
+        mask_ref,
+        version,
+        handed,
+        (name, run_unpacked, guards, None, deterministic),
+    )
 
 
 def _reads_mask(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:

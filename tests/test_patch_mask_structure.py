@@ -244,6 +244,50 @@ def test_a_packed_grouped_decoding_step_runs_as_the_step(structured_on_cpu, form
     )  # fmt: skip
 
 
+def test_the_layers_of_a_packed_step_reuse_its_unpacking(structured_on_cpu, monkeypatch):
+    """The layers of one decoding step (one mask, new tensors of the same layout) are
+    unpacked and decided once: the later layers hit the patch's memo (no _packed_rows
+    check, no new decision), each with stock's answer and gradients. A mask written in
+    place, a query of another layout or row count, is decided again, with stock's answer."""
+    checks = []
+    real_rows = patching._packed_rows
+    monkeypatch.setattr(  # counts the packed calls checked (not the unpacked ones)
+        patching, "_packed_rows",
+        lambda q, *args: (q.shape[2] > 1 and checks.append(1)) or real_rows(q, *args),
+    )  # fmt: skip
+    # Left padding with a row of every key: a key-padding plan (no window) that
+    # torch_sdpa serves in float64 on the CPU (a plan only torch_reference serves runs
+    # on PyTorch's function, and is not kept).
+    lengths = torch.tensor([9, 7, 3])
+    mask = (torch.arange(9) >= 9 - lengths[:, None])[:, None, None, :]
+
+    def layer(rows=4, transposed=False):  # type: ignore[no-untyped-def]
+        q, k, v, _ = _packed_step(rows=rows, grad=True)
+        if transposed:  # same shape, another layout: (B, G, Hkv, D) memory, as a view
+            q = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+        return q, k, v
+
+    def check(q, k, v):  # type: ignore[no-untyped-def]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        expected = STOCK(q, k, v, attn_mask=mask)
+        torch.testing.assert_close(out, expected)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))):
+            torch.testing.assert_close(got, want)
+
+    with attnhub.patch():
+        for _ in range(4):
+            check(*layer())
+        assert (len(checks), len(structured_on_cpu)) == (1, 1)
+        mask[1, 0, 0, :4] = False  # written in place: read again
+        check(*layer())
+        assert (len(checks), len(structured_on_cpu)) == (2, 2)
+        check(*layer(transposed=True))
+        check(*layer(rows=2))
+        assert len(checks) == 4
+    assert all(call["query_shape"][2] == 1 for call in structured_on_cpu)
+
+
 @pytest.mark.parametrize(
     "change",
     ["row per query", "mask per head", "dropout", "too many rows", "not a listed device"],
