@@ -22,7 +22,8 @@ row, a (2, 1, 1, Nk) bool mask with a left-padded entry, the same mask every cal
 layers of a step share it) direct and patched (the ``decode_*`` rows: on CUDA the patch
 reads the mask's structure on its first call and reuses that decision after), and the
 same step of a grouped-query model as Hugging Face packs it (the ``packed_*`` rows: four
-query rows per key head; on CUDA the patch runs it as the grouped one-row step).
+query rows per key head; on CUDA the patch runs it as the grouped one-row step), and the
+unpadded step of a grouped-query model (the ``gqa_*`` rows: no mask, ``enable_gqa=True``).
 
     python benchmarks/overhead.py [--device cuda] [--repeat 2000] [--rounds 200]
     python benchmarks/overhead.py --instructions    # needs valgrind and a C compiler
@@ -146,6 +147,15 @@ def _calls(
     calls["packed_patched"] = lambda: patched_sdpa(
         pq, dk, dv, attn_mask=padding, dropout_p=0.0, scale=scale, is_causal=False
     )
+    # The unpadded decoding step of a grouped-query model as Hugging Face passes it
+    # (no mask: PyTorch's own grouping, enable_gqa=True; 4 query heads per key head).
+    gq = torch.randn(2, 4 * h, 1, d, device=device, dtype=dtype)
+    calls["gqa_direct"] = lambda: sdpa(
+        gq, dk, dv, attn_mask=None, dropout_p=0.0, scale=scale, is_causal=False, enable_gqa=True
+    )
+    calls["gqa_patched"] = lambda: patched_sdpa(
+        gq, dk, dv, attn_mask=None, dropout_p=0.0, scale=scale, is_causal=False, enable_gqa=True
+    )
     if device.type == "cuda" and torch.backends.cuda.is_flash_attention_available():
         # A pinned kernel against its own ATen op, called the way torch_sdpa_flash calls
         # it (the op's generated binding), and through torch.ops.aten (shown alone).
@@ -199,6 +209,8 @@ _LABELS = (
     ("decode_patched", "the same under attnhub.patch()", "decode_direct"),
     ("packed_direct", "HF packed GQA decode step (4 rows): F.sdpa", None),
     ("packed_patched", "the same under attnhub.patch()", "packed_direct"),
+    ("gqa_direct", "HF GQA decode step, no mask (enable_gqa): F.sdpa", None),
+    ("gqa_patched", "the same under attnhub.patch()", "gqa_direct"),
 )
 # The direct call of each backend's own kernel: auto's overhead over what it dispatched
 # to (issue 16's "dispatch to a PyTorch kernel costs <= 2 us over calling that kernel").

@@ -15,7 +15,7 @@ each remove one suspect:
 - ``attnhub``: ``attn_implementation="attnhub"``.
 
     python benchmarks/patched_generate_probe.py [--model llama] [--task generate_padded] \
-        [--repeats 6] [--json OUT]
+        [--repeats 6] [--drain] [--json OUT]
 
 Prints, per way, the median run time, its ratio to stock, and the mean host time of an
 attention call by layer (layer 0 of a decoding step sees a new key length and a new
@@ -47,15 +47,19 @@ WAYS = ("sdpa", "patch", "patch-once", "patch-torch_sdpa", "attnhub")
 
 @contextlib.contextmanager
 def _timed_calls(
-    owner: Any, name: str, layers: int, host: dict[int, list[float]]
+    owner: Any, name: str, layers: int, host: dict[int, list[float]], drain: bool
 ) -> Iterator[None]:
     """``owner.name`` (F.scaled_dot_product_attention, PyTorch's or a patch's, or the
     ``attention`` that attn_implementation="attnhub" calls) wrapped so that each call's
-    host time is appended to ``host[call index % layers]``."""
+    host time is appended to ``host[call index % layers]``. ``drain``: the device's queue
+    is emptied before each call, so that a call that synchronizes (reading a mask) does
+    not count the wait for the work queued before it."""
     inner = getattr(owner, name)
     count = [0]
 
     def timed(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if drain:
+            synchronize(args[0].device)
         start = time.perf_counter()
         out = inner(*args, **kwargs)
         host[count[0] % layers].append(time.perf_counter() - start)
@@ -85,6 +89,11 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--drain",
+        action="store_true",
+        help="synchronize before each timed attention call (the runs' times then include those waits)",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -124,7 +133,7 @@ def main() -> None:
                 if way == "attnhub"
                 else (F, "scaled_dot_product_attention")
             )
-            with context(way), _timed_calls(*timed, spec.layers, host[way]):
+            with context(way), _timed_calls(*timed, spec.layers, host[way], args.drain):
                 synchronize(device)
                 start = time.perf_counter()
                 run[way]()
