@@ -15,7 +15,7 @@ each remove one suspect:
 - ``attnhub``: ``attn_implementation="attnhub"``.
 
     python benchmarks/patched_generate_probe.py [--model llama] [--task generate_padded] \
-        [--repeats 6] [--drain] [--json OUT]
+        [--repeats 6] [--drain] [--profile-layer0 N] [--json OUT]
 
 Prints, per way, the median run time, its ratio to stock, and the mean host time of an
 attention call by layer (layer 0 of a decoding step sees a new key length and a new
@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import functools
 import json
+import pstats
 import statistics
 import time
 from collections import defaultdict
@@ -47,22 +49,33 @@ WAYS = ("sdpa", "patch", "patch-once", "patch-torch_sdpa", "attnhub")
 
 @contextlib.contextmanager
 def _timed_calls(
-    owner: Any, name: str, layers: int, host: dict[int, list[float]], drain: bool
+    owner: Any,
+    name: str,
+    layers: int,
+    host: dict[int, list[float]],
+    drain: bool,
+    profiler: cProfile.Profile | None = None,
 ) -> Iterator[None]:
     """``owner.name`` (F.scaled_dot_product_attention, PyTorch's or a patch's, or the
     ``attention`` that attn_implementation="attnhub" calls) wrapped so that each call's
     host time is appended to ``host[call index % layers]``. ``drain``: the device's queue
     is emptied before each call, so that a call that synchronizes (reading a mask) does
-    not count the wait for the work queued before it."""
+    not count the wait for the work queued before it. ``profiler``: enabled around the
+    calls of layer 0 (a decoding step's first call: a new key length, a new mask)."""
     inner = getattr(owner, name)
     count = [0]
 
     def timed(*args: Any, **kwargs: Any) -> torch.Tensor:
         if drain:
             synchronize(args[0].device)
+        first = profiler is not None and count[0] % layers == 0
+        if first:
+            profiler.enable()
         start = time.perf_counter()
         out = inner(*args, **kwargs)
         host[count[0] % layers].append(time.perf_counter() - start)
+        if first:
+            profiler.disable()
         count[0] += 1
         return out
 
@@ -94,6 +107,13 @@ def main() -> None:
         action="store_true",
         help="synchronize before each timed attention call (the runs' times then include those waits)",
     )
+    parser.add_argument(
+        "--profile-layer0",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also cProfile each way's layer-0 calls (timed runs), listing N functions",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -117,6 +137,7 @@ def main() -> None:
             return _Reentered(once)
         return _way_context(way)
 
+    profilers: dict[str, cProfile.Profile] = {}
     seconds: dict[str, list[float]] = defaultdict(list)
     host: dict[str, dict[int, list[float]]] = {way: defaultdict(list) for way in WAYS}
     served: dict[str, dict[str, int]] = {}
@@ -133,7 +154,10 @@ def main() -> None:
                 if way == "attnhub"
                 else (F, "scaled_dot_product_attention")
             )
-            with context(way), _timed_calls(*timed, spec.layers, host[way], args.drain):
+            profiler = (
+                profilers.setdefault(way, cProfile.Profile()) if args.profile_layer0 else None
+            )
+            with context(way), _timed_calls(*timed, spec.layers, host[way], args.drain, profiler):
                 synchronize(device)
                 start = time.perf_counter()
                 run[way]()
@@ -166,6 +190,11 @@ def main() -> None:
                 "served": served[way],
             }
         )
+    for way, profiler in profilers.items():
+        print(
+            f"\n## {way}: the calls of layer 0, cProfile (top {args.profile_layer0} by cumulative time)"
+        )
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.profile_layer0)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "task": args.task, "rows": rows}, f, indent=1)
