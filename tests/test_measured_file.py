@@ -270,3 +270,27 @@ def test_a_traced_request_reads_the_eager_measurement():
 
     eager = AttentionRequest("cuda", (9, 0), torch.bfloat16, 4, 16, 4, 4096, 4096, True, False, 128, 128)  # fmt: skip
     assert request_key(dataclasses.replace(eager, traced=True)) == request_key(eager)
+
+
+def test_the_store_follows_the_measurement_variable_and_the_cache_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """store_for keeps the store it found per device and the variables that name its
+    file: a variable changed between calls names another file, changed back the first
+    store again (its entries kept), as store_path says at each call."""
+    import torch
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("ATTNHUB_MEASUREMENTS", str(tmp_path / "a.json"))
+    first = measured.store_for(cpu)
+    assert measured.store_for(cpu) is first and first.path == measured.store_path(cpu)
+    monkeypatch.setenv("ATTNHUB_MEASUREMENTS", str(tmp_path / "b.json"))
+    assert measured.store_for(cpu).path == tmp_path / "b.json"
+    monkeypatch.delenv("ATTNHUB_MEASUREMENTS")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert measured.store_for(cpu).path == measured.store_path(cpu)
+    assert measured.store_for(cpu).path.parent == tmp_path / "cache" / "attnhub"
+    monkeypatch.setenv("ATTNHUB_MEASUREMENTS", str(tmp_path / "a.json"))
+    assert measured.store_for(cpu) is first
+    measured.forget_stores()
+    assert measured.store_for(cpu) is not first
