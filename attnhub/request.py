@@ -13,6 +13,7 @@ graph serves every batch size, and the request's ``batch`` is None.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -211,6 +212,14 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     """Compute capability for CUDA devices, None elsewhere."""
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+
+
+# A device's capability never changes; asking the driver costs a few us (every new call
+# key asks: a decoding step's first layer).
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
     major, minor = torch.cuda.get_device_capability(index)
     return (major, minor)
