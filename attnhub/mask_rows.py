@@ -45,6 +45,16 @@ class RowKeys:
     runs: bool
 
 
+# Masks of at most this many rows (a decoding step's (B, 1, 1, Nk) has B) are summed up
+# on the host from each row's count, first and end, copied in one piece: seven fewer
+# kernels than the summary on the device, each a launch that the first layer of every
+# decoding step pays (about 660 us of host time for that layer's patched call on an
+# H100, the mask's reading among it: archive/patched-generate-probe-padded-drain-h100-
+# 2026-12-06-2175d7e.txt). Larger masks (a prefill's (B, 1, N, N)) keep the device's
+# reductions: their rows' values would be a long copy and a long Python loop.
+HOST_SUMMARY_ROWS = 256
+
+
 def _read(keep: torch.Tensor) -> RowKeys:
     """:class:`RowKeys` of a bool (.., Nk) mask with Nk >= 1: one synchronization."""
     nk = keep.shape[-1]
@@ -57,6 +67,16 @@ def _read(keep: torch.Tensor) -> RowKeys:
     # none). Key j weighted j + 1: the greatest is one past the row's last (0 for none).
     first = rows.view(torch.uint8).argmax(dim=-1)
     end = (rows * torch.arange(1, nk + 1, device=keep.device)).amax(dim=-1)
+    if rows.shape[0] <= HOST_SUMMARY_ROWS:
+        row_counts, row_firsts, row_ends = torch.stack([counts, first, end]).tolist()
+        # A row keeps only keys in [first, end): they are one run exactly when it keeps
+        # them all (a row of none: 0 == 0).
+        runs = all(e - f == c for c, f, e in zip(row_counts, row_firsts, row_ends))
+        kept_firsts = [f for c, f in zip(row_counts, row_firsts) if c]
+        return RowKeys(
+            first, end, min(kept_firsts, default=nk), max(row_ends) - 1,
+            min(row_counts), max(row_counts), runs,
+        )  # fmt: skip
     # A row keeps only keys in [first, end), so they are one run exactly when it keeps
     # them all (a row of none: 0 == 0). One count of the rows that do not.
     gaps = (end - first).ne_(counts).sum()

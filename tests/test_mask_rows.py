@@ -47,7 +47,12 @@ def _cases() -> list[torch.Tensor]:
     return cases
 
 
-def test_rows_are_read_as_by_hand():
+@pytest.mark.parametrize("summary", ["host", "device"])
+def test_rows_are_read_as_by_hand(monkeypatch, summary):
+    """Both summaries: on the host from each row's values (few rows, as a decoding
+    step's mask) and by reductions on the device (many rows)."""
+    if summary == "device":
+        monkeypatch.setattr(mask_rows, "HOST_SUMMARY_ROWS", 0)
     for keep in _cases():
         got = mask_rows._read(keep)
         firsts, ends, first_kept, last_kept, fewest, most, runs = _by_hand(keep)
