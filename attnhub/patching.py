@@ -85,7 +85,7 @@ import torch.nn.functional as F
 from torch.overrides import handle_torch_function
 
 from . import dispatch
-from .api import _Guards, attention, sdpa_entry
+from .api import _NO_GUARDS, _Guards, attention, sdpa_entry
 from .call_stats import ORIGINAL, record
 from .dispatch import normalize_backend_arg
 from .errors import BrokenBackendError, NoBackendError
@@ -665,6 +665,7 @@ def _fold_unpacking(
         mask_ref() is not attn_mask
         or version != attn_mask._version
         or inner_context != (False, True, *context[2:])  # the unpacked call's
+        or entry[2] is _NO_GUARDS  # an entry decided again at every call (empty tensors)
     ):
         return
     # The memo checks the tensors it hands the entry: the mask the plan derived, if any.
