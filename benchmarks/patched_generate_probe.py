@@ -4,14 +4,13 @@
 run's wall clock into the host time inside ``F.scaled_dot_product_attention`` (wall
 clock of the Python call, no synchronization: what the model's host thread pays per
 call) by the call's layer, next to stock's and attn_implementation="attnhub"'s (its
-``attention`` call), and times variants of the patched way that
-each remove one suspect:
+``attention`` call), and times variants of the patched way that each remove one suspect:
 
 - ``sdpa``: stock (``attn_implementation="sdpa"``);
 - ``patch``: under ``attnhub.patch()`` entered for each run, as the models bench does;
 - ``patch-once``: the patch entered once for every run (its memo survives between runs);
 - ``patch-torch_sdpa``: ``patch(backend="torch_sdpa")``: PyTorch's kernel choice behind the
-  patch's dispatch (no mask reading's plan, no Triton launch);
+  patch's dispatch (no Triton launch; the mask is still read for its plan);
 - ``attnhub``: ``attn_implementation="attnhub"``.
 
     python benchmarks/patched_generate_probe.py [--model llama] [--task generate_padded] \
