@@ -67,18 +67,17 @@ def _read(keep: torch.Tensor) -> RowKeys:
     # none). Key j weighted j + 1: the greatest is one past the row's last (0 for none).
     first = rows.view(torch.uint8).argmax(dim=-1)
     end = (rows * torch.arange(1, nk + 1, device=keep.device)).amax(dim=-1)
+    # A row keeps only keys in [first, end), so they are one run exactly when it keeps
+    # them all (a row of none: 0 == 0).
     if rows.shape[0] <= HOST_SUMMARY_ROWS:
         row_counts, row_firsts, row_ends = torch.stack([counts, first, end]).tolist()
-        # A row keeps only keys in [first, end): they are one run exactly when it keeps
-        # them all (a row of none: 0 == 0).
         runs = all(e - f == c for c, f, e in zip(row_counts, row_firsts, row_ends))
         kept_firsts = [f for c, f in zip(row_counts, row_firsts) if c]
         return RowKeys(
             first, end, min(kept_firsts, default=nk), max(row_ends) - 1,
             min(row_counts), max(row_counts), runs,
         )  # fmt: skip
-    # A row keeps only keys in [first, end), so they are one run exactly when it keeps
-    # them all (a row of none: 0 == 0). One count of the rows that do not.
+    # One count of the rows that are not one run.
     gaps = (end - first).ne_(counts).sum()
     first_kept, end_kept, fewest, most, gapped = torch.stack(
         [rows.any(dim=0).view(torch.uint8).argmax(), end.amax(), *torch.aminmax(counts), gaps]
