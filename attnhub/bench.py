@@ -1182,7 +1182,7 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
         "against SDPA on the padded batch). --quick shortens both.",
     )
     g.add_argument("--decode", action="store_true", help="the decode kernels (attnhub.bench_decode)")  # fmt: skip
-    g.add_argument("--decode-sections", metavar="S,...", help="with --decode: a subset of nq1,softcap_window,paged,nq4,host,sweep")  # fmt: skip
+    g.add_argument("--decode-sections", metavar="S,...", help="with --decode: a subset of nq1,softcap_window,paged,nq4,padded,host,sweep")  # fmt: skip
     g.add_argument("--no-sweep", action="store_true", help="with --decode: skip the launch-configuration sweep")  # fmt: skip
     g.add_argument("--no-flex", dest="flex", action="store_false", help="with --decode: leave FlexAttention out")  # fmt: skip
     g.add_argument("--serving", action="store_true", help="decode and varlen through the public API (attnhub.bench_serving)")  # fmt: skip

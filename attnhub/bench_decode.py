@@ -21,6 +21,12 @@ length Nk (so PyTorch's kernels read exactly the same keys from the un-sliced ca
   keys), Nk 32K and 128K, against ours on the contiguous cache.
 - ``nq4``: Nq=4 bottom-right causal, Nk 32K: ours, Flex (block mask), and SDPA's
   cuDNN / efficient kernels with a bool mask.
+- ``padded``: Nq=1 with a left-padded batch's (B, 1, 1, Nk) bool key mask (entry b keeps
+  its last Nk - b * Nk / (2B) keys), Nk 4K and 32K, the decoding step of a padded
+  ``generate``: ours (the key mask read tile by tile, tiles it masks whole skipped),
+  SDPA's cuDNN and memory-efficient kernels with the mask, and Flex (a padding block
+  mask built once; and built in each call, as a model's changing mask needs).
+  Bandwidth counts the kept keys only.
 - In each of these, ``triton_decode_fused`` (and ``..._paged{P}_fused``) is ours with the
   merge fused into the split kernel (decode.DecodeConfig.fused_merge; off by default):
   the A/B that decides the default. Its rows' errors show whether it is right on the
@@ -64,7 +70,7 @@ B, HQ, HKV, D = 8, 32, 8, 128
 DTYPE = torch.bfloat16
 DEADLINE_S = 170.0  # the device's calls are limited; stop starting new sections after this
 START = time.monotonic()  # reset by run()
-SECTIONS = ("nq1", "softcap_window", "paged", "nq4", "host", "sweep")
+SECTIONS = ("nq1", "softcap_window", "paged", "nq4", "padded", "host", "sweep")
 
 
 def _elapsed() -> float:
@@ -117,8 +123,9 @@ def to_paged(cache: torch.Tensor, page_size: int, seed: int = 1):
     return paged, perm.view(b, pages).to(torch.int32)
 
 
-def reference(q, k, v, *, scale, window=None, softcap=None):
-    """float32 bottom-right causal attention (GQA by reshape, no expanded K/V)."""
+def reference(q, k, v, *, scale, window=None, softcap=None, key_mask=None):
+    """float32 bottom-right causal attention (GQA by reshape, no expanded K/V);
+    ``key_mask``: (B, Nk) bool, True = kept."""
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     qg = q.float().view(b, hkv, (hq // hkv) * nq, d)
@@ -132,6 +139,8 @@ def reference(q, k, v, *, scale, window=None, softcap=None):
     if window is not None:
         keep &= j >= pos - window[0]
     s = s.masked_fill(~keep, float("-inf"))
+    if key_mask is not None:
+        s = s.masked_fill(~key_mask[:, None, None, :], float("-inf"))
     out = torch.softmax(s, -1) @ v.float()
     return out.view(b, hq, nq, -1)
 
@@ -224,13 +233,15 @@ def flex_fn(q, k, v, *, nq: int, window: int | None = None, softcap: float | Non
     return fn
 
 
-def ours_fn(q, k, v, seqlens, *, block_table=None, window=None, softcap=None, config=None):
+def ours_fn(q, k, v, seqlens, *, block_table=None, window=None, softcap=None, config=None,
+            key_mask=None):  # fmt: skip
     scale = 1.0 / math.sqrt(D)
     win = (window, 0) if window is not None else None
 
     def fn() -> torch.Tensor:
         return decode.decode_attention(q, k, v, seqlens, block_table=block_table, scale=scale,
-                                       window=win, softcap=softcap, config=config)  # fmt: skip
+                                       window=win, softcap=softcap, config=config,
+                                       key_mask=key_mask)  # fmt: skip
 
     # The launch the op chooses (decode._plan, as decode_attention calls it), for the rows.
     paged = block_table is not None
@@ -240,12 +251,14 @@ def ours_fn(q, k, v, seqlens, *, block_table=None, window=None, softcap=None, co
         HQ // (k.shape[2] if paged else k.shape[1]), q.shape[2], D, v.shape[-1],
         block_table.shape[1] * page if paged else k.shape[2], page, window is not None,
         softcap is not None, q.element_size(), "tf32", config,
+        0 if key_mask is None else 1 if key_mask.dtype == torch.bool else 2,
     )  # fmt: skip
 
     def compiled_info() -> dict:
         """Registers, spills and shared memory of the compiled kernels (after a call):
         with the SM's 64K registers and 227 KiB, how many programs fit per SM."""
-        key = decode._plan_key(q, k, v, seqlens, block_table, scale, win, softcap, True, config)
+        key = decode._plan_key(q, k, v, seqlens, block_table, key_mask, scale, win, softcap,
+                               True, config)  # fmt: skip
         cached = decode._PLANS.get(key)
         info: dict[str, Any] = {}
         for name in ("split", "merge"):
@@ -345,6 +358,56 @@ def section_nq4(rows: list[dict], flex: bool) -> None:
         rows.append(measure(case, "flex", flex_fn(q, k, v, nq=nq), ref, nb))
     del q, k, v, ref
     torch.cuda.empty_cache()
+
+
+def section_padded(rows: list[dict], nks: list[int], flex: bool) -> None:
+    for nk in nks:
+        q, k, v, sl = make_cache(nk, 1, seed=6)
+        pads = torch.arange(B, device=DEV) * (nk // (2 * B))
+        keep = torch.arange(nk, device=DEV)[None, :] >= pads[:, None]  # (B, Nk)
+        mask = keep[:, None, None, :]
+        ref = reference(q, k, v, scale=D**-0.5, key_mask=keep)
+        nb = int(keep.sum().item()) * HKV * D * 2 * DTYPE.itemsize
+        case = f"padded-{nk // 1024}K"
+        rows.append(measure(case, "triton_decode", ours_fn(q, k, v, sl, key_mask=keep), ref, nb))
+        for name, kernel in sdpa_impls().items():
+            if name != "sdpa_flash":  # flash takes no mask
+                rows.append(
+                    measure(case, name + "_boolmask", sdpa_fn(q, k, v, kernel, mask), ref, nb)
+                )
+        if flex:
+            fn = flex_padded_fn(q, k, v, pads, build_each_call=False)
+            rows.append(measure(case, "flex", fn, ref, nb))
+            fn = flex_padded_fn(q, k, v, pads, build_each_call=True)
+            rows.append(measure(case, "flex_mask_built_per_call", fn, ref, nb))
+        del q, k, v, ref
+        torch.cuda.empty_cache()
+
+
+def flex_padded_fn(q, k, v, pads, *, build_each_call: bool):
+    """FlexAttention with a padding mask_mod; ``build_each_call``: the block mask is built
+    in every call (timed with it), as a model whose mask changes each step builds it,
+    else once (the kernel alone)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "compiled" not in _FLEX:
+        _FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
+    compiled = _FLEX["compiled"]
+    nk = k.shape[2]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx >= pads[b]
+
+    def build() -> Any:
+        return create_block_mask(mask_mod, q.shape[0], None, 1, nk, device=DEV)
+
+    built = None if build_each_call else build()
+
+    def fn() -> torch.Tensor:
+        block_mask = build() if built is None else built
+        return compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    return fn
 
 
 # Sweep: (BLOCK_N, warps, stages) per layout (paged launches need two stages more for
@@ -492,6 +555,7 @@ def run(quick: bool = False, flex: bool = True, sections: tuple[str, ...] = SECT
         "softcap_window": lambda: section_softcap_window(rows, long, flex),
         "paged": lambda: section_paged(rows, long, [16, 256]),
         "nq4": lambda: section_nq4(rows, flex),
+        "padded": lambda: section_padded(rows, nks[:2], flex),
         "host": lambda: section_host(rows),
         "sweep": lambda: section_sweep(rows, quick),
     }

@@ -14,8 +14,8 @@ rewrite of the same function, never an approximation: the candidate is built fro
 mask and then compared with it element by element; a mask that is almost a window is
 not a window, and comes back as None (the call runs with the mask as given).
 
-Recognition costs a few passes over the mask and three device synchronizations (one for
-a mask of one query row, a decoding step's; a float mask adds one); it is cached per
+Recognition costs a few passes over the mask and three device synchronizations (a float
+mask adds one); it is cached per
 mask tensor (identity and version counter, :mod:`attnhub.tensor_memo`), so the layers
 of one forward pass, which share their mask, pay it once; under
 ``torch.inference_mode`` every layer pays it (inference tensors keep no version
@@ -28,11 +28,10 @@ Masks recognized: bool (True = may attend) and float masks whose every value is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from .mask_rows import row_keys
 from .tensor_memo import TensorMemo
 
 __all__ = ["MaskPlan", "recognize"]
@@ -149,39 +148,13 @@ def _candidate(keep: torch.Tensor) -> tuple[torch.Tensor, int, int | None] | Non
     return key_ok, int(offset), int(left) if bounded_below else None
 
 
-def _one_row(keep: torch.Tensor) -> MaskPlan | None:
-    """:func:`_rows`' plan for a keep-mask with one query row (a decoding step's, made
-    anew each step), from its rows' kept keys (:func:`attnhub.mask_rows.row_keys`: one
-    synchronization, where the general reading takes three, and kept for the backends
-    that read the same mask's rows: triton_flash's key ranges, torch_sdpa's key-less rows).
-
-    With one row the candidate always holds: ``key_ok`` is the mask itself, and the
-    union's first and last kept keys bound every row, so ``_rows``' element-wise check
-    passes by construction and the plan follows from those two keys and whether every
-    row keeps all keys between them (then no key mask is left).
-    A row keeps all of them exactly when it keeps as many keys as the span holds, since
-    it keeps none outside; so the rows' least and greatest counts decide it."""
-    nk = keep.shape[-1]
-    rows = row_keys(keep)
-    first, last = rows.first_kept, rows.last_kept
-    if last < 0:  # no key kept anywhere
-        return None
-    left = -first if first > 0 else None  # _candidate's reading: rows - first for row 0
-    arguments = _to_arguments(last, left, 1, nk)
-    if arguments is None:
-        return None
-    causal, alignment, window = arguments
-    implied = rows.fewest == rows.most == last - first + 1
-    return MaskPlan(None if implied else keep, causal, alignment, window)
-
-
 def _recognize(mask: torch.Tensor) -> MaskPlan | None:
     keep = _keep(mask)
     if keep is None:
         return None
     if keep.numel() == 0:  # no row or no key: nothing to run as a structure
         return None
-    return _one_row(keep) if keep.shape[-2] == 1 else _rows(keep)
+    return _rows(keep)
 
 
 def _rows(keep: torch.Tensor) -> MaskPlan | None:
@@ -207,21 +180,7 @@ def _rows(keep: torch.Tensor) -> MaskPlan | None:
     return MaskPlan(key_mask, causal, alignment, window)
 
 
-def _recognize_to_keep(mask: torch.Tensor) -> tuple[MaskPlan, bool] | None:
-    """:func:`_recognize`'s plan as the memo keeps it: (plan, whether its key mask is
-    ``mask`` itself). A plan whose key mask is the mask (a bool decoding-step mask,
-    :func:`_one_row`) is kept without it: the memo would otherwise keep each such mask
-    alive until its table is cleared (64 steps of a (B, 1, 1, Nk) mask, 64 MB at B 8,
-    Nk 128K)."""
-    plan = _recognize(mask)
-    if plan is None:
-        return None
-    if plan.attn_mask is mask:
-        return replace(plan, attn_mask=None), True
-    return plan, False
-
-
-_memo: TensorMemo[tuple[MaskPlan, bool] | None] = TensorMemo()
+_memo: TensorMemo[MaskPlan | None] = TensorMemo()
 
 
 def recognize(mask: torch.Tensor) -> MaskPlan | None:
@@ -233,8 +192,4 @@ def recognize(mask: torch.Tensor) -> MaskPlan | None:
     """
     if mask.requires_grad or mask.dim() < 2:
         return None
-    found = _memo(mask, _recognize_to_keep)
-    if found is None:
-        return None
-    plan, key_mask_is_mask = found
-    return replace(plan, attn_mask=mask) if key_mask_is_mask else plan
+    return _memo(mask, _recognize)

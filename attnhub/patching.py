@@ -85,7 +85,7 @@ import torch.nn.functional as F
 from torch.overrides import handle_torch_function
 
 from . import dispatch
-from .api import _NO_GUARDS, _Guards, attention, sdpa_entry
+from .api import attention, sdpa_entry
 from .call_stats import ORIGINAL, record
 from .dispatch import normalize_backend_arg
 from .errors import BrokenBackendError, NoBackendError
@@ -487,21 +487,6 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                                     scale=scale, enable_gqa=enable_gqa)  # fmt: skip
                 finally:
                     _inside.active = False
-        if attn_mask is not None and not compiling:  # after the memo: it never holds these
-            rows = _packed_rows(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
-            if rows:
-                # G query rows per head sharing one mask row: the grouped decoding step
-                # they pack (see _packed_rows), served as that step (its mask is read).
-                batch, heads, _, dim = query.shape
-                unpacked = (batch, heads * rows, 1, dim)
-                out = scaled_dot_product_attention(
-                    query.reshape(unpacked), key, value,
-                    attn_mask, dropout_p, False, scale=scale, enable_gqa=True,
-                )  # fmt: skip
-                packed = (batch, heads, rows, out.shape[3])
-                if context is not None:
-                    _fold_unpacking(memo, context, query, key, value, attn_mask, unpacked, packed)
-                return out.reshape(packed)
         why = _outside_domain(query, key, value, attn_mask, is_causal, enable_gqa)
         if why is None:
             _inside.active = True
@@ -578,125 +563,22 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
 STRUCTURED_MASK_DEVICES = frozenset({"cuda"})
 
 
-# The most query rows per head that _packed_rows unpacks into heads. Hugging Face packs
-# the q/kv head ratio: 2 to 8 in the grouped-query models we measure (Llama, Mistral,
-# Qwen2). More rows (a multi-query model's 32 or more heads, or a prefill whose rows share
-# one mask row) run as given: the unpacked step is unmeasured there.
-PACKED_ROWS_MAX = 16
-
-
-def _packed_rows(
-    query: Any, key: Any, value: Any, attn_mask: torch.Tensor,
-    dropout_p: Any, is_causal: Any, enable_gqa: Any,
-) -> int:  # fmt: skip
-    """G (> 1) when a masked call's G query rows per head share one mask row, else 0.
-
-    Hugging Face's sdpa path decodes grouped-query attention with a mask by packing
-    (``pack_gqa``): the query (B, Hkv * G, 1, D) reshaped to (B, Hkv, G, D), the key
-    padding mask (B, 1, 1, Nk) as it is. Such a mask has no row per query, so
-    :func:`mask_arguments` would leave it unread and the call would run as given. It is
-    exactly the decoding step (B, H * G, 1, D) with ``enable_gqa=True`` (query head
-    h * G + g attends key head (h * G + g) // (H * G / Hkv) = h // (H / Hkv), as row g
-    of head h does), whose mask has a row per query and is read: a key-padding plan for the
-    decoding kernels. Only where masks are read (``STRUCTURED_MASK_DEVICES``), and only
-    for calls PyTorch serves (same batch, head dim, dtype and device; heads that group;
-    a mask that broadcasts), not causal (a causal diagonal differs per row) and without
-    dropout (its draws would differ): every other call runs as given.
-    """
-    # Cheapest refusals first: a patched call that misses the memo pays for these.
-    if not (
-        query.__class__ is _Tensor
-        and query.dim() == 4
-        and 1 < query.shape[2] <= PACKED_ROWS_MAX
-        and is_causal is False
-        and dropout_p.__class__ is float
-        and dropout_p == 0.0
-        and (enable_gqa is True or enable_gqa is False)
-        and attn_mask.__class__ is _Tensor
-        and key.__class__ is _Tensor
-        and value.__class__ is _Tensor
-        and key.dim() == value.dim() == 4
-        and 2 <= attn_mask.dim() <= 4
-        and not (query.is_nested or key.is_nested or value.is_nested)
-        and attn_mask.device.type in STRUCTURED_MASK_DEVICES
-    ):
-        return 0
-    batch, heads, rows, dim = query.shape
-    kv_batch, kv_heads, keys, _ = key.shape
-    if not (
-        batch == kv_batch == value.shape[0]
-        and kv_heads == value.shape[1]
-        and keys == value.shape[2]
-        and dim == key.shape[3]
-        and kv_heads > 0
-        and heads % kv_heads == 0
-        and (enable_gqa or heads == kv_heads)
-        and query.dtype == key.dtype == value.dtype
-        and (attn_mask.dtype == torch.bool or attn_mask.dtype == query.dtype)
-        and query.device == key.device == value.device == attn_mask.device
-        and attn_mask.shape[-1] == keys
-        # One row for all heads and rows, per batch entry at most.
-        and all(m == 1 for m in attn_mask.shape[-3 if attn_mask.dim() == 4 else 0 : -1])
-        and (attn_mask.dim() < 4 or attn_mask.shape[0] in (1, batch))
-    ):
-        return 0
-    return rows
-
-
-def _fold_unpacking(
-    memo: _Memo,
-    context: tuple[Any, ...],
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor,
-    unpacked: tuple[int, ...],
-    packed: tuple[int, ...],
-) -> None:
-    """Keep the unpacked step's entry for the packed calls that follow (the other layers
-    of the step): under the packed call's context, with guards on the packed tensors and
-    a runner that unpacks, so that they hit the memo as any repeated call does, instead of
-    checking :func:`_packed_rows` and calling again every layer. Only where the unpacked
-    call just kept its entry in ``memo.masked`` for this mask (it read the mask): the
-    guards' match pins the packed tensors' metadata, and so the unpacked query's, that
-    the entry was decided for."""
-    inner_context, mask_ref, version, handed, entry = memo.masked
-    if (
-        mask_ref() is not attn_mask
-        or version != attn_mask._version
-        or inner_context != (False, True, *context[2:])  # the unpacked call's
-        or entry[2] is _NO_GUARDS  # an entry decided again at every call (empty tensors)
-    ):
-        return
-    # The memo checks the tensors it hands the entry: the mask the plan derived, if any.
-    mask = attn_mask if handed is _SAME_MASK else handed
-    guards = _Guards.make((query, key, value) if mask is None else (query, key, value, mask))
-    if guards is None:
-        return
-    name, runner, _, _, deterministic = entry
-
-    def run_unpacked(query: Any, key: Any, value: Any, attn_mask: Any) -> torch.Tensor:
-        return runner(query.reshape(unpacked), key, value, attn_mask).reshape(packed)
-
-    memo.masked = (
-        context,
-        mask_ref,
-        version,
-        handed,
-        (name, run_unpacked, guards, None, deterministic),
-    )
-
-
 def _reads_mask(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
     """Whether :func:`mask_arguments` reads the mask's values (else: its metadata decides).
 
     Only a mask that broadcasts over the query's leading dims: one that does not is
     PyTorch's error to raise (the dense path keeps it), never dropped by a plan that
-    needs no key mask.
+    needs no key mask. Not a decoding step's (one query row): its structure is at most
+    key padding, and the kernels take it as it is (triton_flash's decode kernel reads it
+    tile by tile beside the keys and skips the tiles it masks whole), where reading it
+    costs a device synchronization and several small kernels at every step: the first
+    layer's patched call took 660 us of host time on an H100 where stock SDPA's took
+    110 (archive/patched-generate-probe-padded-drain-h100-2026-12-06-2175d7e.txt).
     """
     return (
         attn_mask is not None
         and attn_mask.device.type in STRUCTURED_MASK_DEVICES
+        and query.shape[-2] != 1
         and 2 <= attn_mask.dim() <= query.dim()
         and attn_mask.shape[-2:] == (query.shape[-2], key.shape[-2])
         and all(

@@ -19,10 +19,10 @@ Hugging Face's sdpa call (every option by name, its scale, ``is_causal=True``)
 direct, as its ``attn_implementation="attnhub"`` path calls ``attention()``, and under
 ``attnhub.patch()`` (the ``model_*`` rows); and a padded batch's decoding step (one query
 row, a (2, 1, 1, Nk) bool mask with a left-padded entry, the same mask every call as the
-layers of a step share it) direct and patched (the ``decode_*`` rows: on CUDA the patch
-reads the mask's structure on its first call and reuses that decision after), and the
+layers of a step share it) direct and patched (the ``decode_*`` rows: the patch leaves
+a decoding step's mask unread and reuses its decision for the next call), and the
 same step of a grouped-query model as Hugging Face packs it (the ``packed_*`` rows: four
-query rows per key head; on CUDA the patch runs it as the grouped one-row step), and the
+query rows per key head, the mask as it is), and the
 unpadded step of a grouped-query model (the ``gqa_*`` rows: no mask, ``enable_gqa=True``).
 
     python benchmarks/overhead.py [--device cuda] [--repeat 2000] [--rounds 200]
@@ -125,8 +125,8 @@ def _calls(
     )
     # A padded batch's decoding step as Hugging Face makes it: one query row, a (B, 1, 1,
     # Nk) bool mask shared by every layer of the step (the second entry left-padded).
-    # Under the patch, on CUDA, the mask is read once (its structure: key padding) and
-    # the layers after the first reuse that decision (patching._Memo's masked slot).
+    # Under the patch the mask is not read (patching._reads_mask): each call after the
+    # first reuses the decision made from the tensors' metadata.
     _, h, n, d = shape
     dq, dk, dv = (torch.randn(2, h, m, d, device=device, dtype=dtype) for m in (1, n, n))
     padding = torch.ones(2, 1, 1, n, device=device, dtype=torch.bool)
@@ -138,8 +138,7 @@ def _calls(
         dq, dk, dv, attn_mask=padding, dropout_p=0.0, scale=scale, is_causal=False
     )
     # The same step of a grouped-query model, as Hugging Face packs it (pack_gqa: the 4
-    # query heads of each key head as 4 query rows, the mask as it is). Under the patch,
-    # on CUDA, it runs as the (2, 4h, 1, d) grouped step (patching._packed_rows).
+    # query heads of each key head as 4 query rows, the mask as it is), run as given.
     pq = torch.randn(2, h, 4, d, device=device, dtype=dtype)
     calls["packed_direct"] = lambda: sdpa(
         pq, dk, dv, attn_mask=padding, dropout_p=0.0, scale=scale, is_causal=False

@@ -129,39 +129,6 @@ def test_random_masks_are_never_misread():
             assert torch.equal(_rebuilt(plan, nq, nk).expand_as(keep), keep)
 
 
-def test_one_row_masks_take_the_short_path_to_the_same_plan():
-    """A one-row mask (a decoding step's) is read by _one_row, which must give the plan
-    of the general reading (_rows) for every such mask, exactly: all kept, padding on
-    either side, a window's suffix, holes, rows that keep nothing, broadcast shapes."""
-    gen = torch.Generator().manual_seed(1)
-    nk = 12
-    j = torch.arange(nk)
-    cases = [
-        torch.ones(3, 1, 1, nk, dtype=torch.bool),
-        torch.zeros(2, 1, 1, nk, dtype=torch.bool),
-        _padding([12, 7, 3], nk, left=True),
-        _padding([12, 7, 3], nk, left=False),
-        (j >= 4).expand(2, 4, 1, nk),  # a window's suffix, every row alike
-        ((j >= 4) & (j <= 9)).view(1, nk),
-        _padding([9, 5], nk, left=True) & (j >= 6),
-    ]
-    cases += [
-        torch.rand(2, 3, 1, nk, generator=gen) < p for p in (0.1, 0.5, 0.9) for _ in range(20)
-    ]
-    for keep in cases:
-        fast, general = mask_structure._one_row(keep), mask_structure._rows(keep)
-        assert (fast is None) == (general is None), keep
-        if fast is None or general is None:
-            continue
-        assert (fast.causal, fast.alignment, fast.window) == (
-            general.causal, general.alignment, general.window
-        )  # fmt: skip
-        assert (fast.attn_mask is None) == (general.attn_mask is None)
-        if fast.attn_mask is not None and general.attn_mask is not None:
-            assert torch.equal(fast.attn_mask, general.attn_mask)
-        assert torch.equal(_rebuilt(fast, 1, nk).expand_as(keep), keep)
-
-
 def test_a_mask_without_rows_has_no_plan():
     """A mask of an empty batch has no structure to run: None (the call runs as given).
     The one-row reading raised a RuntimeError on it (a reduction over no rows)."""
@@ -187,18 +154,22 @@ def test_recognition_is_cached_per_tensor_and_version():
     assert again is not None and not again.causal and again.attn_mask is None
 
 
-def test_a_decoding_mask_whose_plan_is_the_mask_is_not_kept_alive_by_the_memo():
-    """A one-row bool mask with padding is its own plan's key mask. The memo kept that
-    plan, so each step's mask lived on until 64 more were read (failed before)."""
-    mask = _padding([12, 7, 3], 12, left=True)
-    plan = mask_structure.recognize(mask)
-    assert plan is not None and plan.attn_mask is mask
-    again = mask_structure.recognize(mask)  # from the memo: the same plan, the same mask
-    assert again == plan and again.attn_mask is mask
-    alive = weakref.ref(mask)
-    del mask, plan, again
-    gc.collect()
-    assert alive() is None
+def test_a_recognized_mask_is_not_kept_alive_by_the_memo():
+    """The memo keeps each mask's plan while the mask lives, never the mask itself (a
+    plan that held it kept each step's mask alive until 64 more were read)."""
+    tril = torch.ones(12, 12, dtype=torch.bool).tril()
+    for make in (
+        lambda: _padding([12, 7, 3], 12, left=True),
+        lambda: _padding([12, 7], 12, left=False) & tril,
+    ):
+        mask = make()
+        plan = mask_structure.recognize(mask)
+        assert plan is not None and plan.attn_mask is not None
+        assert mask_structure.recognize(mask) is plan  # from the memo
+        alive = weakref.ref(mask)
+        del mask, plan
+        gc.collect()
+        assert alive() is None
 
 
 def test_a_mask_made_under_inference_mode_is_recognized_at_every_call():

@@ -73,17 +73,24 @@ def to_paged(cache: torch.Tensor, page_size: int, seed: int = 1):  # type: ignor
     return paged, table.to(cache.device)
 
 
-def reference(q, k, v, lengths, *, scale, window=None, softcap=None, causal=True, dtype=None):  # type: ignore[no-untyped-def]
-    """(out, lse) sequence by sequence, in ``dtype`` (default float64)."""
+def reference(
+    q, k, v, lengths, *, scale, window=None, softcap=None, causal=True, dtype=None, key_mask=None
+):  # type: ignore[no-untyped-def]
+    """(out, lse) sequence by sequence, in ``dtype`` (default float64); ``key_mask``:
+    decode_attention's (1 or B, Nk), as the contract's (1, 1, 1, L_b) mask of each."""
     dtype = dtype or torch.float64
     params = AttentionParams(
         causal=causal, alignment="bottom_right", window=window, softcap=softcap, scale=scale
     )
     outs, lses = [], []
     for i, n in enumerate(lengths):
+        mask = None
+        if key_mask is not None:
+            mask = key_mask[i if key_mask.shape[0] > 1 else 0, :n].reshape(1, 1, 1, n)
+            mask = mask.to(q.device) if mask.dtype == torch.bool else mask.to(q.device, dtype)
         o, lse = reference_attention(
             q[i : i + 1].to(dtype), k[i : i + 1, :, :n].to(dtype), v[i : i + 1, :, :n].to(dtype),
-            None, params,
+            mask, params,
         )  # fmt: skip
         outs.append(o)
         lses.append(lse)
@@ -148,6 +155,71 @@ def test_window_softcap(dtype):  # type: ignore[no-untyped-def]
             q, k, v, sl, scale=0.3, window=window, softcap=softcap, return_lse=True
         )
         check(out, lse, q, k, v, lengths, scale=0.3, window=window, softcap=softcap)
+
+
+def _key_masks(batch: int, nk: int) -> dict[str, torch.Tensor]:
+    """Key masks of a padded batch's decoding step, (B, Nk): left padding (row 1 keeps
+    its last 20 keys: its first tile masked whole), right padding, holes, a row keeping
+    no key, one keeping a single key; as bool and as the float 0 / -inf, and a float one
+    with finite biases, -3e38 among them (beyond float32 once in log2 units)."""
+    g = torch.Generator().manual_seed(nk)
+    keep = torch.ones(batch, nk, dtype=torch.bool)
+    keep[1, : nk - 20] = False
+    keep[2, 25:] = False
+    keep[3] = torch.rand(nk, generator=g) > 0.4
+    keep[4] = False
+    keep[0, :-1] = False  # one key, the newest
+    bias = torch.randn(batch, nk, generator=g)
+    bias[:, 3] = -3e38
+    bias[1, : nk - 20] = float("-inf")
+    return {
+        "bool": keep,
+        "float-inf": torch.zeros(batch, nk).masked_fill(~keep, float("-inf")),
+        "float": bias,
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
+@pytest.mark.parametrize("kind", ["bool", "float-inf", "float"])
+def test_key_mask(dtype, kind):  # type: ignore[no-untyped-def]
+    """A key mask (a padded batch's dense decoding step, read as given) against float64
+    with the same mask: every row keeps or drops its keys by it, besides the lengths,
+    causal and window; a row it masks whole gives zeros and lse -inf; the 16-key tiles
+    it masks whole are skipped (row 1's first two: their keys and values hold NaN for
+    the kernel, a finite value for the reference; read, they would show). GQA, Nq 1
+    and 4, one split, several, fused merge; a mask shared by the batch (one row), a
+    strided view."""
+    lengths = [64, 64, 40, 64, 64]
+    for nq in (1, 4):
+        q, k, v, sl = make_inputs(5, 4, 2, nq, 64, 32, dtype, lengths, seed=nq + 40)
+        mask = _key_masks(5, 64)[kind]
+        mask = mask.to(DEVICE, mask.dtype if mask.dtype == torch.bool else dtype)
+        kp, vp = k.clone(), v.clone()
+        if kind != "float":  # the float biases keep every key somewhat
+            kp[1, :, :32] = vp[1, :, :32] = float("nan")
+        wide = torch.zeros(5, 1, 1, 96, dtype=mask.dtype, device=DEVICE)
+        wide[..., :64] = mask.reshape(5, 1, 1, 64)
+        views = {"contiguous": mask, "strided": wide[:, 0, 0, :64], "shared": mask[2:3]}
+        for view_name, km in views.items():
+            for causal, window, cfg in (
+                (False, None, decode.DecodeConfig(16, 4, 1, num_splits=2)),
+                (True, None, decode.DecodeConfig(16, 4, 1, num_splits=1)),
+                (False, (9, None), decode.DecodeConfig(16, 4, 1, num_splits=3, fused_merge=True)),
+            ):
+                if view_name == "shared" and kind != "float":
+                    keys, values = k, v  # row 2's mask keeps keys 0..24 of every row
+                else:
+                    keys, values = kp, vp
+                out, lse = decode.decode_attention(
+                    q, keys, values, sl, scale=0.3, causal=causal, window=window, key_mask=km,
+                    return_lse=True, config=cfg,
+                )  # fmt: skip
+                kw = {"scale": 0.3, "causal": causal, "window": window, "key_mask": km}
+                try:
+                    check(out, lse, q, k, v, lengths, **kw)
+                except AssertionError as exc:
+                    where = f"{view_name} nq={nq} causal={causal} window={window}"
+                    raise AssertionError(f"{where}: {exc}") from exc
 
 
 @pytest.mark.parametrize("page_size", [16, 32])

@@ -158,7 +158,7 @@ class TritonFlash(Backend):
         def runner(query, key, value, attn_mask):  # type: ignore[no-untyped-def]
             if forward_ad._current_level >= 0:  # dual tensors: the prefill path's autograd
                 return dense(query, key, value, attn_mask)
-            return forward_dense_decode(query, key, value, params)
+            return forward_dense_decode(query, key, value, attn_mask, params)
 
         return runner
 

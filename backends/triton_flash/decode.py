@@ -82,19 +82,21 @@ def _next_power_of_2(n: int) -> int:
 
 @triton.jit
 def _decode_step(
-    acc, l_i, m_i, q, K, V, BT, start, b, hkv, L, pos,
+    acc, l_i, m_i, q, K, V, BT, start, b, hkv, L, pos, key_mask,
     offs_n0, offs_d, offs_dv,
     stride_kp, stride_kh, stride_kn, stride_kd,
     stride_vp, stride_vh, stride_vn, stride_vd,
     HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, MASK_KIND: tl.constexpr,
 ):  # fmt: skip
     """Keys start .. start + BLOCK_N - 1 folded into the running softmax (scores in log2
     units). Contiguous caches: ``stride_kp`` is the batch stride (the kernel passes
     ``b`` as the "page"). MASKED: the tile may hold keys >= L or outside some row's band
-    (``pos`` (BLOCK_M,): each row's key position)."""
+    (``pos`` (BLOCK_M,): each row's key position). ``key_mask``: the tile's
+    :func:`_key_mask_tile` (MASK_KIND 1: which keys are kept; 2: the bias in log2
+    units), any value without a key mask."""
     offs_n = start + offs_n0
     if PAGED:
         if PAGE_SIZE >= BLOCK_N:
@@ -143,6 +145,10 @@ def _decode_step(
         s = _tanh(qk * ratio) * tl.minimum(softcap * LOG2E, FP32_MAX)
     else:
         s = qk * qk_scale
+    if MASK_KIND == 1:
+        s = tl.where(key_mask[None, :], s, float("-inf"))
+    elif MASK_KIND == 2:
+        s = s + key_mask[None, :]
     if MASKED:
         cols = offs_n[None, :]
         keep = (cols < L) & (cols <= pos[:, None] + win_right)
@@ -162,26 +168,65 @@ def _decode_step(
 
 @triton.jit
 def _decode_segment(
-    acc, l_i, m_i, q, K, V, BT, s0, s1, b, hkv, L, pos,
+    acc, l_i, m_i, q, K, V, BT, KM, s0, s1, b, hkv, L, pos,
     offs_n0, offs_d, offs_dv,
     stride_kp, stride_kh, stride_kn, stride_kd,
-    stride_vp, stride_vh, stride_vn, stride_vd,
+    stride_vp, stride_vh, stride_vn, stride_vd, stride_mn,
     HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, MASK_KIND: tl.constexpr,
 ):  # fmt: skip
-    """Key blocks s0 .. s1 - 1 (block indices) through :func:`_decode_step`."""
+    """Key blocks s0 .. s1 - 1 (block indices) through :func:`_decode_step`. With a key
+    mask, a tile whose every key it masks is skipped (no K/V read): a padded batch's
+    padding, an out-of-window stretch."""
     for blk in range(s0, s1):
-        acc, l_i, m_i = _decode_step(
-            acc, l_i, m_i, q, K, V, BT, blk * BLOCK_N, b, hkv, L, pos,
-            offs_n0, offs_d, offs_dv,
-            stride_kp, stride_kh, stride_kn, stride_kd,
-            stride_vp, stride_vh, stride_vn, stride_vd,
-            HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
-            MASKED, EVEN_D, HAS_LEFT, HAS_SOFTCAP, PAGED, PAGE_SIZE, BLOCK_N, INPUT_PRECISION,
-        )  # fmt: skip
+        if MASK_KIND != 0:
+            key_mask = _key_mask_tile(KM, blk * BLOCK_N + offs_n0, L, stride_mn, MASK_KIND)
+            if MASK_KIND == 1:
+                any_kept = tl.max(key_mask.to(tl.int32), 0) != 0
+            else:
+                # Skipped only where every bias is -inf (a NaN bias must reach the row).
+                any_kept = tl.min((key_mask == float("-inf")).to(tl.int32), 0) == 0
+            if any_kept:
+                acc, l_i, m_i = _decode_step(
+                    acc, l_i, m_i, q, K, V, BT, blk * BLOCK_N, b, hkv, L, pos, key_mask,
+                    offs_n0, offs_d, offs_dv,
+                    stride_kp, stride_kh, stride_kn, stride_kd,
+                    stride_vp, stride_vh, stride_vn, stride_vd,
+                    HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
+                    MASKED, EVEN_D, HAS_LEFT, HAS_SOFTCAP, PAGED, PAGE_SIZE, BLOCK_N,
+                    INPUT_PRECISION, MASK_KIND,
+                )  # fmt: skip
+        else:
+            acc, l_i, m_i = _decode_step(
+                acc, l_i, m_i, q, K, V, BT, blk * BLOCK_N, b, hkv, L, pos, 0,
+                offs_n0, offs_d, offs_dv,
+                stride_kp, stride_kh, stride_kn, stride_kd,
+                stride_vp, stride_vh, stride_vn, stride_vd,
+                HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
+                MASKED, EVEN_D, HAS_LEFT, HAS_SOFTCAP, PAGED, PAGE_SIZE, BLOCK_N,
+                INPUT_PRECISION, MASK_KIND,
+            )  # fmt: skip
     return acc, l_i, m_i
+
+
+@triton.jit
+def _key_mask_tile(KM, offs_n, L, stride_mn, MASK_KIND: tl.constexpr):
+    """Keys ``offs_n`` of one sequence's key mask (``KM`` at its row; keys >= L are not
+    read): MASK_KIND 1, bool (uint8, nonzero = kept) as int1; 2, a float bias in log2
+    units, finite values beyond float32's range after scaling clamped to +-FP32_MAX as
+    the dense kernels' scores clamp them (common._scores), -inf and NaN kept."""
+    inside = offs_n < L
+    ptrs = KM + offs_n.to(tl.int64) * stride_mn
+    if MASK_KIND == 1:
+        tile = tl.load(ptrs, mask=inside, other=0) != 0
+    else:
+        bias = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+        bias2 = bias * LOG2E
+        clamp = (tl.abs(bias2) > FP32_MAX) & (tl.abs(bias) < float("inf"))
+        tile = tl.where(clamp, tl.where(bias2 > 0, FP32_MAX, -FP32_MAX), bias2)
+    return tile
 
 
 @triton.jit
@@ -251,11 +296,11 @@ def _store_final(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def decode_split_kernel(
-    Q, K, V, SeqLens, BT, Part, Out, Lse, Counter,
+    Q, K, V, SeqLens, BT, Part, Out, Lse, Counter, KeyMask,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kp, stride_kh, stride_kn, stride_kd,
     stride_vp, stride_vh, stride_vn, stride_vd,
-    stride_btb,
+    stride_btb, stride_mb, stride_mn,
     stride_ob, stride_oh, stride_om, stride_od,
     HKV, GROUP, NQ, HEAD_D, HEAD_DV, num_splits,
     win_left, win_right, qk_scale, sm_scale, softcap,
@@ -263,6 +308,7 @@ def decode_split_kernel(
     BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    MASK_KIND: tl.constexpr = 0,
 ):  # fmt: skip
     """One (split, b * HKV + hkv, row block) program (module docstring).
 
@@ -272,6 +318,10 @@ def decode_split_kernel(
     ``Part[((bh * num_splits + split) * R + r) * HEAD_DV + d]`` and the lse part after
     all B * HKV * num_splits * R * HEAD_DV outputs; else the final Out (q's dtype,
     four strides) and Lse (float32, (B, HQ, NQ) contiguous: index bh * R + r).
+
+    MASK_KIND (0 none): a key mask shared by every head and row of a sequence, key n of
+    sequence b at ``KeyMask + b * stride_mb + n * stride_mn`` (stride_mb 0: one for all),
+    1 bool (as uint8, nonzero = kept), 2 float (added to the scores after the softcap).
 
     FUSED_MERGE (with SPLIT): no merge launch. Each program, after storing its partial,
     counts itself in ``Counter[bh * row blocks + row block]`` (int32, zero before the
@@ -330,27 +380,31 @@ def decode_split_kernel(
 
     if PAGED:
         BT = BT + b64 * stride_btb
+    KM = KeyMask + b64 * stride_mb
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_LEFT:
         acc, l_i, m_i = _decode_segment(
-            acc, l_i, m_i, q, K, V, BT, s0, a1, b64, hkv, L, pos, offs_n0, offs_d, offs_dv,
+            acc, l_i, m_i, q, K, V, BT, KM, s0, a1, b64, hkv, L, pos, offs_n0, offs_d, offs_dv,
             stride_kp, stride_kh, stride_kn, stride_kd, stride_vp, stride_vh, stride_vn, stride_vd,
-            HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
+            stride_mn, HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
             True, EVEN_D, HAS_LEFT, HAS_SOFTCAP, PAGED, PAGE_SIZE, BLOCK_N, INPUT_PRECISION,
+            MASK_KIND,
         )  # fmt: skip
     acc, l_i, m_i = _decode_segment(
-        acc, l_i, m_i, q, K, V, BT, a1, a2, b64, hkv, L, pos, offs_n0, offs_d, offs_dv,
+        acc, l_i, m_i, q, K, V, BT, KM, a1, a2, b64, hkv, L, pos, offs_n0, offs_d, offs_dv,
         stride_kp, stride_kh, stride_kn, stride_kd, stride_vp, stride_vh, stride_vn, stride_vd,
-        HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
+        stride_mn, HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
         False, EVEN_D, HAS_LEFT, HAS_SOFTCAP, PAGED, PAGE_SIZE, BLOCK_N, INPUT_PRECISION,
+        MASK_KIND,
     )  # fmt: skip
     acc, l_i, m_i = _decode_segment(
-        acc, l_i, m_i, q, K, V, BT, a2, s1, b64, hkv, L, pos, offs_n0, offs_d, offs_dv,
+        acc, l_i, m_i, q, K, V, BT, KM, a2, s1, b64, hkv, L, pos, offs_n0, offs_d, offs_dv,
         stride_kp, stride_kh, stride_kn, stride_kd, stride_vp, stride_vh, stride_vn, stride_vd,
-        HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
+        stride_mn, HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
         True, EVEN_D, HAS_LEFT, HAS_SOFTCAP, PAGED, PAGE_SIZE, BLOCK_N, INPUT_PRECISION,
+        MASK_KIND,
     )  # fmt: skip
 
     # "!= 0", not "> 0": a NaN sum (a NaN query or key) must give a NaN lse, as the
@@ -539,6 +593,7 @@ def _plan(
     element_size: int,
     precision: str,
     config: DecodeConfig | None,
+    mask_kind: int = 0,
 ) -> _Plan:
     """Everything of a launch but its tensors and scalars, per call signature (the host
     path pays one cache lookup). ``page_size`` 0: contiguous cache."""
@@ -564,6 +619,7 @@ def _plan(
         "SPLIT": splits > 1,
         "INPUT_PRECISION": precision,
         "FUSED_MERGE": splits > 1 and cfg.fused_merge,
+        "MASK_KIND": mask_kind,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
     }
@@ -598,6 +654,7 @@ def decode_attention(
     softcap: float | None = None,
     return_lse: bool = False,
     causal: bool = True,
+    key_mask: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of q against a KV cache, each sequence against its own length.
@@ -618,6 +675,12 @@ def decode_attention(
     causal        (keyword, default True) bottom-right causal: row i of sequence b
                   keeps keys j <= L_b - Nq + i. False: every row keeps keys < L_b
                   (within the window about position L_b - Nq + i, if any).
+    key_mask      None, or (1 or B, Nk or 1) bool (True = kept) or float (added to the
+                  scores after the softcap) on q's device, any strides: key j of
+                  sequence b is masked by ``key_mask[b, j]`` for every head and row
+                  (a padded batch's key padding), besides the lengths, causal and
+                  window; Nk covers the keys the lengths reach (not checked here).
+                  Key tiles it masks whole are not read.
     config        launch choices (benchmarks and tests); None: the defaults.
 
     Returns out (B, Hq, Nq, Dv) in q's dtype, and with ``return_lse`` also lse
@@ -629,23 +692,23 @@ def decode_attention(
         cache_seqlens = cache_seqlens.contiguous()
     if block_table is not None and block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
-    if not _direct(q, k_cache, v_cache, cache_seqlens, block_table):
+    if not _direct(q, k_cache, v_cache, cache_seqlens, block_table, key_mask):
         # Traced (torch.compile, export, fake tensors, dispatch/function modes): the
         # registered op, whose kernels Inductor sees through wrap_triton.
         out, lse = triton_decode(
-            q, k_cache, v_cache, cache_seqlens, block_table,
+            q, k_cache, v_cache, cache_seqlens, block_table, key_mask,
             *_op_options(q, scale, window, softcap, causal, config),
         )  # fmt: skip
         return (out, lse) if return_lse else out
     key = None
     if USE_PLANS and q.is_cuda:
-        key = _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, scale, window,
-                        softcap, causal, config)  # fmt: skip
+        key = _plan_key(q, k_cache, v_cache, cache_seqlens, block_table, key_mask, scale,
+                        window, softcap, causal, config)  # fmt: skip
         cached = _PLANS.get(key)
         if cached is not None:
-            return cached(q, k_cache, v_cache, cache_seqlens, block_table, return_lse)
-    out, lse = _run(q, k_cache, v_cache, cache_seqlens, block_table, scale, window, softcap,
-                    causal, config, key, False)  # fmt: skip
+            return cached(q, k_cache, v_cache, cache_seqlens, block_table, key_mask, return_lse)
+    out, lse = _run(q, k_cache, v_cache, cache_seqlens, block_table, key_mask, scale, window,
+                    softcap, causal, config, key, False)  # fmt: skip
     return (out, lse) if return_lse else out
 
 
@@ -655,6 +718,7 @@ def _run(
     v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None,
+    key_mask: torch.Tensor | None,
     scale: float | None,
     window: tuple[int | None, int | None] | None,
     softcap: float | None,
@@ -698,9 +762,10 @@ def _run(
     if causal:
         win_right = min(win_right, 0)
     has_softcap = softcap is not None
+    km, km_strides, mask_kind = _key_mask_view(key_mask, q)
     plan = _plan(
         q.device, b, hkv, hq // hkv, nq, d, dv, capacity, page_size, has_left, has_softcap,
-        q.element_size(), _input_precision(q.dtype), config,
+        q.element_size(), _input_precision(q.dtype), config, mask_kind,
     )  # fmt: skip
     splits = plan.num_splits
     part = torch.empty(plan.part_numel, device=q.device, dtype=torch.float32) if splits > 1 else out
@@ -717,8 +782,8 @@ def _run(
         # A traced call's counters are its own (never a kept buffer of fake tensors).
         counter = _counters(q.device, plan.counters, fresh=traced)
     args = (
-        q, k_cache, v_cache, cache_seqlens, bt, part, out, lse, counter,
-        *q.stride(), kp, kh, kn, kd, vp, vh, vn, vd, bt_stride, *out.stride(),
+        q, k_cache, v_cache, cache_seqlens, bt, part, out, lse, counter, km,
+        *q.stride(), kp, kh, kn, kd, vp, vh, vn, vd, bt_stride, *km_strides, *out.stride(),
         hkv, hq // hkv, nq, d, dv, splits, win_left, win_right,
         scale * 1.4426950408889634, scale, softcap if has_softcap else 1.0,
     )  # fmt: skip
@@ -730,7 +795,7 @@ def _run(
             _launcher(decode_merge_kernel, q)[plan.merge_grid](*merge_args, **plan.merge_meta)
         return out, lse
     compiled = decode_split_kernel[plan.grid](*args, **plan.split_meta)
-    launches: list[tuple] = [(decode_split_kernel, compiled, plan.grid, args, plan.split_meta, 9)]
+    launches: list[tuple] = [(decode_split_kernel, compiled, plan.grid, args, plan.split_meta, 10)]
     if merge:
         compiled = decode_merge_kernel[plan.merge_grid](*merge_args, **plan.merge_meta)
         launches.append((decode_merge_kernel, compiled, plan.merge_grid, merge_args,
@@ -738,6 +803,20 @@ def _run(
     if key is not None:
         _remember(key, _CallPlan(out, lse, plan.part_numel, plan.counters, launches))
     return out, lse
+
+
+def _key_mask_view(key_mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], int]:  # fmt: skip
+    """(the tensor the kernel reads as KeyMask, (stride_mb, stride_mn), MASK_KIND); q
+    stands in, never read, without a mask."""
+    if key_mask is None:
+        return q, (0, 0), 0
+    # A dim of one broadcasts (a mask shared by the batch, or by every key).
+    strides = tuple(
+        0 if size == 1 else stride for size, stride in zip(key_mask.shape, key_mask.stride())
+    )
+    if key_mask.dtype == torch.bool:
+        return key_mask.view(torch.uint8), strides, 1
+    return key_mask, strides, 2
 
 
 def _direct(*tensors: torch.Tensor | None) -> bool:
@@ -817,6 +896,7 @@ def _op_impl(
     v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None,
+    key_mask: torch.Tensor | None,
     scale: float,
     window_left: int,
     window_right: int,
@@ -837,7 +917,7 @@ def _op_impl(
     config = None
     if block_n:
         config = DecodeConfig(block_n, num_warps, num_stages, num_splits or None, fused_merge)
-    return _run(q, k_cache, v_cache, cache_seqlens, block_table, scale, window,
+    return _run(q, k_cache, v_cache, cache_seqlens, block_table, key_mask, scale, window,
                 softcap or None, causal, config, None, True)  # fmt: skip
 
 
@@ -903,12 +983,15 @@ def _plan_key(
     v: torch.Tensor,
     seqlens: torch.Tensor,
     table: torch.Tensor | None,
+    key_mask: torch.Tensor | None,
     *options: Any,
 ) -> tuple:
     return (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), seqlens.shape,
         None if table is None else (table.shape, table.stride(), table.dtype,
                                     table.data_ptr() % 16 == 0, table.get_device()),
+        None if key_mask is None else (key_mask.shape, key_mask.stride(), key_mask.dtype,
+                                       key_mask.data_ptr() % 16 == 0, key_mask.get_device()),
         q.dtype, k.dtype, v.dtype, seqlens.dtype, q.data_ptr() % 16 == 0,
         k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, seqlens.data_ptr() % 16 == 0,
         options, torch._C._cuda_getDevice(), q.get_device(), k.get_device(),
@@ -959,19 +1042,21 @@ class _CallPlan:
         v: torch.Tensor,
         seqlens: torch.Tensor,
         table: torch.Tensor | None,
+        key_mask: torch.Tensor | None,
         return_lse: bool,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(self.out_shape, device=self.device, dtype=self.dtype)
         lse = torch.empty(self.lse_shape, device=self.device, dtype=torch.float32)
         bt = seqlens if table is None else table
+        km = q if key_mask is None else key_mask  # the pointer is all the launch reads
         if not self.part_numel:
-            self.split(q, k, v, seqlens, bt, out, out, lse, lse)
+            self.split(q, k, v, seqlens, bt, out, out, lse, lse, km)
             return (out, lse) if return_lse else out
         part = torch.empty(self.part_numel, device=self.device, dtype=torch.float32)
         if self.counters:
             counter = _counters(self.device, self.counters)
-            self.split(q, k, v, seqlens, bt, part, out, lse, counter)
+            self.split(q, k, v, seqlens, bt, part, out, lse, counter, km)
         else:
-            self.split(q, k, v, seqlens, bt, part, out, lse, lse)
+            self.split(q, k, v, seqlens, bt, part, out, lse, lse, km)
             self.merge(part, out, lse)
         return (out, lse) if return_lse else out

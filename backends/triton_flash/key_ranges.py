@@ -1,7 +1,8 @@
 """triton_flash's dense calls whose bool mask is key padding, run as key ranges.
 
 A model's padding mask (Hugging Face's, after :mod:`attnhub.mask_structure` has taken
-the causal or window structure out of it, or a (B, 1, 1, Nk) mask passed as it is)
+the causal or window structure out of it, or a (B, 1, 1, Nk) mask passed as it is, to a
+call of more query rows than the decode kernel takes: serving.decode_shaped)
 says, for each batch entry, which keys every query row may see; where those keys are
 one contiguous run (right or left padding), the call is the dense call restricted to
 keys lo_b .. hi_b - 1. The kernels then run in their key-range mode (kernels'
@@ -14,8 +15,8 @@ benchmarks/results/archive/workloads-padding-h200-2026-12-02-953f2b6.md).
 What qualifies (:func:`ranges_of`): a bool mask of shape (1 or B, 1, 1, Nk) whose True
 entries form one run per batch entry (an empty run too: every row then has no key and
 gets zeros, lse -inf, as the contract says), in an eager call outside CUDA-graph
-capture; reading the runs costs one device synchronization per mask tensor (none where
-:mod:`attnhub.mask_structure` read the mask first: :mod:`attnhub.mask_rows`), kept while
+capture; reading the runs costs one device synchronization per mask tensor
+(:mod:`attnhub.mask_rows`, shared with torch_sdpa's reading of the same mask), kept while
 the tensor lives unchanged (:class:`attnhub.tensor_memo.TensorMemo`), so the layers of
 one forward pass pay it once (under ``torch.inference_mode``, every layer: inference
 tensors keep no version counter). Dropout calls keep the mask path (its random stream is
@@ -47,9 +48,8 @@ _memo: TensorMemo[torch.Tensor | None] = TensorMemo()
 
 def _runs(mask: torch.Tensor) -> torch.Tensor | None:
     """int32 (mb, 2) [first, end) of each row's True run of a (mb, 1, 1, Nk) bool mask,
-    or None where a row's True entries are not one run ((0, 0) for a row of none). The
-    rows' reading is :mod:`attnhub.mask_structure`'s where it read this mask (a patched
-    decoding step's), else made here (one synchronization) and kept for it."""
+    or None where a row's True entries are not one run ((0, 0) for a row of none): one
+    synchronization, kept with the mask (:mod:`attnhub.mask_rows`)."""
     rows = row_keys(mask)
     if not rows.runs:
         return None

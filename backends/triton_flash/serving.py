@@ -8,9 +8,14 @@ sizes. It has no backward. What it cannot serve, :func:`kvcache_reasons` says, f
 ``TritonFlash.extra_reasons``. Packed sequences ("varlen") are served by the prefill
 kernels (packed.py), with every option that call offers.
 
-Dense calls shaped like decoding (:func:`decode_shaped`: a few query rows, no mask, no
-dropout, no gradient) run on the decode kernel too, the keys and values read as a
-contiguous cache whose every sequence is full (:func:`forward_dense_decode`). The
+Dense calls shaped like decoding (:func:`decode_shaped`: a few query rows, no mask or
+one per key, no dropout, no gradient) run on the decode kernel too, the keys and values
+read as a contiguous cache whose every sequence is full (:func:`forward_dense_decode`).
+A key mask (a padded batch's decoding step: (B, 1, 1, Nk), True = kept) goes to the
+kernel as it is, read tile by tile beside the keys, and the tiles it masks whole are not
+read: nothing of it is read on the host, where finding its padded runs costs a device
+synchronization and several small kernels in every step (benchmarks/results/archive/
+patched-generate-probe-padded-drain-h100-2026-12-06-*). The
 prefill kernel tiles such a call in blocks of 64-128 query rows for one to sixteen real
 ones and walks the keys in one program per row block: on the H200 it read a 32K-key
 cache at 1.08 TB/s where the split-KV decode kernel reads 4.0-4.4 (issue 17;
@@ -55,12 +60,12 @@ DENSE_DECODE_MAX_NQ = 16
 
 def decode_shaped(request: AttentionRequest) -> bool:
     """Whether a dense call runs on the decode kernel (module docstring): at most
-    DENSE_DECODE_MAX_NQ query rows (the request's bucket bounds them), no mask, no
-    dropout, and nothing :func:`kvcache_reasons` refuses a cache call (a gradient, a
-    top-left diagonal that matters)."""
+    DENSE_DECODE_MAX_NQ query rows (the request's bucket bounds them), no mask or one
+    that varies along the keys only, no dropout, and nothing :func:`kvcache_reasons`
+    refuses a cache call (a gradient, a top-left diagonal that matters)."""
     return (
         request.seqlen_q <= DENSE_DECODE_MAX_NQ
-        and request.mask == "none"
+        and (request.mask == "none" or request.mask_per_key)
         and not request.dropout
         and not request.block_sparse
         and not kvcache_reasons(request)
@@ -90,11 +95,17 @@ def _full_lengths(key: torch.Tensor) -> torch.Tensor:
 
 
 def forward_dense_decode(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: AttentionParams
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    params: AttentionParams,
 ) -> Any:
     """A decode-shaped dense call (:func:`decode_shaped`) on the decode kernel: key and
-    value (B, Hkv, Nk, D) as a contiguous cache of B full sequences."""
-    return forward_kvcache(query, key, value, _full_lengths(key), None, params)
+    value (B, Hkv, Nk, D) as a contiguous cache of B full sequences; ``attn_mask``
+    None or a key mask, (1 or B, 1, 1, Nk) (its (1 or B, Nk) view is the kernel's)."""
+    key_mask = None if attn_mask is None else attn_mask[:, 0, 0, :]
+    return forward_kvcache(query, key, value, _full_lengths(key), None, params, key_mask)
 
 
 _decode_attention: Any = None
@@ -107,8 +118,10 @@ def forward_kvcache(
     seqlens_k: torch.Tensor,
     block_table: torch.Tensor | None,
     params: AttentionParams,
+    key_mask: torch.Tensor | None = None,
 ) -> Any:
-    """``Backend.forward_kvcache`` through :func:`.decode.decode_attention`."""
+    """``Backend.forward_kvcache`` through :func:`.decode.decode_attention` (``key_mask``:
+    its argument, for :func:`forward_dense_decode`)."""
     global _decode_attention
     if _decode_attention is None:  # imports Triton: on the first call, not at import
         from .decode import decode_attention as _decode_attention
@@ -116,4 +129,5 @@ def forward_kvcache(
         query, k_cache, v_cache, seqlens_k,
         block_table=block_table, scale=params.scale, window=params.window,
         softcap=params.softcap, return_lse=params.return_lse, causal=params.causal,
+        key_mask=key_mask,
     )  # fmt: skip
