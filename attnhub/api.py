@@ -24,7 +24,7 @@ from . import autotune, call_stats, dispatch
 from .backend import Runner
 from .errors import BrokenBackendError
 from .registry import get_registry, on_invalidate
-from .request import OPTION_NAMES, AttentionParams, AttentionRequest
+from .request import OPTION_NAMES, AttentionParams, AttentionRequest, seqlen_bucket
 from .validation import (
     RequestFacts,
     build_request,
@@ -53,6 +53,14 @@ _ENV_BACKEND, _ENV_STRICT = dispatch.ENVIRONMENT_KEYS
 _stats_local = call_stats.local
 _new_stats_counts = call_stats.new_thread_counts
 _CALL_CACHE_LIMIT = 4096
+# The decided entries again, keyed by _length_free(call key): a call that differs from
+# a decided one only in its key length, within that length's bucket (a decoding loop's
+# next step: one key more each step), has the same request, so the same decision and
+# runner (requests hold lengths as buckets, and runners serve every call of their
+# request: torch.compile's graphs reuse them so). It skips validation and the decision
+# (on the development CPU, 127 us a call with a new key length, 54 us repeated; the
+# first layer of every patched decoding step paid it), and gets guards of its own.
+_length_free_cache: dict[_CallKey, _Entry] = {}
 
 
 class _NoGuards:
@@ -81,6 +89,7 @@ def clear_call_cache() -> None:
     global _last
     with _call_cache_lock:
         _call_cache.clear()
+        _length_free_cache.clear()
         _last = _NO_ENTRY
 
 
@@ -413,42 +422,79 @@ def _slow_path(
     options: tuple[Any, ...],
     backend: Any,
 ) -> _Entry:
-    """Validate, decide and prepare a call; remember the result under its key."""
+    """Validate, decide and prepare a call (or take the decision of a call that differs
+    only in its key length: _length_free_cache); remember the result under its key."""
     global _last
-    decision, params = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
-    if autotune.wanted(decision, params, query.device):
-        # A signature this machine has not measured: time the eligible backends on
-        # this call, then decide again (the measurement now ranks).
-        mask = (
-            attn_mask
-            if attn_mask is None
-            else attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-        )
-        autotune.measure(decision, params, query, key, value, mask)
-        decision = _decide(decision.request, backend)
-    chosen, runner = dispatch.prepare(decision, params)  # a failing prepare is contained
-    if attn_mask is not None and attn_mask.dim() < 4:
-        runner = _with_4d_mask(runner, attn_mask.shape)
+    length_free = _length_free(call_key)
+    decided = _length_free_cache.get(length_free) if length_free is not None else None
+    if decided is not None:
+        name, runner, deterministic = decided[0], decided[1], decided[4]
+    else:
+        decision, params = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
+        if autotune.wanted(decision, params, query.device):
+            # A signature this machine has not measured: time the eligible backends on
+            # this call, then decide again (the measurement now ranks).
+            mask = (
+                attn_mask
+                if attn_mask is None
+                else attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+            )
+            autotune.measure(decision, params, query, key, value, mask)
+            decision = _decide(decision.request, backend)
+        chosen, runner = dispatch.prepare(decision, params)  # a failing prepare is contained
+        if attn_mask is not None and attn_mask.dim() < 4:
+            runner = _with_4d_mask(runner, attn_mask.shape)
+        name = chosen.name
+        deterministic = _deterministic() if decision.request.needs_grad else None
     # An empty tensor's key does not pin its layout (is_contiguous() is True whatever
     # the strides), and empty calls are rare: they are decided every time.
     if not (call_key and query.numel() and key.numel() and value.numel()):
-        return (chosen.name, runner, _NO_GUARDS, _NO_CONTEXT, None)
+        return (name, runner, _NO_GUARDS, _NO_CONTEXT, None)
     tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
     guards = _Guards.make(tensors)
-    request = decision.request
     entry: _Entry = (
-        chosen.name,
+        name,
         runner,
         _NO_GUARDS if guards is None else guards,
         _NO_CONTEXT if guards is None else context,
-        _deterministic() if request.needs_grad else None,
+        deterministic,
     )
     with _call_cache_lock:
         if len(_call_cache) >= _CALL_CACHE_LIMIT:
             _call_cache.clear()
+            _length_free_cache.clear()
         _call_cache[call_key] = entry
+        if length_free is not None:
+            _length_free_cache[length_free] = entry
         _last = entry
     return entry
+
+
+def _length_free(call_key: _CallKey) -> _CallKey | None:
+    """``call_key`` (:func:`_cached`'s) with the key length Nk replaced by what a request
+    reads of it: its bucket, Nq == Nk, Nq > Nk; the mask's key dim by whether it is 1.
+    None where the request reads more (a window: a side at or beyond Nq + Nk is
+    unbounded; the attention() keyword options' key holds it at index 2), or where
+    validation would refuse the call (value or mask keys that are not Nk): those take
+    the slow path."""
+    if not call_key:
+        return None
+    query_shape, key_shape, value_shape = call_key[:3]
+    mask = call_key[12]
+    options = call_key[13][0]
+    nq, nk = query_shape[2], key_shape[2]
+    if value_shape[2] != nk or (options.__class__ is tuple and len(options) > 2 and options[2] is not None):  # fmt: skip
+        return None
+    if mask is not None:
+        mask_shape = mask[0]
+        keys = mask_shape[-1] if mask_shape else 1  # a 0-d mask broadcasts over the keys
+        if keys not in (1, nk):
+            return None
+        mask = (mask_shape[:-1], keys == 1, *mask[1:])
+    return (
+        query_shape, key_shape[:2] + key_shape[3:], value_shape[:2] + value_shape[3:],
+        seqlen_bucket(nk), nq == nk, nq > nk, *call_key[3:12], mask, *call_key[13:],
+    )  # fmt: skip
 
 
 def _with_4d_mask(runner: Runner, mask_shape: Sequence[int]) -> Runner:

@@ -340,6 +340,51 @@ def test_sequence_lengths_share_a_decision_within_a_bucket(fake_registry):
     assert d1.request == d2.request and d1 is dispatch.decide(d1.request, d1.selection)
 
 
+def test_a_new_key_length_within_its_bucket_takes_the_decided_call(fake_registry, monkeypatch):
+    """A decoding loop's calls differ only in the key length, one key more each step:
+    within the length's bucket they take the decided call's decision and runner without
+    validating or deciding again, each with its own answer. A new bucket, a length that
+    turns Nq == Nk or Nq > Nk, a window (whose sides are unbounded past Nq + Nk) decide
+    again; calls that validation refuses still raise."""
+    general = fake("general", gqa=True)
+    fake_registry.add(general)
+    checked = []
+    original = api.check_tensors
+    monkeypatch.setattr(api, "check_tensors", lambda *a: checked.append(1) or original(*a))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 2, 8, generator=gen)
+
+    def call(n, mask=None, **options):  # type: ignore[no-untyped-def]
+        k, v = (torch.randn(2, 2, n, 8, generator=gen) for _ in "kv")
+        out = attnhub.attention(q, k, v, mask, **options)
+        params = AttentionParams(scale=8**-0.5, **{"alignment": "top_left", **options})
+        want, _ = reference_attention(q, k, v, mask, params)
+        torch.testing.assert_close(out, want)
+
+    for n in (33, 34, 50, 64):  # bucket 64
+        call(n, causal=True, alignment="bottom_right")
+    assert (len(checked), general.calls) == (1, 4)
+    call(65, causal=True, alignment="bottom_right")  # bucket 128
+    assert len(checked) == 2
+    for n in (3, 4):  # bucket 4: decided once
+        call(n, causal=True, alignment="bottom_right")
+    assert len(checked) == 3
+    call(2, causal=True, alignment="bottom_right")  # Nq == Nk: another request
+    call(1, causal=True, alignment="bottom_right")  # Nq > Nk: another again
+    assert len(checked) == 5
+    for n in (40, 41):  # a key padding mask of the call's keys
+        call(n, torch.rand(2, 1, 1, n, generator=gen) > 0.3)
+    assert len(checked) == 6
+    for n in (40, 41):  # a window: decided for each length
+        call(n, window=(3, None))
+    assert len(checked) == 8
+    with pytest.raises(ValueError, match="same sequence length"):
+        attnhub.attention(q, torch.randn(2, 2, 42, 8), torch.randn(2, 2, 43, 8))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        k = torch.randn(2, 2, 42, 8)
+        attnhub.attention(q, k, k, torch.ones(2, 1, 1, 41, dtype=torch.bool))
+
+
 def test_use_backend_restricts_orders_and_is_thread_local(fake_registry):
     fake_registry.add(fake("first", priority=10))
     fake_registry.add(fake("second", priority=5))

@@ -365,6 +365,24 @@ def test_compile_fullgraph():  # type: ignore[no-untyped-def]
     check(*got, q, k, v, lengths, scale=0.3, window=(20, 0))
 
 
+def test_compile_fullgraph_with_a_key_mask():  # type: ignore[no-untyped-def]
+    """The key mask goes through the registered op too (an optional tensor argument):
+    compiled, the eager answer, float64's."""
+    lengths = [64, 64]
+    q, k, v, sl = make_inputs(2, 4, 2, 1, 64, 32, torch.float32, lengths, seed=32)
+    keep = torch.arange(64, device=DEVICE)[None, :] >= torch.tensor([[0], [37]], device=DEVICE)
+
+    def f(q, k, v, sl, keep):  # type: ignore[no-untyped-def]
+        return decode.decode_attention(q, k, v, sl, scale=0.3, causal=False, key_mask=keep,
+                                       return_lse=True)  # fmt: skip
+
+    backend = "inductor" if HAS_CUDA else "aot_eager"
+    got = torch.compile(f, backend=backend, fullgraph=True)(q, k, v, sl, keep)
+    eager = f(q, k, v, sl, keep)
+    torch.testing.assert_close(got[0], eager[0], atol=1e-5, rtol=1e-5)
+    check(*got, q, k, v, lengths, scale=0.3, causal=False, key_mask=keep)
+
+
 def test_split_heuristic(monkeypatch):  # type: ignore[no-untyped-def]
     """The fewest splits whose waves of 3 programs per SM are within 15% of the best
     filled, with at least 4 tiles per split, at most 64 (under the interpreter: up to 4
