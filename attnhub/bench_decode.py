@@ -23,7 +23,7 @@ length Nk (so PyTorch's kernels read exactly the same keys from the un-sliced ca
   cuDNN / efficient kernels with a bool mask.
 - ``padded``: Nq=1 with a left-padded batch's (B, 1, 1, Nk) bool key mask (entry b keeps
   its last Nk - b * Nk / (2B) keys), Nk 4K and 32K, the decoding step of a padded
-  ``generate``: ours (the key mask read tile by tile, tiles it masks whole skipped),
+  ``generate``: ours (the key mask read tile by tile, the keys it masks never read),
   SDPA's cuDNN and memory-efficient kernels with the mask, and Flex (a padding block
   mask built once; and built in each call, as a model's changing mask needs).
   Bandwidth counts the kept keys only.

@@ -570,7 +570,7 @@ def _reads_mask(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor 
     PyTorch's error to raise (the dense path keeps it), never dropped by a plan that
     needs no key mask. Not a decoding step's (one query row): its structure is at most
     key padding, and the kernels take it as it is (triton_flash's decode kernel reads it
-    tile by tile beside the keys and skips the tiles it masks whole), where reading it
+    tile by tile beside the keys, and never the keys it masks), where reading it
     costs a device synchronization and several small kernels at every step: the first
     layer's patched call took 660 us of host time on an H100 where stock SDPA's took
     110 (archive/patched-generate-probe-padded-drain-h100-2026-12-06-2175d7e.txt).

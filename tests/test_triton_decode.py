@@ -159,8 +159,8 @@ def test_window_softcap(dtype):  # type: ignore[no-untyped-def]
 
 def _key_masks(batch: int, nk: int) -> dict[str, torch.Tensor]:
     """Key masks of a padded batch's decoding step, (B, Nk): left padding (row 1 keeps
-    its last 20 keys: its first tile masked whole), right padding, holes, a row keeping
-    no key, one keeping a single key; as bool and as the float 0 / -inf, and a float one
+    its last 20 keys), right padding, holes, a row keeping no key, one keeping a single
+    key; as bool and as the float 0 / -inf, and a float one
     with finite biases, -3e38 among them (beyond float32 once in log2 units)."""
     g = torch.Generator().manual_seed(nk)
     keep = torch.ones(batch, nk, dtype=torch.bool)
@@ -184,34 +184,30 @@ def _key_masks(batch: int, nk: int) -> dict[str, torch.Tensor]:
 def test_key_mask(dtype, kind):  # type: ignore[no-untyped-def]
     """A key mask (a padded batch's dense decoding step, read as given) against float64
     with the same mask: every row keeps or drops its keys by it, besides the lengths,
-    causal and window; a row it masks whole gives zeros and lse -inf; the 16-key tiles
-    it masks whole are skipped (row 1's first two: their keys and values hold NaN for
-    the kernel, a finite value for the reference; read, they would show). GQA, Nq 1
-    and 4, one split, several, fused merge; a mask shared by the batch (one row), a
-    strided view."""
+    causal and window; a row it masks whole gives zeros and lse -inf; the keys it masks
+    are never read (their keys and values hold NaN for the kernel, a finite value for
+    the reference). GQA, Nq 1 and 4, one split, several, fused merge; a mask shared by
+    the batch (one row), a strided view."""
     lengths = [64, 64, 40, 64, 64]
     for nq in (1, 4):
         q, k, v, sl = make_inputs(5, 4, 2, nq, 64, 32, dtype, lengths, seed=nq + 40)
         mask = _key_masks(5, 64)[kind]
         mask = mask.to(DEVICE, mask.dtype if mask.dtype == torch.bool else dtype)
-        kp, vp = k.clone(), v.clone()
-        if kind != "float":  # the float biases keep every key somewhat
-            kp[1, :, :32] = vp[1, :, :32] = float("nan")
         wide = torch.zeros(5, 1, 1, 96, dtype=mask.dtype, device=DEVICE)
         wide[..., :64] = mask.reshape(5, 1, 1, 64)
         views = {"contiguous": mask, "strided": wide[:, 0, 0, :64], "shared": mask[2:3]}
         for view_name, km in views.items():
+            masked = ~km if km.dtype == torch.bool else km == float("-inf")
+            hidden = masked.expand(5, 64)[:, None, :, None]
+            kp, vp = k.masked_fill(hidden, float("nan")), v.masked_fill(hidden, float("nan"))
             for causal, window, cfg in (
                 (False, None, decode.DecodeConfig(16, 4, 1, num_splits=2)),
                 (True, None, decode.DecodeConfig(16, 4, 1, num_splits=1)),
                 (False, (9, None), decode.DecodeConfig(16, 4, 1, num_splits=3, fused_merge=True)),
+                (False, None, None),  # the default launch
             ):
-                if view_name == "shared" and kind != "float":
-                    keys, values = k, v  # row 2's mask keeps keys 0..24 of every row
-                else:
-                    keys, values = kp, vp
                 out, lse = decode.decode_attention(
-                    q, keys, values, sl, scale=0.3, causal=causal, window=window, key_mask=km,
+                    q, kp, vp, sl, scale=0.3, causal=causal, window=window, key_mask=km,
                     return_lse=True, config=cfg,
                 )  # fmt: skip
                 kw = {"scale": 0.3, "causal": causal, "window": window, "key_mask": km}
@@ -414,7 +410,7 @@ from triton.compiler import ASTSource
 from attnhub.backends.triton_flash import decode
 
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-         torch.int32: "i32", torch.int64: "i64"}
+         torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 launches = []
 
 class Recorder:
@@ -434,6 +430,8 @@ for dtype, d, nq, page, kw in [
     (torch.bfloat16, 96, 16, 32, {}),
     (torch.bfloat16, 128, 4, 0, {"config": decode.DecodeConfig(64, 4, 3, 6, True)}),
     (torch.bfloat16, 128, 1, 16, {"config": decode.DecodeConfig(64, 4, 5, 6, True)}),
+    (torch.bfloat16, 128, 1, 0, {"key_mask": torch.ones(8, 4096, dtype=torch.bool)}),
+    (torch.float16, 64, 4, 0, {"key_mask": torch.zeros(1, 4096, dtype=torch.float16)}),
 ]:
     q = torch.randn(8, 32, nq, d, dtype=dtype)
     seqlens = torch.full((8,), 4096, dtype=torch.int32)
@@ -487,8 +485,8 @@ for kernel, args, kwargs in launches:
 
 def test_kernels_compile_for_sm90():  # type: ignore[no-untyped-def]
     """Both kernels compile for sm_90 at their default launches (contiguous and paged,
-    every dtype, D 64/96/128/256, window and softcap), within 227 KiB of shared memory
-    and without register spills."""
+    every dtype, D 64/96/128/256, window and softcap, bool and float key masks), within
+    227 KiB of shared memory and without register spills."""
     import subprocess
     import sys
 

@@ -121,14 +121,21 @@ def _decode_step(
         v_rows = b * stride_vp + rows * stride_vn
     k_ptrs = K + hkv * stride_kh + k_rows[:, None] + offs_d[None, :] * stride_kd
     v_ptrs = V + hkv * stride_vh + v_rows[:, None] + offs_dv[None, :] * stride_vd
-    if MASKED:
-        in_seq = offs_n < L
-        if EVEN_D:
-            k = tl.load(k_ptrs, mask=in_seq[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
+    if MASKED or MASK_KIND != 0:
+        # The rows to read: keys < L, and those the key mask keeps (a masked key's K and
+        # V rows are never fetched: the padding of a padded batch costs no bandwidth).
+        if MASK_KIND == 0:
+            read = offs_n < L
+        elif MASKED:
+            read = (offs_n < L) & _kept(key_mask, MASK_KIND)
         else:
-            k = tl.load(k_ptrs, mask=in_seq[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
-            v = tl.load(v_ptrs, mask=in_seq[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.0)
+            read = _kept(key_mask, MASK_KIND)
+        if EVEN_D:
+            k = tl.load(k_ptrs, mask=read[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=read[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=read[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
+            v = tl.load(v_ptrs, mask=read[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.0)
     else:
         if EVEN_D:
             k = tl.load(k_ptrs)
@@ -177,44 +184,28 @@ def _decode_segment(
     HAS_SOFTCAP: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, MASK_KIND: tl.constexpr,
 ):  # fmt: skip
-    """Key blocks s0 .. s1 - 1 (block indices) through :func:`_decode_step`. With a key
-    mask, a tile whose every key it masks is skipped (no K/V read): a padded batch's
-    padding, an out-of-window stretch."""
+    """Key blocks s0 .. s1 - 1 (block indices) through :func:`_decode_step`, each with
+    its tile of the key mask (MASK_KIND != 0)."""
     for blk in range(s0, s1):
+        key_mask = 0
         if MASK_KIND != 0:
             key_mask = _key_mask_tile(KM, blk * BLOCK_N + offs_n0, L, stride_mn, MASK_KIND)
-            if MASK_KIND == 1:
-                any_kept = tl.max(key_mask.to(tl.int32), 0) != 0
-            else:
-                # Skipped only where every bias is -inf (a NaN bias must reach the row).
-                any_kept = tl.min((key_mask == float("-inf")).to(tl.int32), 0) == 0
-            if any_kept:
-                acc, l_i, m_i = _decode_step(
-                    acc, l_i, m_i, q, K, V, BT, blk * BLOCK_N, b, hkv, L, pos, key_mask,
-                    offs_n0, offs_d, offs_dv,
-                    stride_kp, stride_kh, stride_kn, stride_kd,
-                    stride_vp, stride_vh, stride_vn, stride_vd,
-                    HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
-                    MASKED, EVEN_D, HAS_LEFT, HAS_SOFTCAP, PAGED, PAGE_SIZE, BLOCK_N,
-                    INPUT_PRECISION, MASK_KIND,
-                )  # fmt: skip
-        else:
-            acc, l_i, m_i = _decode_step(
-                acc, l_i, m_i, q, K, V, BT, blk * BLOCK_N, b, hkv, L, pos, 0,
-                offs_n0, offs_d, offs_dv,
-                stride_kp, stride_kh, stride_kn, stride_kd,
-                stride_vp, stride_vh, stride_vn, stride_vd,
-                HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
-                MASKED, EVEN_D, HAS_LEFT, HAS_SOFTCAP, PAGED, PAGE_SIZE, BLOCK_N,
-                INPUT_PRECISION, MASK_KIND,
-            )  # fmt: skip
+        acc, l_i, m_i = _decode_step(
+            acc, l_i, m_i, q, K, V, BT, blk * BLOCK_N, b, hkv, L, pos, key_mask,
+            offs_n0, offs_d, offs_dv,
+            stride_kp, stride_kh, stride_kn, stride_kd,
+            stride_vp, stride_vh, stride_vn, stride_vd,
+            HEAD_D, HEAD_DV, win_left, win_right, qk_scale, sm_scale, softcap,
+            MASKED, EVEN_D, HAS_LEFT, HAS_SOFTCAP, PAGED, PAGE_SIZE, BLOCK_N, INPUT_PRECISION,
+            MASK_KIND,
+        )  # fmt: skip
     return acc, l_i, m_i
 
 
 @triton.jit
 def _key_mask_tile(KM, offs_n, L, stride_mn, MASK_KIND: tl.constexpr):
     """Keys ``offs_n`` of one sequence's key mask (``KM`` at its row; keys >= L are not
-    read): MASK_KIND 1, bool (uint8, nonzero = kept) as int1; 2, a float bias in log2
+    read): MASK_KIND 1, bool, as int1 (True = kept); 2, a float bias in log2
     units, finite values beyond float32's range after scaling clamped to +-FP32_MAX as
     the dense kernels' scores clamp them (common._scores), -inf and NaN kept."""
     inside = offs_n < L
@@ -227,6 +218,17 @@ def _key_mask_tile(KM, offs_n, L, stride_mn, MASK_KIND: tl.constexpr):
         clamp = (tl.abs(bias2) > FP32_MAX) & (tl.abs(bias) < float("inf"))
         tile = tl.where(clamp, tl.where(bias2 > 0, FP32_MAX, -FP32_MAX), bias2)
     return tile
+
+
+@triton.jit
+def _kept(key_mask, MASK_KIND: tl.constexpr):
+    """Which keys of a :func:`_key_mask_tile` the mask keeps: True, or a bias other than
+    -inf (NaN included: it must reach its row)."""
+    if MASK_KIND == 1:
+        kept = key_mask
+    else:
+        kept = key_mask != float("-inf")
+    return kept
 
 
 @triton.jit
@@ -321,7 +323,7 @@ def decode_split_kernel(
 
     MASK_KIND (0 none): a key mask shared by every head and row of a sequence, key n of
     sequence b at ``KeyMask + b * stride_mb + n * stride_mn`` (stride_mb 0: one for all),
-    1 bool (as uint8, nonzero = kept), 2 float (added to the scores after the softcap).
+    1 bool (True = kept), 2 float (added to the scores after the softcap).
 
     FUSED_MERGE (with SPLIT): no merge launch. Each program, after storing its partial,
     counts itself in ``Counter[bh * row blocks + row block]`` (int32, zero before the
@@ -680,7 +682,7 @@ def decode_attention(
                   sequence b is masked by ``key_mask[b, j]`` for every head and row
                   (a padded batch's key padding), besides the lengths, causal and
                   window; Nk covers the keys the lengths reach (not checked here).
-                  Key tiles it masks whole are not read.
+                  The keys it masks are not read (their K and V rows).
     config        launch choices (benchmarks and tests); None: the defaults.
 
     Returns out (B, Hq, Nq, Dv) in q's dtype, and with ``return_lse`` also lse
@@ -814,9 +816,9 @@ def _key_mask_view(key_mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torc
     strides = tuple(
         0 if size == 1 else stride for size, stride in zip(key_mask.shape, key_mask.stride())
     )
-    if key_mask.dtype == torch.bool:
-        return key_mask.view(torch.uint8), strides, 1
-    return key_mask, strides, 2
+    # A bool mask goes as it is (Triton reads it as int1): a uint8 view of it is an
+    # op that Inductor cannot lower (aten.view.dtype of bool) in a compiled call.
+    return key_mask, strides, 1 if key_mask.dtype == torch.bool else 2
 
 
 def _direct(*tensors: torch.Tensor | None) -> bool:

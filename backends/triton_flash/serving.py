@@ -12,7 +12,7 @@ Dense calls shaped like decoding (:func:`decode_shaped`: a few query rows, no ma
 one per key, no dropout, no gradient) run on the decode kernel too, the keys and values
 read as a contiguous cache whose every sequence is full (:func:`forward_dense_decode`).
 A key mask (a padded batch's decoding step: (B, 1, 1, Nk), True = kept) goes to the
-kernel as it is, read tile by tile beside the keys, and the tiles it masks whole are not
+kernel as it is, read tile by tile beside the keys, and the keys it masks are not
 read: nothing of it is read on the host, where finding its padded runs costs a device
 synchronization and several small kernels in every step (benchmarks/results/archive/
 patched-generate-probe-padded-drain-h100-2026-12-06-*). The
