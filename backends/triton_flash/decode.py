@@ -239,7 +239,11 @@ def _fence(x):
     one after another and needs none (nor can it run PTX)."""
     if not INTERPRETED:
         x = tl.inline_asm_elementwise(
-            "fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+            # One line, no escape sequences: Inductor pastes a kernel's source into a
+            # triple-quoted string of its generated module, where a newline escape here
+            # became a line break inside this literal (a SyntaxError when compiled).
+            # PTX ends each statement at its semicolon.
+            "fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
             is_pure=False, pack=1,
         )  # fmt: skip
     return x
