@@ -9,9 +9,12 @@ Semantics (docs/contract.md, with per-sequence lengths): query row i of sequence
 whose cache holds L = cache_seqlens[b] keys, sits at key position ``L - Nq + i``
 (bottom-right alignment); causal keeps keys up to that position, ``window=(left,
 right)`` keeps ``position - left .. position + right``; keys >= L are never read. Scores
-are ``scale * q.k``, then ``softcap * tanh(s / softcap)``, then masked to -inf, then
-softmax. A row with no key (L = 0, or L < Nq - i under causal) gives zeros and an lse
-of -inf. lse is natural-log float32 (B, Hq, Nq). GQA: query head h reads kv head
+are ``scale * q.k``, then ``softcap * tanh(s / softcap)``, then a float key mask added
+(if one is given), then masked to -inf (causal, window, a bool key mask), then softmax.
+A key mask ((1 or B, Nk), shared by every head and query row of a sequence: a padded
+batch's decoding step) is read beside the keys, and the K and V rows of the keys it
+masks are never loaded. A row with no key (L = 0, L < Nq - i under causal, or every key
+masked) gives zeros and an lse of -inf. lse is natural-log float32 (B, Hq, Nq). GQA: query head h reads kv head
 h // (Hq // Hkv).
 
 Structure (two launches, or one):
