@@ -474,9 +474,9 @@ def _length_free(call_key: _CallKey) -> _CallKey | None:
     """``call_key`` (:func:`_cached`'s) with the key length Nk replaced by what a request
     reads of it: its bucket, Nq == Nk, Nq > Nk; the mask's key dim by whether it is 1.
     None where the request reads more (a window: a side at or beyond Nq + Nk is
-    unbounded; the attention() keyword options' key holds it at index 2), or where
-    validation would refuse the call (value or mask keys that are not Nk): those take
-    the slow path."""
+    unbounded; the attention() keyword options' key holds it at index 2), where the
+    runner holds the key length (a mask of rank < 4), or where validation would refuse
+    the call (value or mask keys that are not Nk): those take the slow path."""
     if not call_key:
         return None
     query_shape, key_shape, value_shape = call_key[:3]
@@ -487,10 +487,11 @@ def _length_free(call_key: _CallKey) -> _CallKey | None:
         return None
     if mask is not None:
         mask_shape = mask[0]
-        keys = mask_shape[-1] if mask_shape else 1  # a 0-d mask broadcasts over the keys
-        if keys not in (1, nk):
+        # A mask of rank < 4 reaches the backend through _with_4d_mask, whose view has
+        # the decided call's shape (its key dim among it) fixed in the runner.
+        if len(mask_shape) < 4 or mask_shape[-1] not in (1, nk):
             return None
-        mask = (mask_shape[:-1], keys == 1, *mask[1:])
+        mask = (mask_shape[:-1], mask_shape[-1] == 1, *mask[1:])
     return (
         query_shape, key_shape[:2] + key_shape[3:], value_shape[:2] + value_shape[3:],
         seqlen_bucket(nk), nq == nk, nq > nk, *call_key[3:12], mask, *call_key[13:],

@@ -48,8 +48,8 @@
 # GLUONBWD_ARGS='--shapes=4,16,16,4096;2,32,8,8192', not --shapes "..." (the quotes
 # reach the script). To read the bundle in the same call, unpack it outside $OUT
 # (tar xzf "$OUT/session.tgz" -C /tmp/x): unpacked into $OUT, its files push the bundle
-# past the device's 8 returned files. TESTS_N (default 6) workers share one GPU: 10 ran
-# two tests out of memory on an 80 GB H100.
+# past the device's 8 returned files. TESTS_N (default 6, for an H200) workers share one
+# GPU: on an 80 GB H100 take 4 (6, 8 and 10 ran tests out of memory there).
 # The steps write into a scratch folder, bundled into $OUT/session.tgz (the only file in
 # $OUT) after each step: the device returns at most 8 files (more, and the rest are lost),
 # and a call cut at its limit still returns what the finished steps wrote. A command run

@@ -10,6 +10,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import random
 import re
 import subprocess
 import sys
@@ -345,7 +346,7 @@ def test_a_new_key_length_within_its_bucket_takes_the_decided_call(fake_registry
     within the length's bucket they take the decided call's decision and runner without
     validating or deciding again, each with its own answer. A new bucket, a length that
     turns Nq == Nk or Nq > Nk, a window (whose sides are unbounded past Nq + Nk) decide
-    again; calls that validation refuses still raise."""
+    again, as does a mask of rank < 4; calls that validation refuses still raise."""
     general = fake("general", gqa=True)
     fake_registry.add(general)
     checked = []
@@ -358,7 +359,8 @@ def test_a_new_key_length_within_its_bucket_takes_the_decided_call(fake_registry
         k, v = (torch.randn(2, 2, n, 8, generator=gen) for _ in "kv")
         out = attnhub.attention(q, k, v, mask, **options)
         params = AttentionParams(scale=8**-0.5, **{"alignment": "top_left", **options})
-        want, _ = reference_attention(q, k, v, mask, params)
+        as_4d = None if mask is None else mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        want, _ = reference_attention(q, k, v, as_4d, params)
         torch.testing.assert_close(out, want)
 
     for n in (33, 34, 50, 64):  # bucket 64
@@ -378,11 +380,77 @@ def test_a_new_key_length_within_its_bucket_takes_the_decided_call(fake_registry
     for n in (40, 41):  # a window: decided for each length
         call(n, window=(3, None))
     assert len(checked) == 8
+    for n in (40, 41):  # a mask of rank < 4 (its 4-D view's shape is in the runner): too
+        call(n, torch.rand(1, n, generator=gen) > 0.3)
+    assert len(checked) == 10
     with pytest.raises(ValueError, match="same sequence length"):
         attnhub.attention(q, torch.randn(2, 2, 42, 8), torch.randn(2, 2, 43, 8))
     with pytest.raises(ValueError, match="does not broadcast"):
         k = torch.randn(2, 2, 42, 8)
         attnhub.attention(q, k, k, torch.ones(2, 1, 1, 41, dtype=torch.bool))
+
+
+def test_calls_that_take_a_decision_by_key_length_answer_as_decided_afresh(monkeypatch):
+    """Random calls (key lengths in and across buckets, masks of every rank and
+    broadcast, causal, alignments, windows, scales, backends) on the real registry: each
+    answers, or fails, exactly as the same call decided afresh (no reuse by key length),
+    while earlier calls leave their decisions to reuse. A mask of rank < 4 reused by key
+    length failed here (its 4-D view's shape was the decided call's)."""
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    real = api._length_free
+    reused = 0
+
+    def served(q, k, v, mask, options, reuse):  # type: ignore[no-untyped-def]
+        nonlocal reused
+        api._call_cache.clear()
+        api._last = api._NO_ENTRY
+        key = None
+
+        def length_free(call_key):  # type: ignore[no-untyped-def]
+            nonlocal key
+            key = real(call_key) if reuse else None
+            return key
+
+        monkeypatch.setattr(api, "_length_free", length_free)
+        hit = False
+        try:
+            out = attnhub.attention(q, k, v, mask, **options)
+            hit = key is not None and key in api._length_free_cache
+        except (ValueError, TypeError, attnhub.NoBackendError) as exc:
+            out = type(exc).__name__
+        reused += hit and reuse
+        return out
+
+    for _ in range(400):
+        # Mostly bucket 8 (5..8 keys), so that calls often meet an earlier decision.
+        nq, nk = rng.choice([1, 1, 2, 5]), rng.choice([5, 6, 7, 8, 5, 6, 7, 8, 1, 9, 17])
+        q = torch.randn(2, 4, nq, 8, generator=gen)
+        k, v = (torch.randn(2, 2, nk, 8, generator=gen) for _ in "kv")
+        mask = None
+        if rng.random() < 0.6:
+            shape = [rng.choice([1, 2]), rng.choice([1, 4]), rng.choice([1, nq]),
+                     rng.choice([1, nk, nk, nk + 1])][rng.choice([0, 0, 1, 2, 3]):]  # fmt: skip
+            mask = torch.rand(shape, generator=gen) > 0.3
+            if rng.random() < 0.5:
+                mask = torch.randn(shape, generator=gen)
+        options: dict[str, Any] = {"backend": rng.choice([None, "torch_sdpa", "torch_reference"])}
+        if rng.random() < 0.4:
+            options["causal"] = True
+        if rng.random() < 0.3:
+            options["alignment"] = "bottom_right"
+        if rng.random() < 0.2:
+            options["window"] = (rng.choice([0, 2, None]), rng.choice([0, 3, None]))
+        if rng.random() < 0.2:
+            options["scale"] = 0.3
+        warm = served(q, k, v, mask, options, reuse=True)
+        fresh = served(q, k, v, mask, options, reuse=False)
+        served(q, k, v, mask, options, reuse=True)  # its decision, for the calls after
+        if isinstance(fresh, str) or isinstance(warm, str):
+            assert warm == fresh
+        else:
+            assert torch.equal(warm.nan_to_num(7.0), fresh.nan_to_num(7.0))
+    assert reused > 40  # the reuse ran
 
 
 def test_use_backend_restricts_orders_and_is_thread_local(fake_registry):
