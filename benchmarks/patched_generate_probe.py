@@ -10,7 +10,8 @@ call) by the call's layer, next to stock's and attn_implementation="attnhub"'s (
 - ``patch``: under ``attnhub.patch()`` entered for each run, as the models bench does;
 - ``patch-once``: the patch entered once for every run (its memo survives between runs);
 - ``patch-torch_sdpa``: ``patch(backend="torch_sdpa")``: PyTorch's kernel choice behind the
-  patch's dispatch (no Triton launch; the mask is still read for its plan);
+  patch's dispatch (no Triton launch; a prefill's mask is still read for its plan, a
+  decoding step's is not: patching._reads_mask);
 - ``attnhub``: ``attn_implementation="attnhub"``.
 
     python benchmarks/patched_generate_probe.py [--model llama] [--task generate_padded] \
