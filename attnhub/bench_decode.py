@@ -202,11 +202,18 @@ def sdpa_fn(q, k, v, kernel, mask=None):
 _FLEX: dict[str, Any] = {}
 
 
-def flex_fn(q, k, v, *, nq: int, window: int | None = None, softcap: float | None = None):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
+def _compiled_flex() -> Any:
+    """flex_attention compiled once for every case (dynamic=False: a graph per shape)."""
     if "compiled" not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
         _FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["compiled"]
+
+
+def flex_fn(q, k, v, *, nq: int, window: int | None = None, softcap: float | None = None):
+    from torch.nn.attention.flex_attention import create_block_mask
+
     nk = k.shape[2]
     offset = nk - nq
     block_mask = None
@@ -225,7 +232,7 @@ def flex_fn(q, k, v, *, nq: int, window: int | None = None, softcap: float | Non
         def score_mod(score, b, h, q_idx, kv_idx):
             return softcap * torch.tanh(score / softcap)
 
-    compiled = _FLEX["compiled"]
+    compiled = _compiled_flex()
 
     def fn() -> torch.Tensor:
         return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
@@ -388,11 +395,9 @@ def flex_padded_fn(q, k, v, pads, *, build_each_call: bool):
     """FlexAttention with a padding mask_mod; ``build_each_call``: the block mask is built
     in every call (timed with it), as a model whose mask changes each step builds it,
     else once (the kernel alone)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    if "compiled" not in _FLEX:
-        _FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
-    compiled = _FLEX["compiled"]
+    compiled = _compiled_flex()
     nk = k.shape[2]
 
     def mask_mod(b, h, q_idx, kv_idx):

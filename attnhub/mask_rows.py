@@ -39,14 +39,6 @@ class RowKeys:
     runs: bool
 
 
-# Masks of at most this many rows (a padded batch's (B, 1, 1, Nk) key mask has B) are
-# summed up on the host from each row's count, first and end, copied in one piece: fewer
-# kernels than the summary on the device, each a launch on the host's path (dev CPU:
-# 67 -> 21 us a reading). Larger masks keep the device's reductions: their rows' values
-# would be a long copy and a long Python loop.
-HOST_SUMMARY_ROWS = 256
-
-
 def _read(keep: torch.Tensor) -> RowKeys:
     """:class:`RowKeys` of a bool (.., Nk) mask with Nk >= 1: one synchronization."""
     nk = keep.shape[-1]
@@ -60,12 +52,7 @@ def _read(keep: torch.Tensor) -> RowKeys:
     first = rows.view(torch.uint8).argmax(dim=-1)
     end = (rows * torch.arange(1, nk + 1, device=keep.device)).amax(dim=-1)
     # A row keeps only keys in [first, end), so they are one run exactly when it keeps
-    # them all (a row of none: 0 == 0).
-    if rows.shape[0] <= HOST_SUMMARY_ROWS:
-        row_counts, row_firsts, row_ends = torch.stack([counts, first, end]).tolist()
-        runs = all(e - f == c for c, f, e in zip(row_counts, row_firsts, row_ends))
-        return RowKeys(first, end, min(row_counts), runs)
-    # One count of the rows that are not one run.
+    # them all (a row of none: 0 == 0). One count of the rows that do not.
     gaps = (end - first).ne_(counts).sum()
     fewest, gapped = torch.stack([counts.amin(), gaps]).tolist()
     return RowKeys(first, end, fewest, gapped == 0)

@@ -45,12 +45,7 @@ def _cases() -> list[torch.Tensor]:
     return cases
 
 
-@pytest.mark.parametrize("summary", ["host", "device"])
-def test_rows_are_read_as_by_hand(monkeypatch, summary):
-    """Both summaries: on the host from each row's values (few rows, as a padded
-    batch's key mask) and by reductions on the device (many rows)."""
-    if summary == "device":
-        monkeypatch.setattr(mask_rows, "HOST_SUMMARY_ROWS", 0)
+def test_rows_are_read_as_by_hand():
     for keep in _cases():
         got = mask_rows._read(keep)
         firsts, ends, fewest, runs = _by_hand(keep)

@@ -212,6 +212,22 @@ def _row_stride(runtime, PACKED: tl.constexpr):
 
 
 @triton.jit
+def _bias_log2(bias):
+    """A float mask's entries as float32 score terms in log2 units (``bias * log2 e``).
+
+    In log2 units a finite float mask beyond FP32_MAX / LOG2E (2.36e38 either way:
+    finfo.min padding masks of float32 and bfloat16) overflowed to +-inf: a row whose
+    every key carried -finfo.min read as fully masked (zeros) where the contract's
+    softmax of equal scores is the mean of the values, and one past +2.36e38 made its
+    row NaN. Such entries are clamped to +-FP32_MAX; +-inf and NaN stay what they are
+    (|NaN| < inf is false)."""
+    bias = bias.to(tl.float32)
+    bias2 = bias * LOG2E
+    clamp = (tl.abs(bias2) > FP32_MAX) & (tl.abs(bias) < float("inf"))
+    return tl.where(clamp, tl.where(bias2 > 0, FP32_MAX, -FP32_MAX), bias2)
+
+
+@triton.jit
 def _scores(
     qk, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
     mask_rows, stride_mn, qk_scale, sm_scale, softcap,
@@ -274,16 +290,7 @@ def _scores(
             allowed = tl.load(mptrs, mask=inb, other=0) != 0
             s = tl.where(allowed, s, float("-inf"))
         else:
-            # In log2 units a finite float mask beyond FP32_MAX / LOG2E (2.36e38 either
-            # way: finfo.min padding masks of float32 and bfloat16) overflowed to +-inf:
-            # a row whose every key carried -finfo.min read as fully masked (zeros) where
-            # the contract's softmax of equal scores is the mean of the values, and one
-            # past +2.36e38 made its row NaN. Such entries are clamped to +-FP32_MAX;
-            # +-inf and NaN stay what they are (|NaN| < inf is false).
-            bias = tl.load(mptrs, mask=inb, other=0.0).to(tl.float32)
-            bias2 = bias * LOG2E
-            clamp = (tl.abs(bias2) > FP32_MAX) & (tl.abs(bias) < float("inf"))
-            s = s + tl.where(clamp, tl.where(bias2 > 0, FP32_MAX, -FP32_MAX), bias2)
+            s = s + _bias_log2(tl.load(mptrs, mask=inb, other=0.0))
     if MASKED:
         keep = (cols < NK) & (rows < NQ)
         if HAS_BAND:

@@ -68,7 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP32_MAX, INTERPRETED, LN2, LOG2E, _tanh, interpreting
+from .common import FP32_MAX, INTERPRETED, LN2, LOG2E, _bias_log2, _tanh, interpreting
 
 # A window side this large keeps every key (contract.md: sides >= 2**30 are unbounded);
 # positions and keys stay below 2**31 - 2**30, so pos +- UNBOUNDED fits int32.
@@ -208,18 +208,14 @@ def _decode_segment(
 @triton.jit
 def _key_mask_tile(KM, offs_n, L, stride_mn, MASK_KIND: tl.constexpr):
     """Keys ``offs_n`` of one sequence's key mask (``KM`` at its row; keys >= L are not
-    read): MASK_KIND 1, bool, as int1 (True = kept); 2, a float bias in log2
-    units, finite values beyond float32's range after scaling clamped to +-FP32_MAX as
-    the dense kernels' scores clamp them (common._scores), -inf and NaN kept."""
+    read): MASK_KIND 1, bool, as int1 (True = kept); 2, a float bias in log2 units, as
+    the dense kernels' scores take it (common._bias_log2)."""
     inside = offs_n < L
     ptrs = KM + offs_n.to(tl.int64) * stride_mn
     if MASK_KIND == 1:
         tile = tl.load(ptrs, mask=inside, other=0) != 0
     else:
-        bias = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
-        bias2 = bias * LOG2E
-        clamp = (tl.abs(bias2) > FP32_MAX) & (tl.abs(bias) < float("inf"))
-        tile = tl.where(clamp, tl.where(bias2 > 0, FP32_MAX, -FP32_MAX), bias2)
+        tile = _bias_log2(tl.load(ptrs, mask=inside, other=0.0))
     return tile
 
 
