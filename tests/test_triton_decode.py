@@ -619,6 +619,31 @@ def test_gpu_cached_plan():  # type: ignore[no-untyped-def]
 
 @gpu
 @requires_cuda
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "bool_mask"])
+def test_gpu_cached_plan_serves_a_longer_cache(masked):  # type: ignore[no-untyped-def]
+    """A model's decoding steps: each a contiguous cache one key longer than the last
+    (new strides; with a padding mask, a new mask batch stride) and full lengths. A
+    step takes the plan of its length's bucket, launched with its own strides: every
+    answer is its own. A new bucket (1024 keys), or a mask stride that Triton would
+    specialize otherwise (a multiple of 16 or not), keys a plan of its own."""
+    decode._PLANS.clear()
+    g = torch.Generator().manual_seed(5)
+    for n in range(1000, 1040):
+        q, k, v, sl = make_inputs(4, 8, 2, 1, n, 128, torch.bfloat16, [n] * 4, seed=n)
+        km = None
+        if masked:  # left padding, its own per sequence
+            pads = torch.randint(0, n // 2, (4, 1), generator=g)
+            km = (torch.arange(n) >= pads).to(DEVICE)
+        out, lse = decode.decode_attention(q, k, v, sl, scale=0.1, causal=False, key_mask=km,
+                                           return_lse=True)  # fmt: skip
+        check(out, lse, q, k, v, [n] * 4, scale=0.1, causal=False, key_mask=km)
+    # Buckets 960..1023 and 1024..1151; with the mask, strides 1008 and 1024 (multiples
+    # of 16) besides the others of each bucket.
+    assert len(decode._PLANS) == (4 if masked else 2)
+
+
+@gpu
+@requires_cuda
 @pytest.mark.parametrize("page_size", [0, 16, 256])
 def test_gpu_fused_merge(page_size):  # type: ignore[no-untyped-def]
     """The merge fused into the split kernel (the last program of each row block reads

@@ -45,8 +45,10 @@ per tile (a tile never straddles pages: both are powers of two), else one gather
 per key (PAGE_SIZE < BLOCK_N, e.g. 16-key pages under 64-key tiles).
 
 Host path: a repeated eager call on CUDA finds its launch plan by its signature
-(``_PLANS``: shapes, strides, dtypes, alignment, options) and launches the compiled
-kernels directly (launch.CachedLaunch, without Triton's per-call binder), after three
+(``_PLANS``: shapes, strides, dtypes, alignment, options; the cache's length only by its
+bucket, so that a model's next decoding step, one key longer, finds the plan too) and
+launches the compiled kernels directly (launch.CachedLaunch, without Triton's per-call
+binder, the cache's and mask's strides filled in per call), after three
 allocations: out, lse and one flat float32 scratch buffer for the partials (none when
 S = 1). The first call of a signature takes the full path (:func:`_plan` picks the
 launch, Triton compiles or finds the kernels). The scratch is allocated per call, not
@@ -774,21 +776,14 @@ def _run(
     )  # fmt: skip
     splits = plan.num_splits
     part = torch.empty(plan.part_numel, device=q.device, dtype=torch.float32) if splits > 1 else out
-    if paged:
-        kp, kn, kh, kd = k_cache.stride()
-        vp, vn, vh, vd = v_cache.stride()
-        bt, bt_stride = block_table, block_table.stride(0)  # type: ignore[union-attr]
-    else:
-        kp, kh, kn, kd = k_cache.stride()
-        vp, vh, vn, vd = v_cache.stride()
-        bt, bt_stride = cache_seqlens, 0
+    bt = block_table if paged else cache_seqlens
     counter = lse
     if plan.counters:
         # A traced call's counters are its own (never a kept buffer of fake tensors).
         counter = _counters(q.device, plan.counters, fresh=traced)
     args = (
         q, k_cache, v_cache, cache_seqlens, bt, part, out, lse, counter, km,
-        *q.stride(), kp, kh, kn, kd, vp, vh, vn, vd, bt_stride, *km_strides, *out.stride(),
+        *_input_strides(q, k_cache, v_cache, block_table, km_strides), *out.stride(),
         hkv, hq // hkv, nq, d, dv, splits, win_left, win_right,
         scale * 1.4426950408889634, scale, softcap if has_softcap else 1.0,
     )  # fmt: skip
@@ -808,6 +803,27 @@ def _run(
     if key is not None:
         _remember(key, _CallPlan(out, lse, plan.part_numel, plan.counters, launches))
     return out, lse
+
+
+def _input_strides(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor | None,
+    mask_strides: tuple[int, int],
+) -> tuple[int, ...]:
+    """The split kernel's stride arguments before the output's, in its order: q's four,
+    the cache's (stride_kp, stride_kh, stride_kn, stride_kd) and the values', the table's
+    row stride (0 without one) and the key mask's two."""
+    if table is None:  # (B, Hkv, Nmax, D)
+        kp, kh, kn, kd = k.stride()
+        vp, vh, vn, vd = v.stride()
+        bt_stride = 0
+    else:  # (num_pages, page_size, Hkv, D)
+        kp, kn, kh, kd = k.stride()
+        vp, vn, vh, vd = v.stride()
+        bt_stride = table.stride(0)
+    return (*q.stride(), kp, kh, kn, kd, vp, vh, vn, vd, bt_stride, *mask_strides)
 
 
 def _key_mask_view(key_mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], int]:  # fmt: skip
@@ -969,17 +985,39 @@ def _counters(device: torch.device, n: int, fresh: bool = False) -> torch.Tensor
 
 # Cached launch plans (issue 17, item 3: decode runs once per layer and token, so the
 # host path is most of a small call). An eager call on CUDA tensors is keyed by
-# everything that decides its launches except the tensors' addresses: shapes, strides,
-# dtypes, each tensor's 16-byte alignment (Triton specializes pointers on it), the
-# options, the devices and fp32's matmul precision. The first call of a key takes the
-# full path (Triton's binder, which compiles or finds the kernels) and records the
-# compiled kernels with their grids and non-tensor arguments (launch.CachedLaunch, as
-# ops._PLANS does for the other kernels); later calls allocate the outputs and launch
-# those. The table is cleared when it reaches _MAX_PLANS keys. USE_PLANS = False: every
-# call takes the full path (A/B runs: `attnhub bench --decode`'s host section).
+# everything that decides its launches except the tensors' addresses and the values
+# the plan takes per call: shapes, dtypes, each tensor's 16-byte alignment (Triton
+# specializes pointers on it), q's strides, the options, the devices and fp32's matmul
+# precision. A contiguous cache's length enters only by its bucket (_length_bucket): it
+# decides the split count and nothing else of the launch, so a model's next decoding
+# step, whose cache is one key longer (new strides too), takes the plan instead of
+# Triton's binder. The cache's, the values' and the key mask's strides go to the kernel
+# per call (CachedLaunch.with_leading); the key holds how Triton specialized each (is
+# it 1, a multiple of 16, 64-bit: _specialized), which a new value must match. The first
+# call of a key takes the full path (Triton's binder, which compiles or finds the
+# kernels) and records the compiled kernels with their grids and other arguments
+# (launch.CachedLaunch, as ops._PLANS does for the other kernels); later calls allocate
+# the outputs and launch those. The table is cleared when it reaches _MAX_PLANS keys.
+# USE_PLANS = False: every call takes the full path (A/B runs: `attnhub bench
+# --decode`'s host section).
 USE_PLANS = True
 _PLANS: dict[tuple, Any] = {}
 _MAX_PLANS = 1024
+
+
+def _specialized(value: int) -> tuple[bool, bool, bool]:
+    """How Triton 3.6 specializes an int argument: whether it is 1 (a constant), a
+    multiple of 16 (a divisibility hint) and outside int32 (an i64 parameter)."""
+    return value == 1, value % 16 == 0, not -(2**31) <= value < 2**31
+
+
+def _length_bucket(n: int) -> tuple[int, int]:
+    """A cache length's bucket: its power of two and the eighth of it (lengths 16 and
+    up; exact below): the split count chosen for one length serves the bucket, at most
+    an eighth off the length it was chosen for (any split count is exact: the kernel
+    shares each sequence's own length out over the splits)."""
+    top = n.bit_length()
+    return top, n >> max(top - 4, 0)
 
 
 def _plan_key(
@@ -991,12 +1029,24 @@ def _plan_key(
     key_mask: torch.Tensor | None,
     *options: Any,
 ) -> tuple:
+    if table is None:  # (B, Hkv, Nmax, D): Nmax by its bucket; v's Nmax is never read
+        b, hkv, capacity, d = k.shape
+        k_shape: tuple = (b, hkv, _length_bucket(capacity), d)
+        v_shape: tuple = (v.shape[0], v.shape[1], v.shape[3])
+        table_key = None
+    else:
+        k_shape, v_shape = k.shape, v.shape
+        table_key = (table.shape, table.stride(), table.dtype, table.data_ptr() % 16 == 0,
+                     table.get_device())  # fmt: skip
+    mask_key = None
+    if key_mask is not None:
+        _, mask_strides, _ = _key_mask_view(key_mask, q)
+        mask_key = (key_mask.shape[0], key_mask.shape[1] == 1, key_mask.dtype,
+                    key_mask.data_ptr() % 16 == 0, key_mask.get_device(),
+                    *map(_specialized, mask_strides))  # fmt: skip
     return (
-        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), seqlens.shape,
-        None if table is None else (table.shape, table.stride(), table.dtype,
-                                    table.data_ptr() % 16 == 0, table.get_device()),
-        None if key_mask is None else (key_mask.shape, key_mask.stride(), key_mask.dtype,
-                                       key_mask.data_ptr() % 16 == 0, key_mask.get_device()),
+        q.shape, q.stride(), k_shape, v_shape, *map(_specialized, k.stride()),
+        *map(_specialized, v.stride()), seqlens.shape, table_key, mask_key,
         q.dtype, k.dtype, v.dtype, seqlens.dtype, q.data_ptr() % 16 == 0,
         k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, seqlens.data_ptr() % 16 == 0,
         options, torch._C._cuda_getDevice(), q.get_device(), k.get_device(),
@@ -1053,15 +1103,17 @@ class _CallPlan:
         out = torch.empty(self.out_shape, device=self.device, dtype=self.dtype)
         lse = torch.empty(self.lse_shape, device=self.device, dtype=torch.float32)
         bt = seqlens if table is None else table
-        km = q if key_mask is None else key_mask  # the pointer is all the launch reads
+        km, mask_strides, _ = _key_mask_view(key_mask, q)
+        strides = _input_strides(q, k, v, table, mask_strides)
+        split = self.split.with_leading
         if not self.part_numel:
-            self.split(q, k, v, seqlens, bt, out, out, lse, lse, km)
+            split(strides, q, k, v, seqlens, bt, out, out, lse, lse, km)
             return (out, lse) if return_lse else out
         part = torch.empty(self.part_numel, device=self.device, dtype=torch.float32)
         if self.counters:
             counter = _counters(self.device, self.counters)
-            self.split(q, k, v, seqlens, bt, part, out, lse, counter, km)
+            split(strides, q, k, v, seqlens, bt, part, out, lse, counter, km)
         else:
-            self.split(q, k, v, seqlens, bt, part, out, lse, lse, km)
+            split(strides, q, k, v, seqlens, bt, part, out, lse, lse, km)
             self.merge(part, out, lse)
         return (out, lse) if return_lse else out

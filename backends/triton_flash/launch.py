@@ -81,9 +81,10 @@ class CachedLaunch:
             if scratch == 0:
                 fixed = (*head, None, None, compiled.packed_metadata)
 
-                def launch(stream: int, meta: Any, enter: Any, leave: Any, *tensors: Any) -> None:
+                def launch(stream: int, meta: Any, enter: Any, leave: Any, rest: tuple,
+                           *tensors: Any) -> None:  # fmt: skip
                     direct(self._x, self._y, self._z, stream, *fixed, meta, enter, leave,
-                           *tensors, *self._rest)  # fmt: skip
+                           *tensors, *rest)  # fmt: skip
             else:
                 # Global scratch (in-kernel tensor descriptors: kernels_tma,
                 # kernels_gluon), sized as CudaLauncher sizes it, from PyTorch's allocator
@@ -91,20 +92,32 @@ class CachedLaunch:
                 size = self._x * self._y * self._z * launcher.num_ctas * scratch
                 device = torch.device("cuda", self._device)
 
-                def launch(stream: int, meta: Any, enter: Any, leave: Any, *tensors: Any) -> None:
+                def launch(stream: int, meta: Any, enter: Any, leave: Any, rest: tuple,
+                           *tensors: Any) -> None:  # fmt: skip
                     buffer = torch.empty(size, dtype=torch.int8, device=device)
                     direct(self._x, self._y, self._z, stream, *head, buffer, None,
                            compiled.packed_metadata, meta, enter, leave, *tensors,
-                           *self._rest)  # fmt: skip
+                           *rest)  # fmt: skip
         else:
 
-            def launch(stream: int, meta: Any, enter: Any, leave: Any, *tensors: Any) -> None:
+            def launch(stream: int, meta: Any, enter: Any, leave: Any, rest: tuple,
+                       *tensors: Any) -> None:  # fmt: skip
                 launcher(self._x, self._y, self._z, stream, compiled.function,
-                         compiled.packed_metadata, meta, enter, leave, *tensors, *self._rest)  # fmt: skip
+                         compiled.packed_metadata, meta, enter, leave, *tensors, *rest)  # fmt: skip
 
         self._launch = launch
 
     def __call__(self, *tensors: torch.Tensor) -> None:
+        self._run(self._rest, tensors)
+
+    def with_leading(self, leading: tuple, *tensors: torch.Tensor) -> None:
+        """The launch with the first ``len(leading)`` arguments after the tensors taken
+        from ``leading`` instead of the recorded call (values the caller's cache key
+        does not fix, such as strides: the key must still fix how Triton specializes
+        each, whether it is 1 and whether a multiple of 16)."""
+        self._run(leading + self._rest[len(leading) :], tensors)
+
+    def _run(self, rest: tuple, tensors: tuple[torch.Tensor, ...]) -> None:
         stream = torch._C._cuda_getCurrentRawStream(self._device)
         # The launcher takes a pointer as an int or as an object with data_ptr(); for an
         # object it also asks the driver whether the address is device memory
@@ -114,7 +127,7 @@ class CachedLaunch:
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         if _active(enter) or _active(leave):  # a profiler's hooks (proton): as Triton does
             grid = (self._x, self._y, self._z)
-            meta = self._compiled.launch_metadata(grid, stream, *tensors, *self._rest)
-            self._launch(stream, meta, enter, leave, *pointers)
+            meta = self._compiled.launch_metadata(grid, stream, *tensors, *rest)
+            self._launch(stream, meta, enter, leave, rest, *pointers)
         else:
-            self._launch(stream, None, None, None, *pointers)
+            self._launch(stream, None, None, None, rest, *pointers)
