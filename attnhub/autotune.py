@@ -12,7 +12,8 @@ backend alike instead of the one that happened to run in it. A round is at least
 :data:`MIN_CALLS` calls and, for short calls, as many more as fill about
 :data:`ROUND_MS` (a decode call of 25 us timed five times is a 0.1 ms sample, inside
 the host's jitter), so a first call spends about ``ROUNDS * ROUND_MS`` (3 ms) per
-backend on small calls and ``1 + ROUNDS * MIN_CALLS`` calls' time on large ones. Each
+backend on small calls and ``1 + ROUNDS * MIN_CALLS`` calls' time on large ones; small
+calls whose rounds disagree take up to :data:`EXTRA_ROUNDS` more. Each
 backend's best round and the spread of its rounds (the measurement's own noise) are
 kept in :mod:`attnhub.measured` (persisted per device, PyTorch and attnhub version),
 which ranks by them (a difference within the noise is a tie, and goes to the stock
@@ -79,6 +80,20 @@ MAX_CALLS = 64  # and at most (a 3 us call: 0.2 ms a round)
 # triton_flash, 8% slower in steady loops): 1 ms costs ROUNDS ms a backend, once per
 # signature and machine (the measurement persists).
 ROUND_MS = 1.0
+# While a backend's rounds disagree (the median round more than SETTLED over the best)
+# and every backend's rounds are short (at most CHEAP_ROUND_MS), up to EXTRA_ROUNDS more
+# rounds of every backend. The first rounds of a first call are the ones a cold device
+# slows (clocks ramping up, work the model queued before the call), and on an H100 three
+# rounds of 0.1-0.2 ms decoding calls spread by 0.18-0.48 (measured-*.json, 2026-12-06);
+# a spread that wide makes a difference up to that size a tie, which goes to the stock
+# backend (measured._stock_at_a_tie). One such run served patched padded decoding steps
+# by torch_sdpa, 0.83x stock end to end, where the next run's measurement read 0.19 ms
+# for it against triton_flash's 0.10. Extra rounds cost at most a few milliseconds, once
+# per signature and machine; long calls, whose rounds the host's noise hardly moves,
+# take none.
+SETTLED = 0.10
+EXTRA_ROUNDS = 6
+CHEAP_ROUND_MS = 2 * ROUND_MS
 _lock = threading.Lock()
 
 
@@ -150,7 +165,10 @@ def _time_all(
     reason, and out of the times."""
     rounds: dict[str, list[float]] = {}
     calls: dict[str, int] = {}
-    for round_index in range(ROUNDS + 1):  # round 0: the warm-up call
+    round_index = 0  # round 0: the warm-up call
+    while round_index <= ROUNDS or (
+        round_index <= ROUNDS + EXTRA_ROUNDS and _unsettled(rounds, calls)
+    ):
         for name in rotated(list(runners), round_index):
             if name in failed:
                 continue
@@ -167,7 +185,17 @@ def _time_all(
                 continue
             calls.setdefault(name, _calls_per_round(ms))
             rounds.setdefault(name, []).append(ms)
+        round_index += 1
     return {name: _best_and_spread(times) for name, times in rounds.items()}
+
+
+def _unsettled(rounds: dict[str, list[float]], calls: dict[str, int]) -> bool:
+    """Whether more rounds are wanted (SETTLED, EXTRA_ROUNDS): some backend's rounds
+    disagree, and every backend's round is short."""
+    spreads = [_best_and_spread(times) for times in rounds.values()]
+    cheap = all(best * calls[name] <= CHEAP_ROUND_MS
+                for name, (best, _) in zip(rounds, spreads))  # fmt: skip
+    return cheap and any(spread > SETTLED for _, spread in spreads)
 
 
 def _best_and_spread(times: list[float]) -> tuple[float, float]:

@@ -398,6 +398,45 @@ def test_rounds_interleave_and_each_backend_keeps_its_best_round(tuned, monkeypa
     assert len(set(firsts)) == 2  # the order rotates
 
 
+def test_rounds_that_disagree_take_more_rounds_before_a_tie(tuned, monkeypatch, tmp_path):
+    """Short calls whose first rounds a slow spell hit (a cold device): after ROUNDS the
+    spelled backend's median round is a spelled one, and that spread would make its
+    1.5x lead a tie, handing the call to the stock backend; extra rounds settle the
+    spread, and the faster backend serves."""
+    fresh = BackendRegistry()
+    monkeypatch.setattr(registry_module, "_registry", fresh)
+    log: list[str] = []
+    # Its calls 2-3 and 4-5 are its rounds 1 and 2 (MIN_CALLS each after the warm-up
+    # call 1: the spelled first round sets the calls per round).
+    fast = type("Fast", (_Spelled,), {"name": "fast", "priority": 2, "delay": 0.0001,
+                                      "spell": (2, 4), "log": log})()  # fmt: skip
+    stock = type("Stock", (_Spelled,), {"name": "stock", "priority": 1, "delay": 0.00015,
+                                        "stock": True, "log": log})()  # fmt: skip
+    fresh.add(fast)
+    fresh.add(stock)
+    q, k, v = _qkv()
+    for extra, served in ((autotune.EXTRA_ROUNDS, "fast"), (0, "stock")):
+        monkeypatch.setattr(autotune, "EXTRA_ROUNDS", extra)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / str(extra)))  # a fresh store
+        measured.forget_stores()
+        dispatch.clear_cache()
+        fast.calls = stock.calls = 0
+        log.clear()
+        attnhub.reset_stats()
+        attnhub.attention(q, k, v)
+        assert attnhub.stats() == {served: 1}
+        found = measured.store_for(q.device).get(attnhub.explain(q, k, v).request)
+        assert found is not None and found.ms["fast"] == pytest.approx(0.1, rel=0.01)
+        timed_calls = log.count("fast") - (served == "fast")
+        if extra:
+            assert found.spread["fast"] <= autotune.SETTLED
+            assert timed_calls > 1 + autotune.ROUNDS * autotune.MIN_CALLS
+        else:  # the tie the module comment describes
+            assert found.spread["fast"] > 1.5
+            assert timed_calls == 1 + autotune.ROUNDS * autotune.MIN_CALLS
+            assert "tie" in attnhub.explain(q, k, v).why
+
+
 def test_short_calls_repeat_to_fill_a_round(tuned, monkeypatch):
     monkeypatch.setattr(autotune, "ROUND_MS", 1000.0)  # every call is short beside it
     fast = tuned[1]
