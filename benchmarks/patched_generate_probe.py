@@ -15,11 +15,13 @@ call) by the call's layer, next to stock's and attn_implementation="attnhub"'s (
 - ``attnhub``: ``attn_implementation="attnhub"``.
 
     python benchmarks/patched_generate_probe.py [--model llama] [--task generate_padded] \
-        [--repeats 6] [--drain] [--profile-layer0 N] [--json OUT]
+        [--repeats 6] [--drain] [--profile-layer0 N] [--explain] [--json OUT]
 
 Prints, per way, the median run time, its ratio to stock, and the mean host time of an
 attention call by layer (layer 0 of a decoding step sees a new key length and a new
-mask; the others repeat layer 0's shapes).
+mask; the others repeat layer 0's shapes). ``--explain``: also ``attnhub.explain`` of the
+last layer-0 call of the patched way and of attn_implementation="attnhub"'s, as each
+made it (the backend each chose, the others' reasons and measured times).
 """
 
 from __future__ import annotations
@@ -55,13 +57,15 @@ def _timed_calls(
     host: dict[int, list[float]],
     drain: bool,
     profiler: cProfile.Profile | None = None,
+    captured: dict[str, Any] | None = None,
 ) -> Iterator[None]:
     """``owner.name`` (F.scaled_dot_product_attention, PyTorch's or a patch's, or the
     ``attention`` that attn_implementation="attnhub" calls) wrapped so that each call's
     host time is appended to ``host[call index % layers]``. ``drain``: the device's queue
     is emptied before each call, so that a call that synchronizes (reading a mask) does
     not count the wait for the work queued before it. ``profiler``: enabled around the
-    calls of layer 0 (a decoding step's first call: a new key length, a new mask)."""
+    calls of layer 0 (a decoding step's first call: a new key length, a new mask).
+    ``captured``: holds the arguments of the last layer-0 call ("args", "kwargs")."""
     inner = getattr(owner, name)
     count = [0]
 
@@ -69,6 +73,8 @@ def _timed_calls(
         if drain:
             synchronize(args[0].device)
         first = profiler is not None and count[0] % layers == 0
+        if captured is not None and count[0] % layers == 0:
+            captured["args"], captured["kwargs"] = args, kwargs
         if first:
             profiler.enable()
         start = time.perf_counter()
@@ -114,6 +120,11 @@ def main() -> None:
         metavar="N",
         help="also cProfile each way's layer-0 calls (timed runs), listing N functions",
     )
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="also attnhub.explain the last layer-0 call of the patch and attnhub ways",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -140,6 +151,7 @@ def main() -> None:
     profilers: dict[str, cProfile.Profile] = {}
     seconds: dict[str, list[float]] = defaultdict(list)
     host: dict[str, dict[int, list[float]]] = {way: defaultdict(list) for way in WAYS}
+    captured: dict[str, dict[str, Any]] = {way: {} for way in ("patch", "attnhub")}
     served: dict[str, dict[str, int]] = {}
     for way in WAYS:  # warm-up: compiles, autotuning, caches
         with context(way):
@@ -157,7 +169,11 @@ def main() -> None:
             profiler = (
                 profilers.setdefault(way, cProfile.Profile()) if args.profile_layer0 else None
             )
-            with context(way), _timed_calls(*timed, spec.layers, host[way], args.drain, profiler):
+            capture = captured.get(way) if args.explain else None
+            with (
+                context(way),
+                _timed_calls(*timed, spec.layers, host[way], args.drain, profiler, capture),
+            ):
                 synchronize(device)
                 start = time.perf_counter()
                 run[way]()
@@ -195,9 +211,38 @@ def main() -> None:
             f"\n## {way}: the calls of layer 0, cProfile (top {args.profile_layer0} by cumulative time)"
         )
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.profile_layer0)
+    for way, call in captured.items():
+        if call:
+            print(f"\n## {way}: attnhub.explain of its last layer-0 call\n")
+            print(_explained(way, call["args"], call["kwargs"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "task": args.task, "rows": rows}, f, indent=1)
+
+
+def _sdpa_arguments(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple[tuple, dict[str, Any]]:
+    """F.scaled_dot_product_attention's arguments as attention() takes the call (the
+    patch's own translation: attnhub.api.sdpa_entry)."""
+    options = {"causal": is_causal, "scale": scale, "dropout_p": dropout_p}
+    return (query, key, value, attn_mask), options
+
+
+def _explained(way: str, args: tuple, kwargs: dict[str, Any]) -> str:
+    """``attnhub.explain`` of a captured call: F.sdpa's arguments for the patched way,
+    attention()'s (as attn_implementation="attnhub" made it) for the other."""
+    if way == "attnhub":
+        return str(attnhub.explain(*args, **kwargs))
+    tensors, options = _sdpa_arguments(*args, **kwargs)
+    return str(attnhub.explain(*tensors, **options))
 
 
 class _Reentered(contextlib.AbstractContextManager[Any]):
