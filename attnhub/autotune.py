@@ -87,7 +87,7 @@ ROUND_MS = 1.0
 # rounds of 0.1-0.2 ms decoding calls spread by 0.18-0.48 (measured-*.json, 2026-12-06);
 # a spread that wide makes a difference up to that size a tie, which goes to the stock
 # backend (measured._stock_at_a_tie). One H100 run served patched padded decoding steps
-# by torch_sdpa, 0.71-0.87x stock end to end (its measurement was not kept: a tie by
+# by torch_sdpa, 0.78-1.00x stock end to end (its measurement was not kept: a tie by
 # spread is the likely cause), where the next run's measurement read 0.19 ms for it
 # against triton_flash's 0.10. Extra rounds cost at most a few milliseconds, once
 # per signature and machine; long calls, whose rounds the host's noise hardly moves,
