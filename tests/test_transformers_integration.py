@@ -325,3 +325,34 @@ def test_attnhubs_mask_paired_with_another_attention_function_is_not_counted():
     with torch.no_grad():
         for _ in range(hf.MASKS_WITHOUT_ATTENTION + 2):
             model(input_ids=ids)
+
+
+def test_a_window_is_verified_on_the_cpu_once_per_function_shape(monkeypatch):
+    """mask() passes a window as data only for transformers' own sliding-window causal
+    function: verified by a probe (not a chunked mask, not plain causal, not another
+    window size). The probe's answer is kept per function shape, so the new closure
+    transformers builds at each decoding step is not probed again; one holding a
+    tensor (a chunked mask's padding) has no shape, and is probed each time."""
+    from transformers.masking_utils import (
+        causal_mask_function,
+        chunked_causal_mask_function,
+        sliding_window_causal_mask_function,
+    )
+
+    monkeypatch.setattr(hf, "_VERIFIED", {})
+    probes = []
+    arange = torch.arange
+    monkeypatch.setattr(torch, "arange", lambda *a, **k: probes.append(a) or arange(*a, **k))
+    assert hf._sliding_window_verified(sliding_window_causal_mask_function(8), 8)
+    assert hf._sliding_window_verified(sliding_window_causal_mask_function(8), 8)
+    assert len(probes) == 1  # the second function, of the same shape: the kept answer
+    assert not hf._sliding_window_verified(sliding_window_causal_mask_function(8), 9)
+    assert not hf._sliding_window_verified(sliding_window_causal_mask_function(9), 8)
+    assert not hf._sliding_window_verified(causal_mask_function, 8)
+    padding = torch.zeros(2, dtype=torch.long)
+    assert hf._function_shape(chunked_causal_mask_function(8, padding)) is None
+    probes.clear()
+    for _ in range(2):
+        assert not hf._sliding_window_verified(chunked_causal_mask_function(8, padding), 8)
+    assert len(probes) == 2
+    assert hf._function_shape(lambda b, h, q, k, w=[8]: k > q - w[0]) is None  # a list default

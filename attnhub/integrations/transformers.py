@@ -45,15 +45,24 @@ from ..dispatch import normalize_backend_arg
 __all__ = ["attention_forward", "mask", "register"]
 
 
-def _sliding_window_verified(mask_function: Callable[..., Any], window: int, device: Any) -> bool:
+def _sliding_window_verified(mask_function: Callable[..., Any], window: int) -> bool:
     """Whether ``mask_function`` is exactly transformers' sliding-window causal mask.
 
     ``local_size`` is also passed for chunked attention, so the function is probed on
     a few query rows around the window's size (chunked and sliding masks differ there).
+    The probe runs on the CPU: on the model's GPU its dozen small ops (an upload, the
+    launches, a synchronization for the answer) cost every decoding step of a windowed
+    model well over a hundred microseconds. A function that closes over device tensors
+    (a chunked mask's padding) fails there or answers on its device: not a pure
+    window, so no. The answer is kept per function shape (:func:`_function_shape`):
+    transformers builds a new closure, alike, at every step.
     """
-    q_idx = torch.tensor([0, window - 1, window, window + 1, 2 * window], device=device)
-    kv_idx = torch.arange(2 * window + 1, device=device)
-    zero = torch.zeros(1, dtype=torch.long, device=device)
+    shape = _function_shape(mask_function)
+    if shape is not None and (shape, window) in _VERIFIED:
+        return _VERIFIED[shape, window]
+    q_idx = torch.tensor([0, window - 1, window, window + 1, 2 * window])
+    kv_idx = torch.arange(2 * window + 1)
+    zero = torch.zeros(1, dtype=torch.long)
     try:
         got = mask_function(
             zero[:, None, None, None], zero[None, :, None, None], q_idx[None, None, :, None],
@@ -63,9 +72,56 @@ def _sliding_window_verified(mask_function: Callable[..., Any], window: int, dev
         return False
     q, k = q_idx[:, None], kv_idx[None, :]
     expected = (k <= q) & (k > q - window)
-    return isinstance(got, torch.Tensor) and bool(
-        torch.equal(got.reshape(expected.shape), expected)
+    verified = (
+        isinstance(got, torch.Tensor)
+        and got.device.type == "cpu"
+        and got.numel() == expected.numel()
+        and bool(torch.equal(got.reshape(expected.shape), expected))
     )
+    if shape is not None:
+        if len(_VERIFIED) >= _VERIFIED_MAX:
+            _VERIFIED.clear()
+        _VERIFIED[shape, window] = verified
+    return verified
+
+
+_VERIFIED: dict[tuple[Any, int], bool] = {}
+_VERIFIED_MAX = 256
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _function_shape(fn: Any, depth: int = 0) -> Any:
+    """What decides a mask function's answer, as a hashable value: its code, defaults
+    and closure values, closed-over functions (and tuples of them, as ``and_masks``
+    keeps) by their own shape; None where a closure holds anything else (a tensor's
+    values are not part of the key) or the nesting is deeper than a few levels. Two
+    functions of one shape compute the same mask (module globals aside)."""
+    code = getattr(fn, "__code__", None)
+    if code is None or depth > 6 or getattr(fn, "__kwdefaults__", None):
+        return None
+    defaults = _value_shape(fn.__defaults__ or (), depth)
+    if defaults is None:
+        return None
+    parts: list[Any] = [code, defaults]
+    for cell in fn.__closure__ or ():
+        try:
+            parts.append(_value_shape(cell.cell_contents, depth))
+        except ValueError:  # an empty cell
+            return None
+        if parts[-1] is None:
+            return None
+    return tuple(parts)
+
+
+def _value_shape(value: Any, depth: int) -> Any:
+    if isinstance(value, _SCALARS):
+        return (type(value), value)
+    if isinstance(value, tuple):
+        shapes = tuple(_value_shape(v, depth) for v in value)
+        return None if None in shapes else ("tuple", shapes)
+    if callable(value):
+        return _function_shape(value, depth + 1)
+    return None
 
 
 # Masks built since attnhub's attention function last ran, by model type (any thread;
@@ -145,7 +201,7 @@ def mask(
         if padding is not None:
             padding = padding[:, kv_offset : kv_offset + kv_length]
         if (padding is None or bool(padding.all())) and _sliding_window_verified(
-            mask_function, local_size, kwargs.get("device", "cpu")
+            mask_function, local_size
         ):
             return None
     return sdpa_mask(
