@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import cProfile
 import functools
+import inspect
 import json
 import pstats
 import statistics
@@ -214,35 +215,27 @@ def main() -> None:
     for way, call in captured.items():
         if call:
             print(f"\n## {way}: attnhub.explain of its last layer-0 call\n")
-            print(_explained(way, call["args"], call["kwargs"]))
+            print(_explained(way, call["args"], call["kwargs"], once.function))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "task": args.task, "rows": rows}, f, indent=1)
 
 
-def _sdpa_arguments(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> tuple[tuple, dict[str, Any]]:
-    """F.scaled_dot_product_attention's arguments as attention() takes the call (the
-    patch's own translation: attnhub.api.sdpa_entry)."""
-    options = {"causal": is_causal, "scale": scale, "dropout_p": dropout_p}
-    return (query, key, value, attn_mask), options
-
-
-def _explained(way: str, args: tuple, kwargs: dict[str, Any]) -> str:
-    """``attnhub.explain`` of a captured call: F.sdpa's arguments for the patched way,
-    attention()'s (as attn_implementation="attnhub" made it) for the other."""
+def _explained(way: str, args: tuple, kwargs: dict[str, Any], patched: Callable[..., Any]) -> str:
+    """``attnhub.explain`` of a captured call: attention()'s arguments as
+    attn_implementation="attnhub" made them, or F.scaled_dot_product_attention's (bound
+    to the signature of ``patched``, a patch's replacement) as the patch translates
+    them (attnhub.api.sdpa_entry: causal, scale, dropout)."""
     if way == "attnhub":
         return str(attnhub.explain(*args, **kwargs))
-    tensors, options = _sdpa_arguments(*args, **kwargs)
-    return str(attnhub.explain(*tensors, **options))
+    bound = inspect.signature(patched).bind(*args, **kwargs)
+    bound.apply_defaults()
+    call = bound.arguments
+    decision = attnhub.explain(
+        call["query"], call["key"], call["value"], call["attn_mask"],
+        causal=call["is_causal"], scale=call["scale"], dropout_p=call["dropout_p"],
+    )  # fmt: skip
+    return str(decision)
 
 
 class _Reentered(contextlib.AbstractContextManager[Any]):
