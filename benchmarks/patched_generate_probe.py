@@ -17,9 +17,9 @@ call) by the call's layer, next to stock's and attn_implementation="attnhub"'s (
     python benchmarks/patched_generate_probe.py [--model llama] [--task generate_padded] \
         [--repeats 6] [--drain] [--profile-layer0 N] [--explain] [--json OUT]
 
-Prints, per way, the median run time, its ratio to stock, and the mean host time of an
-attention call by layer (layer 0 of a decoding step sees a new key length and a new
-mask; the others repeat layer 0's shapes). ``--explain``: also ``attnhub.explain`` of the
+Prints, per way, the median run time, its ratio to stock, the mean host time of the
+prefill's attention calls, and that of the decoding steps' calls by layer (layer 0 of a
+step sees a new key length and a new mask; the others repeat layer 0's shapes). ``--explain``: also ``attnhub.explain`` of the
 last layer-0 call of the patched way and of attn_implementation="attnhub"'s, as each
 made it (the backend each chose, the others' reasons and measured times).
 """
@@ -48,6 +48,7 @@ from attnhub.integrations import transformers as hf_attnhub
 from attnhub.timing import synchronize
 
 WAYS = ("sdpa", "patch", "patch-once", "patch-torch_sdpa", "attnhub")
+PREFILL = -1  # the host-time slot of the prefill's calls
 
 
 @contextlib.contextmanager
@@ -62,25 +63,29 @@ def _timed_calls(
 ) -> Iterator[None]:
     """``owner.name`` (F.scaled_dot_product_attention, PyTorch's or a patch's, or the
     ``attention`` that attn_implementation="attnhub" calls) wrapped so that each call's
-    host time is appended to ``host[call index % layers]``. ``drain``: the device's queue
-    is emptied before each call, so that a call that synchronizes (reading a mask) does
-    not count the wait for the work queued before it. ``profiler``: enabled around the
-    calls of layer 0 (a decoding step's first call: a new key length, a new mask).
-    ``captured``: holds the arguments of the last layer-0 call ("args", "kwargs")."""
+    host time is appended to ``host[layer]`` for the decoding steps' calls and to
+    ``host[PREFILL]`` for the prefill's (the run's first ``layers`` calls; in patch mode
+    they read their mask, a synchronization, which a layer's mean over the steps would
+    otherwise carry). ``drain``: the device's queue is emptied before each call, so that
+    a call that synchronizes does not count the wait for the work queued before it.
+    ``profiler``: enabled around the decoding steps' layer-0 calls (a new key length, a
+    new mask). ``captured``: holds the arguments of the last of them ("args", "kwargs")."""
     inner = getattr(owner, name)
     count = [0]
 
     def timed(*args: Any, **kwargs: Any) -> torch.Tensor:
         if drain:
             synchronize(args[0].device)
-        first = profiler is not None and count[0] % layers == 0
-        if captured is not None and count[0] % layers == 0:
+        step_call = count[0] - layers  # < 0: the prefill's
+        slot = PREFILL if step_call < 0 else step_call % layers
+        first = profiler is not None and slot == 0
+        if captured is not None and slot == 0:
             captured["args"], captured["kwargs"] = args, kwargs
         if first:
             profiler.enable()
         start = time.perf_counter()
         out = inner(*args, **kwargs)
-        host[count[0] % layers].append(time.perf_counter() - start)
+        host[slot].append(time.perf_counter() - start)
         if first:
             profiler.disable()
         count[0] += 1
@@ -185,17 +190,19 @@ def main() -> None:
         f"# {args.model} {args.task}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, {args.repeats} repeats"
     )
     print(
-        "way                 median s  x sdpa   host us per attention call by layer (mean)   served"
+        "way                 median s  x sdpa   prefill | host us per decoding call by layer (mean)   served"
     )
     rows = []
     for way in WAYS:
         median = statistics.median(seconds[way])
-        by_layer = [
-            statistics.fmean(host[way][i]) * 1e6 if host[way][i] else float("nan")
-            for i in range(spec.layers)
-        ]
+        mean_us = {
+            slot: statistics.fmean(times) * 1e6 if times else float("nan")
+            for slot, times in host[way].items()
+        }
+        prefill = mean_us.get(PREFILL, float("nan"))
+        by_layer = [mean_us.get(i, float("nan")) for i in range(spec.layers)]
         print(
-            f"{way:18}  {median:8.4f}  {stock / median:5.3f}   "
+            f"{way:18}  {median:8.4f}  {stock / median:5.3f}   {prefill:7.1f} | "
             + " ".join(f"{t:6.1f}" for t in by_layer)
             + f"   {served[way]}"
         )
@@ -203,6 +210,7 @@ def main() -> None:
             {
                 "way": way,
                 "seconds": seconds[way],
+                "host_us_prefill": prefill,
                 "host_us_by_layer": by_layer,
                 "served": served[way],
             }
