@@ -258,7 +258,7 @@ def ours_fn(q, k, v, seqlens, *, block_table=None, window=None, softcap=None, co
         HQ // (k.shape[2] if paged else k.shape[1]), q.shape[2], D, v.shape[-1],
         block_table.shape[1] * page if paged else k.shape[2], page, window is not None,
         softcap is not None, q.element_size(), "tf32", config,
-        0 if key_mask is None else 1 if key_mask.dtype == torch.bool else 2,
+        decode._key_mask_view(key_mask, q)[2],
     )  # fmt: skip
 
     def compiled_info() -> dict:

@@ -14,8 +14,8 @@ are ``scale * q.k``, then ``softcap * tanh(s / softcap)``, then a float key mask
 A key mask ((1 or B, Nk), shared by every head and query row of a sequence: a padded
 batch's decoding step) is read beside the keys, and the K and V rows of the keys it
 masks are never loaded. A row with no key (L = 0, L < Nq - i under causal, or every key
-masked) gives zeros and an lse of -inf. lse is natural-log float32 (B, Hq, Nq). GQA: query head h reads kv head
-h // (Hq // Hkv).
+masked) gives zeros and an lse of -inf. lse is natural-log float32 (B, Hq, Nq). GQA:
+query head h reads kv head h // (Hq // Hkv).
 
 Structure (two launches, or one):
 
