@@ -25,6 +25,7 @@ from .backend import Runner
 from .errors import BrokenBackendError
 from .registry import get_registry, on_invalidate
 from .request import OPTION_NAMES, AttentionParams, AttentionRequest, seqlen_bucket
+from .tensor_guards import Guards as _Guards
 from .validation import (
     RequestFacts,
     build_request,
@@ -511,73 +512,6 @@ def _with_4d_mask(runner: Runner, mask_shape: Sequence[int]) -> Runner:
         return runner(query, key, value, attn_mask.view(shape))
 
     return run
-
-
-class _Guards:
-    """Checks, in one C call, that tensors have the metadata of those a call was decided for.
-
-    Reading shape, stride, dtype, device and requires_grad of three tensors from
-    Python, hashing and comparing them costs about 15,000 instructions per call; the
-    same comparison in PyTorch's C++ ``TensorGuards`` (the tensor check Dynamo used
-    for its compiled-frame guards, ``torch._C._dynamo.guards``) about 5,000. It
-    compares each tensor's Python type, dispatch keys (device type, autograd, ...),
-    dtype, device index, requires_grad, sizes and strides, exactly: a match means
-    everything the call key holds about the tensors is the same (strides exactly,
-    where the key holds only whether the last dimension is contiguous).
-
-    It is a private PyTorch class: :meth:`make` returns None (no memo; every call
-    goes through the dict) where it is missing, fails, or does not pass a check of
-    the behaviour relied on here, made once per process; also for tensor subclasses,
-    and for one tensor passed as two arguments, which its check always rejects.
-    """
-
-    _usable: bool | None = None  # None: not checked yet
-
-    @classmethod
-    def make(cls, tensors: tuple[Any, ...]) -> Any:
-        if cls._usable is None:
-            cls._usable = cls._self_check()
-        if not cls._usable or not all(type(t) is torch.Tensor for t in tensors):
-            return None
-        if len({id(t) for t in tensors}) < len(tensors):
-            return None  # a tensor passed twice (attention(x, x, x)) never passes a check
-        try:
-            return cls._build(tensors)
-        except Exception:
-            return None
-
-    @staticmethod
-    def _build(tensors: tuple[torch.Tensor, ...]) -> Any:
-        from torch._C._dynamo import guards
-
-        tensor_guards: Any = guards.TensorGuards  # its .pyi misstates the arguments
-        return tensor_guards(
-            *tensors,
-            dynamic_dims_sizes=[list(t.shape) for t in tensors],
-            dynamic_dims_strides=[list(t.stride()) for t in tensors],
-        )
-
-    @classmethod
-    def _self_check(cls) -> bool:
-        """The class exists and tells apart everything the call key does."""
-        try:
-            base = torch.zeros(2, 3)
-            guards = cls._build((base,))
-            different = (
-                torch.zeros(2, 4),  # size
-                torch.zeros(3, 2),
-                torch.zeros(2, 3, 1),  # rank
-                torch.zeros(2, 6)[:, ::2],  # stride
-                torch.zeros(2, 3, dtype=torch.float64),  # dtype
-                torch.zeros(2, 3, device="meta"),  # device
-                torch.zeros(2, 3, requires_grad=True),  # requires_grad
-                torch.nn.Parameter(torch.zeros(2, 3)),  # type
-            )
-            return bool(guards.check(torch.zeros(2, 3))) and not any(
-                guards.check(t) for t in different
-            )
-        except Exception:
-            return False
 
 
 def _options_dict(options: tuple[Any, ...]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ RUNTIME_LAYERS: tuple[frozenset[str], ...] = (
             "jsonfile",
             "hookspecs",
             "tensor_memo",
+            "tensor_guards",
             "timing",
             "mkl_vml",
             "argcheck",

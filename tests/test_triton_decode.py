@@ -187,7 +187,8 @@ def test_key_mask(dtype, kind):  # type: ignore[no-untyped-def]
     causal and window; a row it masks whole gives zeros and lse -inf; the keys it masks
     are never read (their keys and values hold NaN for the kernel, a finite value for
     the reference). GQA, Nq 1 and 4, one split, several, fused merge; a mask shared by
-    the batch (one row), a strided view."""
+    the batch (one row), a strided view; each also as the 4-D (B, 1, 1, Nk) mask a
+    model passes (the kernel reads it through its first and last strides)."""
     lengths = [64, 64, 40, 64, 64]
     for nq in (1, 4):
         q, k, v, sl = make_inputs(5, 4, 2, nq, 64, 32, dtype, lengths, seed=nq + 40)
@@ -196,7 +197,13 @@ def test_key_mask(dtype, kind):  # type: ignore[no-untyped-def]
         wide = torch.zeros(5, 1, 1, 96, dtype=mask.dtype, device=DEVICE)
         wide[..., :64] = mask.reshape(5, 1, 1, 64)
         views = {"contiguous": mask, "strided": wide[:, 0, 0, :64], "shared": mask[2:3]}
-        for view_name, km in views.items():
+        views |= {
+            "contiguous 4-D": mask.reshape(5, 1, 1, 64),
+            "strided 4-D": wide[..., :64],
+            "shared 4-D": mask[2:3].reshape(1, 1, 1, 64),
+        }
+        for view_name, given in views.items():
+            km = given.reshape(given.shape[0], given.shape[-1])  # the reference's
             masked = ~km if km.dtype == torch.bool else km == float("-inf")
             hidden = masked.expand(5, 64)[:, None, :, None]
             kp, vp = k.masked_fill(hidden, float("nan")), v.masked_fill(hidden, float("nan"))
@@ -207,7 +214,7 @@ def test_key_mask(dtype, kind):  # type: ignore[no-untyped-def]
                 (False, None, None),  # the default launch
             ):
                 out, lse = decode.decode_attention(
-                    q, kp, vp, sl, scale=0.3, causal=causal, window=window, key_mask=km,
+                    q, kp, vp, sl, scale=0.3, causal=causal, window=window, key_mask=given,
                     return_lse=True, config=cfg,
                 )  # fmt: skip
                 kw = {"scale": 0.3, "causal": causal, "window": window, "key_mask": km}
@@ -395,6 +402,41 @@ def test_split_heuristic(monkeypatch):  # type: ignore[no-untyped-def]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert decode.num_splits_for(10, 4, 4) == 4  # CPU: up to 4 splits, a tile or more each
     assert decode.num_splits_for(10, 2, 4) == 2
+
+
+def test_the_last_plan_serves_only_what_its_key_held(monkeypatch):  # type: ignore[no-untyped-def]
+    """decode._LastPlan.serves, the memo in front of the plan key (its launches are the
+    GPU's: test_gpu_the_last_plan_serves_only_calls_of_its_key): new tensors of the
+    same metadata and options, yes; a view one element in (not 16-byte aligned),
+    another option, a key mask given, a longer cache, another fp32 matmul precision or
+    another current device, no. Calls with a misaligned tensor keep no last plan."""
+    current = [0]
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)
+    monkeypatch.setattr(decode, "_last_plan", None)
+    q, k, v, sl = make_inputs(2, 4, 2, 1, 64, 32, torch.float32, [64, 10])
+    options = (0.1, None, None, False, None)
+    misaligned = torch.empty(q.numel() + 1, device=q.device)[1:].view_as(q).copy_(q)
+    decode._remember_last(misaligned, k, v, sl, None, None, options, "plan")
+    assert decode._last_plan is None
+    decode._remember_last(q, k, v, sl, None, None, options, "plan")
+    last = decode._last_plan
+    assert last is not None and last.plan == "plan"
+    assert last.serves(*[t.clone() for t in (q, k, v, sl)], None, None, options)
+    assert not last.serves(misaligned, k, v, sl, None, None, options)
+    assert not last.serves(q, k, v, sl, None, None, (0.2, None, None, False, None))
+    mask = torch.ones(2, 1, 1, 64, dtype=torch.bool, device=q.device)
+    assert not last.serves(q, k, v, sl, None, mask, options)
+    longer = make_inputs(2, 4, 2, 1, 65, 32, torch.float32, [64, 10])
+    assert not last.serves(q, longer[1], longer[2], sl, None, None, options)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high" if precision == "highest" else "highest")
+        assert not last.serves(q, k, v, sl, None, None, options)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert last.serves(q, k, v, sl, None, None, options)
+    current[0] = 1
+    assert not last.serves(q, k, v, sl, None, None, options)
 
 
 # The interpreter proves the tile arithmetic, not that Triton's compiler accepts the
@@ -644,6 +686,42 @@ def test_gpu_cached_plan_serves_a_longer_cache(masked):  # type: ignore[no-untyp
 
 @gpu
 @requires_cuda
+def test_gpu_the_last_plan_serves_only_calls_of_its_key(monkeypatch):  # type: ignore[no-untyped-def]
+    """decode._LastPlan: a call repeating the last call's tensors' metadata, alignment
+    and options launches its plan without computing the key (a decoding step's later
+    layers); one that differs in alignment (a view one element in), in an option or in
+    a tensor given (a key mask) computes its key. Every answer is its own."""
+    keyed = []
+    plan_key = decode._plan_key
+    monkeypatch.setattr(decode, "_plan_key", lambda *a: keyed.append(1) or plan_key(*a))
+    decode._PLANS.clear()
+    decode._last_plan = None
+    lengths = [300, 1000, 64]
+    q, k, v, sl = make_inputs(3, 8, 2, 1, 1024, 128, torch.bfloat16, lengths, seed=3)
+
+    def call(q, key_mask=None, **kw):  # type: ignore[no-untyped-def]
+        out, lse = decode.decode_attention(q, k, v, sl, causal=False, return_lse=True,
+                                           key_mask=key_mask, **kw)  # fmt: skip
+        flat = None if key_mask is None else key_mask.reshape(key_mask.shape[0], -1)
+        check(out, lse, q, k, v, lengths, causal=False, key_mask=flat, **kw)
+
+    call(q, scale=0.1)  # the full path records the plan
+    call(q, scale=0.1)  # found by its key: the last plan from now on
+    assert len(keyed) == 2
+    call(torch.randn_like(q), scale=0.1)
+    assert len(keyed) == 2
+    misaligned = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view_as(q)
+    misaligned.copy_(torch.randn_like(q))
+    call(misaligned, scale=0.1)
+    assert len(keyed) == 3
+    call(q, scale=0.2)
+    assert len(keyed) == 4
+    call(q, scale=0.2, key_mask=torch.rand(3, 1, 1, 1024, device=q.device) > 0.3)
+    assert len(keyed) == 5
+
+
+@gpu
+@requires_cuda
 @pytest.mark.parametrize("page_size", [0, 16, 256])
 def test_gpu_fused_merge(page_size):  # type: ignore[no-untyped-def]
     """The merge fused into the split kernel (the last program of each row block reads
@@ -718,18 +796,44 @@ def test_dense_calls_shaped_like_decoding_run_on_the_decode_kernel(monkeypatch, 
     _check_on_the_decode_kernel(monkeypatch, q, k, v, options)
 
 
-def _check_on_the_decode_kernel(monkeypatch, q, k, v, options):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("batch_rows", [3, 1], ids=["per_sequence", "shared"])
+def test_a_dense_decoding_step_takes_its_4d_key_mask_as_given(monkeypatch, kind, batch_rows):  # type: ignore[no-untyped-def]  # fmt: skip
+    """A padded batch's decoding step, attention(q (B, Hq, 1, D), k, v, mask (B or 1, 1,
+    1, Nk)): the decode kernel reads the 4-D mask through its strides (no view of it is
+    made), against float64: left padding, a row keeping one key, one keeping none
+    (zeros), a float mask with finite biases."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 4, 1, 32, generator=g).to(DEVICE, torch.float16)
+    k = torch.randn(3, 2, 40, 32, generator=g).to(DEVICE, torch.float16)
+    v = torch.randn(3, 2, 40, 32, generator=g).to(DEVICE, torch.float16)
+    keep = torch.ones(3, 40, dtype=torch.bool)
+    keep[0, :25] = False
+    keep[1, :-1] = False
+    keep[2] = False
+    keep = keep[:batch_rows] if batch_rows == 3 else keep[:1]
+    mask = keep[:, None, None, :].to(DEVICE)
+    if kind == "float":
+        bias = torch.randn(keep.shape, generator=g).masked_fill(~keep, float("-inf"))
+        mask = bias[:, None, None, :].to(DEVICE, torch.float16)
+    _check_on_the_decode_kernel(monkeypatch, q, k, v, {}, mask)
+
+
+def _check_on_the_decode_kernel(monkeypatch, q, k, v, options, mask=None):  # type: ignore[no-untyped-def]
     """attnhub.attention(backend="triton_flash") runs the call on the decode kernel, once,
     with output and lse within the contract's tolerance of float64."""
     import attnhub
     from attnhub.testing.tolerance import compare
 
     calls = _count_decode_calls(monkeypatch)
-    out, lse = attnhub.attention(q, k, v, backend="triton_flash", return_lse=True, **options)
+    out, lse = attnhub.attention(q, k, v, mask, backend="triton_flash", return_lse=True,
+                                 **options)  # fmt: skip
     assert len(calls) == 1
-    r64, lse64 = attnhub.attention(q.double(), k.double(), v.double(), backend="torch_reference",
-                                   return_lse=True, **options)  # fmt: skip
-    r_lp, lse_lp = attnhub.attention(q, k, v, backend="torch_reference", return_lse=True, **options)
+    m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    r64, lse64 = attnhub.attention(q.double(), k.double(), v.double(), m64,
+                                   backend="torch_reference", return_lse=True, **options)  # fmt: skip
+    r_lp, lse_lp = attnhub.attention(q, k, v, mask, backend="torch_reference", return_lse=True,
+                                     **options)  # fmt: skip
     problems = [compare("out", out, r_lp, r64), compare("lse", lse, lse_lp, lse64)]
     assert not [p for p in problems if p], problems
 

@@ -103,9 +103,8 @@ def forward_dense_decode(
 ) -> Any:
     """A decode-shaped dense call (:func:`decode_shaped`) on the decode kernel: key and
     value (B, Hkv, Nk, D) as a contiguous cache of B full sequences; ``attn_mask``
-    None or a key mask, (1 or B, 1, 1, Nk) (its (1 or B, Nk) view is the kernel's)."""
-    key_mask = None if attn_mask is None else attn_mask[:, 0, 0, :]
-    return forward_kvcache(query, key, value, _full_lengths(key), None, params, key_mask)
+    None or a key mask, (1 or B, 1, 1, Nk), which the kernel takes as it is."""
+    return forward_kvcache(query, key, value, _full_lengths(key), None, params, attn_mask)
 
 
 _decode_attention: Any = None
