@@ -27,10 +27,11 @@ length Nk (so PyTorch's kernels read exactly the same keys from the un-sliced ca
   SDPA's cuDNN and memory-efficient kernels with the mask, and Flex (a padding block
   mask built once; and built in each call, as a model's changing mask needs).
   Bandwidth counts the kept keys only.
-- In each of these, ``triton_decode_fused`` (and ``..._paged{P}_fused``) is ours with the
-  merge fused into the split kernel (decode.DecodeConfig.fused_merge; off by default):
-  the A/B that decides the default. Its rows' errors show whether it is right on the
-  GPU (the last program reads other SMs' partials).
+- In each of these, ours with the other merge than its default also runs (rows
+  ``triton_decode_fused`` / ``..._two_launch``, and ``..._paged{P}_...``: the merge fused
+  into the split kernel, decode.DecodeConfig.fused_merge, or a second launch): the A/B
+  behind the default. The fused rows' errors show whether it is right on the GPU (the
+  last program reads other SMs' partials).
 - ``sweep`` (not with --no-sweep): launch configurations of ours (BLOCK_N, warps,
   stages) at Nq=1 Nk=32K, contiguous and 16-key pages, and split counts at Nk 32K
   and 4K: data for decode.default_config and the split heuristic (the default's
@@ -288,11 +289,13 @@ def ours_fn(q, k, v, seqlens, *, block_table=None, window=None, softcap=None, co
     return fn
 
 
-def fused_config(page_size: int | None) -> decode.DecodeConfig:
-    """The default launch with the merge fused into the split kernel (decode.DecodeConfig's
-    fused_merge, off by default until measured)."""
+def other_merge(page_size: int | None) -> tuple[decode.DecodeConfig, str]:
+    """The default launch with the other merge (decode.DecodeConfig's fused_merge
+    flipped), and its rows' name suffix."""
     cfg = decode.default_config(D, DTYPE.itemsize, page_size)
-    return decode.DecodeConfig(cfg.block_n, cfg.num_warps, cfg.num_stages, None, True)
+    fused = not cfg.fused_merge
+    other = decode.DecodeConfig(cfg.block_n, cfg.num_warps, cfg.num_stages, None, fused)
+    return other, "_fused" if fused else "_two_launch"
 
 
 def section_nq1(rows: list[dict], nks: list[int], flex: bool) -> None:
@@ -302,8 +305,9 @@ def section_nq1(rows: list[dict], nks: list[int], flex: bool) -> None:
         nb = kv_bytes(nk, 1, None)
         case = f"nq1-{nk // 1024}K"
         rows.append(measure(case, "triton_decode", ours_fn(q, k, v, sl), ref, nb))
-        fn = ours_fn(q, k, v, sl, config=fused_config(None))
-        rows.append(measure(case, "triton_decode_fused", fn, ref, nb))
+        other, suffix = other_merge(None)
+        fn = ours_fn(q, k, v, sl, config=other)
+        rows.append(measure(case, "triton_decode" + suffix, fn, ref, nb))
         for name, kernel in sdpa_impls().items():
             rows.append(measure(case, name, sdpa_fn(q, k, v, kernel), ref, nb))
         if flex:
@@ -320,8 +324,9 @@ def section_softcap_window(rows: list[dict], nks: list[int], flex: bool) -> None
         case = f"softcap50-window4096-{nk // 1024}K"
         fn = ours_fn(q, k, v, sl, window=4096, softcap=50.0)
         rows.append(measure(case, "triton_decode", fn, ref, nb))
-        fn = ours_fn(q, k, v, sl, window=4096, softcap=50.0, config=fused_config(None))
-        rows.append(measure(case, "triton_decode_fused", fn, ref, nb))
+        other, suffix = other_merge(None)
+        fn = ours_fn(q, k, v, sl, window=4096, softcap=50.0, config=other)
+        rows.append(measure(case, "triton_decode" + suffix, fn, ref, nb))
         if flex:
             rows.append(measure(case, "flex", flex_fn(q, k, v, nq=1, window=4096, softcap=50.0),
                                 ref, nb))  # fmt: skip
@@ -341,8 +346,9 @@ def section_paged(rows: list[dict], nks: list[int], page_sizes: list[int]) -> No
             vp, _ = to_paged(v, p)
             fn = ours_fn(q, kp, vp, sl, block_table=table)
             rows.append(measure(case, f"triton_decode_paged{p}", fn, ref, nb))
-            fn = ours_fn(q, kp, vp, sl, block_table=table, config=fused_config(p))
-            rows.append(measure(case, f"triton_decode_paged{p}_fused", fn, ref, nb))
+            other, suffix = other_merge(p)
+            fn = ours_fn(q, kp, vp, sl, block_table=table, config=other)
+            rows.append(measure(case, f"triton_decode_paged{p}{suffix}", fn, ref, nb))
             del kp, vp
         del q, k, v, ref
         torch.cuda.empty_cache()
@@ -355,8 +361,9 @@ def section_nq4(rows: list[dict], flex: bool) -> None:
     nb = kv_bytes(nk, nq, None)
     case = "nq4-causal-32K"
     rows.append(measure(case, "triton_decode", ours_fn(q, k, v, sl), ref, nb))
-    fn = ours_fn(q, k, v, sl, config=fused_config(None))
-    rows.append(measure(case, "triton_decode_fused", fn, ref, nb))
+    other, suffix = other_merge(None)
+    fn = ours_fn(q, k, v, sl, config=other)
+    rows.append(measure(case, "triton_decode" + suffix, fn, ref, nb))
     mask = torch.arange(nk, device=DEV)[None, :] <= torch.arange(nq, device=DEV)[:, None] + nk - nq
     for name, kernel in sdpa_impls().items():
         if name != "sdpa_flash":  # flash takes no mask, and its is_causal is top-left
@@ -508,7 +515,8 @@ def summary(rows: list[dict]) -> dict:
             entry["speed_vs_fastest_other"] = others[best] / ours  # > 1: ours faster
         for r in timed:
             if r["case"] == case and r["impl"].startswith("triton_decode_"):
-                # paged: < 0.9 is more than 10% slower than contiguous; fused: > 1 faster
+                # paged: < 0.9 is more than 10% slower than contiguous; the other merge:
+                # > 1 faster than the default's
                 entry[r["impl"] + "_speed_vs_default"] = ours / r["ms"]
         out[case] = entry
     return out

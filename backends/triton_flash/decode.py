@@ -481,8 +481,7 @@ class DecodeConfig:
     """Launch choices of one decode call. ``num_splits`` None: the heuristic
     (:func:`num_splits_for`). ``fused_merge``: with more than one split, the last
     program of each row block merges (FUSED_MERGE in :func:`decode_split_kernel`)
-    instead of a second launch; off by default until the H200 shows it right and
-    faster (`attnhub bench --decode` times both, tests/test_triton_decode.py checks it)."""
+    instead of a second launch (default_config says where it is the default)."""
 
     block_n: int
     num_warps: int
@@ -522,6 +521,14 @@ def default_config(head_dim: int, element_size: int, page_size: int | None) -> D
         cfg = DecodeConfig(32, 4, 2)
     if page_size:
         cfg = DecodeConfig(cfg.block_n, cfg.num_warps, cfg.num_stages + 2)
+    if element_size < 4 and head_dim <= 128:
+        # The merge fused into the split kernel: one launch a call instead of two, which
+        # a model's decoding step pays on the host (a few microseconds of a call's
+        # 20-30, where decoding is host-bound); on the GPU 1.00-1.02x the two launches
+        # on the H200 (decode-h200.md, its _fused rows), bitwise their answer
+        # (test_gpu_fused_merge). Half precision up to D=128 only: there it takes
+        # 147-160 registers, and shared memory keeps three programs per SM either way.
+        cfg = DecodeConfig(cfg.block_n, cfg.num_warps, cfg.num_stages, None, True)
     return cfg
 
 
