@@ -796,6 +796,16 @@ def test_dense_calls_shaped_like_decoding_run_on_the_decode_kernel(monkeypatch, 
     _check_on_the_decode_kernel(monkeypatch, q, k, v, options)
 
 
+def test_a_4d_key_mask_that_varies_by_head_or_row_is_refused():
+    """decode_attention reads a 4-D key mask at [b, 0, 0, j]: one whose head or row dim
+    is not 1 would be read in part, so it is refused, naming the argument."""
+    q, k, v, sl = make_inputs(2, 4, 2, 1, 16, 32, torch.float32, [16, 16])
+    for shape in ((2, 4, 1, 16), (2, 1, 2, 16)):
+        mask = torch.ones(shape, dtype=torch.bool, device=DEVICE)
+        with pytest.raises(ValueError, match=r"key_mask: a 4-D key mask is \(1 or B, 1, 1, Nk\)"):
+            decode.decode_attention(q, k, v, sl, scale=0.1, key_mask=mask)
+
+
 @pytest.mark.parametrize("kind", ["bool", "float"])
 @pytest.mark.parametrize("batch_rows", [3, 1], ids=["per_sequence", "shared"])
 def test_a_dense_decoding_step_takes_its_4d_key_mask_as_given(monkeypatch, kind, batch_rows):  # type: ignore[no-untyped-def]  # fmt: skip

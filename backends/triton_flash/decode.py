@@ -849,6 +849,8 @@ def _key_mask_view(key_mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torc
     # A dim of one broadcasts (a mask shared by the batch, or by every key). A 4-D mask
     # (1 or B, 1, 1, Nk) is read through its first and last dims (no view is made).
     shape, stride = key_mask.shape, key_mask.stride()
+    if len(shape) == 4 and (shape[1] != 1 or shape[2] != 1):
+        raise ValueError(f"key_mask: a 4-D key mask is (1 or B, 1, 1, Nk), got {tuple(shape)}")
     strides = tuple(0 if shape[d] == 1 else stride[d] for d in (0, -1))
     # A bool mask goes as it is (Triton reads it as int1): a uint8 view of it is an
     # op that Inductor cannot lower (aten.view.dtype of bool) in a compiled call.
