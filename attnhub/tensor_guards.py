@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+# Of one tensor: (size dims, stride dims) its guards leave out.
+Free = tuple[tuple[int, ...], tuple[int, ...]] | None
+
 
 class Guards:
     """Checks, in one C call, that tensors have the metadata of those a call was decided for.
@@ -24,6 +27,10 @@ class Guards:
     everything a cache key can hold about the tensors' metadata is the same (their
     addresses, and so their alignment, are not part of it).
 
+    ``free`` (optional, one entry per tensor): None, or (size dims, stride dims) that
+    the check leaves out, for a memo that checks those itself (a KV cache one key
+    longer at each decoding step: decode._LastPlan).
+
     It is a private PyTorch class: :meth:`make` returns None (no memo; every call
     goes through the cache's key) where it is missing, fails, or does not pass a check of
     the behaviour relied on here, made once per process; also for tensor subclasses,
@@ -33,7 +40,7 @@ class Guards:
     _usable: bool | None = None  # None: not checked yet
 
     @classmethod
-    def make(cls, tensors: tuple[Any, ...]) -> Any:
+    def make(cls, tensors: tuple[Any, ...], free: tuple[Free, ...] | None = None) -> Any:
         if cls._usable is None:
             cls._usable = cls._self_check()
         if not cls._usable or not all(type(t) is torch.Tensor for t in tensors):
@@ -41,20 +48,23 @@ class Guards:
         if len({id(t) for t in tensors}) < len(tensors):
             return None  # a tensor passed twice (attention(x, x, x)) never passes a check
         try:
-            return cls._build(tensors)
+            return cls._build(tensors, free)
         except Exception:
             return None
 
     @staticmethod
-    def _build(tensors: tuple[torch.Tensor, ...]) -> Any:
+    def _build(tensors: tuple[torch.Tensor, ...], free: tuple[Free, ...] | None = None) -> Any:
         from torch._C._dynamo import guards
 
+        sizes: list[list[int | None]] = [list(t.shape) for t in tensors]
+        strides: list[list[int | None]] = [list(t.stride()) for t in tensors]
+        for t_sizes, t_strides, t_free in zip(sizes, strides, free or (), strict=False):
+            if t_free is not None:  # None in a dim: TensorGuards does not check it
+                for dims, values in zip(t_free, (t_sizes, t_strides), strict=True):
+                    for d in dims:
+                        values[d] = None
         tensor_guards: Any = guards.TensorGuards  # its .pyi misstates the arguments
-        return tensor_guards(
-            *tensors,
-            dynamic_dims_sizes=[list(t.shape) for t in tensors],
-            dynamic_dims_strides=[list(t.stride()) for t in tensors],
-        )
+        return tensor_guards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
 
     @classmethod
     def _self_check(cls) -> bool:
@@ -72,8 +82,15 @@ class Guards:
                 torch.zeros(2, 3, requires_grad=True),  # requires_grad
                 torch.nn.Parameter(torch.zeros(2, 3)),  # type
             )
-            return bool(guards.check(torch.zeros(2, 3))) and not any(
-                guards.check(t) for t in different
+            # Size dim 1 and both strides left out: any length of dim 1 passes, the
+            # rest is still checked.
+            free = cls._build((base,), (((1,), (0, 1)),))
+            return (
+                bool(guards.check(torch.zeros(2, 3)))
+                and not any(guards.check(t) for t in different)
+                and bool(free.check(torch.zeros(2, 5)))
+                and bool(free.check(torch.zeros(2, 6)[:, ::2]))
+                and not any(free.check(t) for t in different[1:3] + different[4:])
             )
         except Exception:
             return False

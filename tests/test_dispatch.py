@@ -334,6 +334,26 @@ def test_the_last_call_memo_checks_metadata_with_pytorch_tensor_guards(fake_regi
     assert api._last[3] is api._NO_CONTEXT  # gets no guards
 
 
+def test_tensor_guards_leave_out_only_the_dims_they_are_told():
+    """Guards.make's ``free``: the size and stride dims named for a tensor pass any value;
+    every other dim, and the other tensors, are checked exactly (decode._LastPlan's
+    guards of a KV cache that grows by a key each step)."""
+    from attnhub.tensor_guards import Guards
+
+    if not Guards._self_check():
+        pytest.skip("PyTorch's private TensorGuards is missing or changed: no guards")
+    q, cache = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 10, 8)
+    guards = Guards.make((q, cache), (None, ((2,), (0, 1))))
+    longer = torch.randn(2, 2, 17, 8)
+    assert guards.check(q, cache) and guards.check(torch.randn_like(q), longer)
+    assert guards.check(q, torch.randn(2, 2, 40, 8)[:, :, :17])  # other dim-0/1 strides
+    assert not guards.check(q, torch.randn(3, 2, 10, 8))  # size dim 0
+    assert not guards.check(q, torch.randn(2, 2, 10, 16)[..., :8])  # stride dim 2
+    assert not guards.check(q, torch.randn(2, 2, 10, 8, dtype=torch.float64))
+    assert not guards.check(torch.randn(2, 4, 2, 8), cache)  # q: exact
+    assert Guards.make((q, cache), (None, ((4,), ()))) is None  # no dim 4: no guards
+
+
 def test_sequence_lengths_share_a_decision_within_a_bucket(fake_registry):
     fake_registry.add(fake("general"))
     d1 = attnhub.explain(*(torch.randn(1, 1, 33, 8),) * 3)

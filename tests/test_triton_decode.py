@@ -134,7 +134,7 @@ def test_gqa_lengths_and_splits(dtype, nq):  # type: ignore[no-untyped-def]
     for cfg in (None, decode.DecodeConfig(16, 4, 1, num_splits=1), fused):
         out, lse = decode.decode_attention(q, k, v, sl, scale=scale, return_lse=True, config=cfg)
         check(out, lse, q, k, v, lengths, scale=scale)
-    assert all((c == 0).all() for c in decode._COUNTERS.values()), "counters left at zero"
+    assert all((s.counters == 0).all() for s in decode._SCRATCH.values()), "counters left at zero"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
@@ -408,8 +408,10 @@ def test_the_last_plan_serves_only_what_its_key_held(monkeypatch):  # type: igno
     """decode._LastPlan.serves, the memo in front of the plan key (its launches are the
     GPU's: test_gpu_the_last_plan_serves_only_calls_of_its_key): new tensors of the
     same metadata and options, yes; a view one element in (not 16-byte aligned),
-    another option, a key mask given, a longer cache, another fp32 matmul precision or
-    another current device, no. Calls with a misaligned tensor keep no last plan."""
+    another option, a key mask given, another fp32 matmul precision or another current
+    device, no. A contiguous cache of another length: yes where _plan_key would give it
+    the same key (the length's bucket, the strides' classes), else no. Calls with a
+    misaligned tensor keep no last plan."""
     current = [0]
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: current[0], raising=False)
     monkeypatch.setattr(decode, "_last_plan", None)
@@ -426,8 +428,49 @@ def test_the_last_plan_serves_only_what_its_key_held(monkeypatch):  # type: igno
     assert not last.serves(q, k, v, sl, None, None, (0.2, None, None, False, None))
     mask = torch.ones(2, 1, 1, 64, dtype=torch.bool, device=q.device)
     assert not last.serves(q, k, v, sl, None, mask, options)
-    longer = make_inputs(2, 4, 2, 1, 65, 32, torch.float32, [64, 10])
-    assert not last.serves(q, longer[1], longer[2], sl, None, None, options)
+
+    def same_key(k2, v2):  # type: ignore[no-untyped-def]
+        key = decode._plan_key(q, k, v, sl, None, None, *options)
+        return decode._plan_key(q, k2, v2, sl, None, None, *options) == key
+
+    longer = make_inputs(2, 4, 2, 1, 71, 32, torch.float32, [64, 10])  # bucket 64..71
+    assert same_key(*longer[1:3]) and last.serves(q, *longer[1:3], sl, None, None, options)
+    assert last.serves(q, k, v, sl, None, None, options)  # and back
+    beyond = make_inputs(2, 4, 2, 1, 72, 32, torch.float32, [64, 10])  # bucket 72..79
+    assert not same_key(*beyond[1:3])
+    assert not last.serves(q, *beyond[1:3], sl, None, None, options)
+    # Values with a row stride of 33 (not a multiple of 16: Triton specializes it so)
+    odd_v = torch.zeros(2, 2, 65, 33, device=q.device)[..., :32]
+    assert not same_key(longer[1], odd_v)
+    assert not last.serves(q, longer[1], odd_v, sl, None, None, options)
+    wider = make_inputs(3, 4, 2, 1, 64, 32, torch.float32, [64, 10, 5])  # another batch
+    assert not last.serves(q, *wider[1:3], sl, None, None, options)
+
+    # With a key mask (B, 1, 1, Nk): its length and batch stride go with the cache's
+    # (bucket 256..287; of its lengths, 256 and 272 are multiples of 16).
+    def cache_and_mask(n, batch=2):  # type: ignore[no-untyped-def]
+        _, k2, v2, _ = make_inputs(2, 4, 2, 1, n, 32, torch.float32, [64, 10])
+        return k2, v2, torch.ones(batch, 1, 1, n, dtype=torch.bool, device=q.device)
+
+    def masked_plan(k2, v2, key_mask):  # type: ignore[no-untyped-def]
+        decode._remember_last(q, k2, v2, sl, None, key_mask, options, "masked plan")
+        return decode._last_plan, lambda *c: decode._plan_key(q, *c[:2], sl, None, c[2], *options)
+
+    base = cache_and_mask(256)
+    masked, key_of = masked_plan(*base)
+    for n, served in ((272, True), (256, True), (257, False), (288, False)):
+        other = cache_and_mask(n)
+        assert (key_of(*other) == key_of(*base)) is served
+        assert masked.serves(q, *other[:2], sl, None, other[2], options) is served
+    assert not masked.serves(q, *base[:2], sl, None, base[2][:, :, :, :1], options)  # one key
+    # A mask shared by the batch (batch stride 0): any length of the bucket.
+    base = cache_and_mask(64, batch=1)
+    masked, key_of = masked_plan(*base)
+    other = cache_and_mask(71, batch=1)
+    assert key_of(*other) == key_of(*base)
+    assert masked.serves(q, *other[:2], sl, None, other[2], options)
+    decode._remember_last(q, k, v, sl, None, None, options, "plan")
+    last = decode._last_plan
     precision = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("high" if precision == "highest" else "highest")
@@ -662,13 +705,18 @@ def test_gpu_cached_plan():  # type: ignore[no-untyped-def]
 @gpu
 @requires_cuda
 @pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "bool_mask"])
-def test_gpu_cached_plan_serves_a_longer_cache(masked):  # type: ignore[no-untyped-def]
+def test_gpu_cached_plan_serves_a_longer_cache(masked, monkeypatch):  # type: ignore[no-untyped-def]
     """A model's decoding steps: each a contiguous cache one key longer than the last
     (new strides; with a padding mask, a new mask batch stride) and full lengths. A
     step takes the plan of its length's bucket, launched with its own strides: every
     answer is its own. A new bucket (1024 keys), or a mask stride that Triton would
-    specialize otherwise (a multiple of 16 or not), keys a plan of its own."""
+    specialize otherwise (a multiple of 16 or not), keys a plan of its own. The other
+    steps take the last plan (decode._LastPlan) without computing a key."""
+    keyed = []
+    plan_key = decode._plan_key
+    monkeypatch.setattr(decode, "_plan_key", lambda *a: keyed.append(a[1].shape[2]) or plan_key(*a))
     decode._PLANS.clear()
+    decode._last_plan = None
     g = torch.Generator().manual_seed(5)
     for n in range(1000, 1040):
         q, k, v, sl = make_inputs(4, 8, 2, 1, n, 128, torch.bfloat16, [n] * 4, seed=n)
@@ -682,6 +730,10 @@ def test_gpu_cached_plan_serves_a_longer_cache(masked):  # type: ignore[no-untyp
     # Buckets 960..1023 and 1024..1151; with the mask, strides 1008 and 1024 (multiples
     # of 16) besides the others of each bucket.
     assert len(decode._PLANS) == (4 if masked else 2)
+    # Keyed: a plan's first call (the full path records it, the last plan stays) and the
+    # call after it (found by key: the last plan from then on); with the mask, 1025's
+    # class is the last plan's (1009's) but not its bucket, so 1026 is keyed as well.
+    assert keyed == ([1000, 1001, 1008, 1024, 1025, 1026] if masked else [1000, 1001, 1024, 1025])
 
 
 @gpu
@@ -722,6 +774,48 @@ def test_gpu_the_last_plan_serves_only_calls_of_its_key(monkeypatch):  # type: i
 
 @gpu
 @requires_cuda
+def test_gpu_plans_share_their_streams_scratch(monkeypatch):  # type: ignore[no-untyped-def]
+    """Cached plans take the partials, the fused merge's counters and the lse they do not
+    return from one set of buffers per (device, stream) (decode._scratch): calls of two
+    sizes in turn (the buffers grow, then serve the smaller), fused and two-launch
+    merges, with and without lse, on the default stream and a side stream, each answer
+    bitwise what the full path gives with buffers of its own (USE_PLANS off)."""
+    cases = []
+    for b, n, seed in ((2, 3000, 1), (6, 9000, 2)):
+        lengths = [n - 17 * i for i in range(b)]
+        q, k, v, sl = make_inputs(b, 32, 8, 1, n, 128, torch.bfloat16, lengths, seed=seed)
+        base = decode.default_config(128, 2, None)
+        for fused in (False, True):
+            cfg = decode.DecodeConfig(base.block_n, base.num_warps, base.num_stages, 8, fused)
+            kw = {"scale": 0.1, "config": cfg}
+            monkeypatch.setattr(decode, "USE_PLANS", False)
+            want = decode.decode_attention(q, k, v, sl, return_lse=True, **kw)
+            monkeypatch.setattr(decode, "USE_PLANS", True)
+            cases.append(((q, k, v, sl), kw, want))
+    decode._PLANS.clear()
+    decode._last_plan = None
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side, torch.cuda.current_stream()):
+        with torch.cuda.stream(stream):
+            outs = [
+                decode.decode_attention(*t, return_lse=lse, **kw)
+                for _ in range(3)
+                for t, kw, _ in cases
+                for lse in (False, True)
+            ]
+        stream.synchronize()
+        for i, got in enumerate(outs):
+            want = cases[i // 2 % len(cases)][2]
+            if i % 2:
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            else:
+                assert torch.equal(got, want[0])
+    assert len(decode._SCRATCH) >= 2
+    assert all((s.counters == 0).all() for s in decode._SCRATCH.values())
+
+
+@gpu
+@requires_cuda
 @pytest.mark.parametrize("page_size", [0, 16, 256])
 def test_gpu_fused_merge(page_size):  # type: ignore[no-untyped-def]
     """The merge fused into the split kernel (the last program of each row block reads
@@ -745,7 +839,7 @@ def test_gpu_fused_merge(page_size):  # type: ignore[no-untyped-def]
                                           window=(2000, 0), return_lse=True, config=one)  # fmt: skip
             assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
         torch.cuda.synchronize()
-        assert all((c == 0).all() for c in decode._COUNTERS.values())
+        assert all((s.counters == 0).all() for s in decode._SCRATCH.values())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = decode.decode_attention(q, k, v, sl, block_table=table, scale=0.1,
@@ -757,6 +851,25 @@ def test_gpu_fused_merge(page_size):  # type: ignore[no-untyped-def]
 
 
 # -- dense calls shaped like decoding (serving.decode_shaped) ------------------------------
+
+
+def test_full_lengths_are_rows_of_a_shared_table(monkeypatch):  # type: ignore[no-untyped-def]
+    """serving._full_lengths: (B,) int32 of Nk, contiguous and 16-byte aligned (Triton
+    specializes the pointer on it) for any B; calls within _LENGTH_ROWS keys of the
+    table's first length take rows of one table (a model's layers and steps), a length
+    outside makes a new one."""
+    from attnhub.backends.triton_flash import serving
+
+    monkeypatch.setattr(serving, "_FULL_LENGTHS", {})
+    for b in (1, 3, 4, 5, 8):
+        rows = []  # kept: a table freed could give its address to the next
+        for nk in (500, 501, 500, 500 + serving._LENGTH_ROWS - 1, 499, 500 + serving._LENGTH_ROWS):
+            lengths = serving._full_lengths(torch.empty(b, 2, nk, 8, device=DEVICE))
+            assert torch.equal(lengths, torch.full((b,), nk, dtype=torch.int32, device=DEVICE))
+            assert lengths.is_contiguous() and lengths.data_ptr() % 16 == 0
+            rows.append(lengths)
+        tables = {row.untyped_storage().data_ptr() for row in rows}
+        assert len(tables) == 3  # 500.., then 499.., then 756..
 
 
 def _count_decode_calls(monkeypatch) -> list[int]:  # type: ignore[no-untyped-def]

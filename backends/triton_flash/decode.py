@@ -975,29 +975,66 @@ def _define(name: str, impl: Any) -> Any:
 triton_decode = _define("attnhub::triton_decode", _op_impl)
 
 
-# FUSED_MERGE's arrival counters: int32 zeros that each launch leaves at zero (the
-# merging program resets its counter), kept per (device, stream) so that launches on
-# two streams at once never share one. Inside CUDA-graph capture a fresh zeroed buffer
-# is made per call (its memset is captured with the kernel): a buffer kept for the
-# capture stream would be zeroed only when the graph first replays, and a graph may
-# replay on another stream beside eager calls.
-_COUNTERS: dict[tuple, torch.Tensor] = {}
+# Buffers a launch writes and reads within itself, or with the merge launch right after
+# it, kept per (device, stream) so that launches on two streams at once never share one
+# (stream order keeps the next launch on a stream from touching them before the last is
+# done): FUSED_MERGE's arrival counters (int32 zeros that each launch leaves at zero: the
+# merging program resets its counter), and for cached plans the splits' partials and
+# the lse of a call that does not return it (two allocations a call fewer: each is
+# several microseconds of a decoding step's host time). Partials larger than
+# _MAX_SCRATCH floats are allocated per call (a persistent buffer is memory that
+# empty_cache cannot give back). Inside CUDA-graph capture every buffer is the call's
+# own (a fresh zeroed counter buffer's memset is captured with the kernel): a buffer
+# kept for the capture stream would be zeroed only when the graph first replays, and a
+# graph may replay on another stream beside eager calls.
+_MAX_SCRATCH = 1 << 22
 
 
-def _counters(device: torch.device, n: int, fresh: bool = False) -> torch.Tensor:
-    if fresh:
-        return torch.zeros(n, dtype=torch.int32, device=device)
+class _Scratch:
+    __slots__ = ("counters", "lse", "partials")
+
+    def __init__(self, device: torch.device) -> None:
+        self.counters = torch.zeros(1024, dtype=torch.int32, device=device)
+        self.partials = self.lse = torch.empty(0, dtype=torch.float32, device=device)
+
+    def take_counters(self, n: int) -> torch.Tensor:
+        if self.counters.numel() < n:
+            self.counters = torch.zeros(n, dtype=torch.int32, device=self.counters.device)
+        return self.counters
+
+    def take_partials(self, n: int) -> torch.Tensor:
+        if self.partials.numel() < n:
+            self.partials = torch.empty(n, dtype=torch.float32, device=self.partials.device)
+        return self.partials
+
+    def take_lse(self, n: int) -> torch.Tensor:
+        if self.lse.numel() < n:
+            self.lse = torch.empty(n, dtype=torch.float32, device=self.lse.device)
+        return self.lse
+
+
+_SCRATCH: dict[tuple, _Scratch] = {}
+
+
+def _scratch(device: torch.device) -> _Scratch | None:
+    """The device's current stream's buffers; None while a CUDA graph is captured."""
     if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return torch.zeros(n, dtype=torch.int32, device=device)
+        if torch._C._cuda_isCurrentStreamCapturing():
+            return None
         key: tuple = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
     else:
         key = (device.type, 0)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+    scratch = _SCRATCH.get(key)
+    if scratch is None:
+        scratch = _SCRATCH[key] = _Scratch(device)
+    return scratch
+
+
+def _counters(device: torch.device, n: int, fresh: bool = False) -> torch.Tensor:
+    scratch = None if fresh else _scratch(device)
+    if scratch is None:
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    return scratch.take_counters(n)
 
 
 # Cached launch plans (issue 17, item 3: decode runs once per layer and token, so the
@@ -1026,6 +1063,20 @@ def _specialized(value: int) -> tuple[bool, bool, bool]:
     """How Triton 3.6 specializes an int argument: whether it is 1 (a constant), a
     multiple of 16 (a divisibility hint) and outside int32 (an i64 parameter)."""
     return value == 1, value % 16 == 0, not -(2**31) <= value < 2**31
+
+
+def _stride_classes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
+) -> tuple:
+    """How Triton specializes the cache's, the values' and the key mask's strides (the
+    plan launches with the call's own: CachedLaunch.with_leading), and whether the mask
+    has one key: what a plan key holds of the values that change with a contiguous
+    cache's length, besides its bucket."""
+    classes = (*map(_specialized, k.stride()), *map(_specialized, v.stride()))
+    if key_mask is None:
+        return classes
+    _, mask_strides, _ = _key_mask_view(key_mask, q)
+    return (*classes, *map(_specialized, mask_strides), key_mask.shape[-1] == 1)
 
 
 def _length_bucket(n: int) -> tuple[int, int]:
@@ -1057,13 +1108,11 @@ def _plan_key(
                      table.get_device())  # fmt: skip
     mask_key = None
     if key_mask is not None:
-        _, mask_strides, _ = _key_mask_view(key_mask, q)
-        mask_key = (key_mask.dim(), key_mask.shape[0], key_mask.shape[-1] == 1, key_mask.dtype,
-                    key_mask.data_ptr() % 16 == 0, key_mask.get_device(),
-                    *map(_specialized, mask_strides))  # fmt: skip
+        mask_key = (key_mask.dim(), key_mask.shape[0], key_mask.dtype,
+                    key_mask.data_ptr() % 16 == 0, key_mask.get_device())  # fmt: skip
     return (
-        q.shape, q.stride(), k_shape, v_shape, *map(_specialized, k.stride()),
-        *map(_specialized, v.stride()), seqlens.shape, table_key, mask_key,
+        q.shape, q.stride(), k_shape, v_shape, _stride_classes(q, k, v, key_mask),
+        seqlens.shape, table_key, mask_key,
         q.dtype, k.dtype, v.dtype, seqlens.dtype, q.data_ptr() % 16 == 0,
         k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0, seqlens.data_ptr() % 16 == 0,
         options, torch._C._cuda_getDevice(), q.get_device(), k.get_device(),
@@ -1074,21 +1123,32 @@ def _plan_key(
 
 class _LastPlan:
     """The plan the last call found under its key, with what decided that key: its
-    tensors' metadata (tensor_guards.Guards, one C call: shapes and strides exactly,
-    stricter than the key's length bucket and stride classes), the options, the
-    current device and fp32's matmul precision; kept only for calls whose tensors are
-    all 16-byte aligned (one test of their addresses ORed together). A call that
-    matches all of it has that key, and skips _plan_key (7 against 3 us on the dev
-    CPU): a decoding step's later layers repeat its first layer's call."""
+    tensors' metadata (tensor_guards.Guards, one C call), the options, the current
+    device and fp32's matmul precision; kept only for calls whose tensors are all
+    16-byte aligned (one test of their addresses ORed together). A call that matches
+    all of it has that key, and skips _plan_key and its dict: a decoding step's later
+    layers repeat its first layer's call, and the next step's first layer has a cache
+    one key longer.
 
-    __slots__ = ("current", "guards", "no_mask", "no_table", "options", "plan", "precision")
+    For a contiguous cache the guards leave out its length and the strides of the
+    cache, the values and the key mask (which change with the length), and check the
+    rest exactly; what the key holds of those (the length's bucket, the strides'
+    classes: _stride_classes) is compared here, only when they differ from the last
+    call's (``seen``). A paged call's guards check everything exactly."""
 
-    def __init__(self, guards: Any, q: torch.Tensor, table: Any, key_mask: Any,
-                 options: tuple, plan: Any) -> None:  # fmt: skip
+    __slots__ = (
+        "current", "free", "guards", "no_mask", "no_table", "options", "plan", "precision",
+        "seen",
+    )  # fmt: skip
+
+    def __init__(self, guards: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 table: Any, key_mask: Any, options: tuple, plan: Any) -> None:  # fmt: skip
         self.guards, self.options, self.plan = guards, options, plan
         self.no_table, self.no_mask = table is None, key_mask is None
         self.current = torch._C._cuda_getDevice()
         self.precision = _fp32_precision(q)
+        self.free = _length_classes(q, k, v, key_mask) if table is None else None
+        self.seen = _length_values(k, v, key_mask)
 
     def serves(
         self,
@@ -1103,13 +1163,42 @@ class _LastPlan:
         if (table is None) is not self.no_table or (key_mask is None) is not self.no_mask:
             return False
         extra = [t for t in (table, key_mask) if t is not None]
-        return (
+        if not (
             self.options == options
             and self.guards.check(q, k, v, seqlens, *extra)
             and _all_aligned(q, k, v, seqlens, *extra)
             and self.current == torch._C._cuda_getDevice()
             and self.precision == _fp32_precision(q)
-        )
+        ):
+            return False
+        if self.free is not None:
+            seen = _length_values(k, v, key_mask)
+            if seen != self.seen:
+                if _length_classes(q, k, v, key_mask) != self.free:
+                    return False
+                self.seen = seen
+        return True
+
+
+def _length_values(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> tuple:
+    """What a contiguous cache's length changes: its length, the key mask's, and the
+    strides of the cache, the values and the key mask (_LastPlan's guards leave them out)."""
+    if key_mask is None:
+        return (k.shape[2], k.stride(), v.stride())
+    return (k.shape[2], k.stride(), v.stride(), key_mask.shape[-1], key_mask.stride())
+
+
+def _length_classes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
+) -> tuple:
+    """What _plan_key holds of _length_values: the length's bucket, the strides' classes."""
+    return (_length_bucket(k.shape[2]), _stride_classes(q, k, v, key_mask))
+
+
+# Of a contiguous-cache call's tensors (q, k, v, seqlens, key_mask), the dims _LastPlan's
+# guards leave out: the cache's and the values' length and strides, the key mask's key
+# dim and strides (Guards.make's ``free``).
+_CONTIGUOUS_FREE = (None, ((2,), (0, 1, 2, 3)), ((2,), (0, 1, 2, 3)), None)
 
 
 def _all_aligned(*tensors: torch.Tensor) -> bool:
@@ -1140,8 +1229,16 @@ def _remember_last(
     aligned and can be guarded (plain tensors, none passed twice: Guards.make)."""
     global _last_plan
     tensors = tuple(t for t in (q, k, v, seqlens, table, key_mask) if t is not None)
-    guards = Guards.make(tensors) if _all_aligned(*tensors) else None
-    _last_plan = None if guards is None else _LastPlan(guards, q, table, key_mask, options, plan)
+    free = None
+    if table is None:
+        mask_free = (
+            None if key_mask is None else ((key_mask.dim() - 1,), tuple(range(key_mask.dim())))
+        )
+        free = (*_CONTIGUOUS_FREE, mask_free)
+    guards = Guards.make(tensors, free) if _all_aligned(*tensors) else None
+    _last_plan = (
+        None if guards is None else _LastPlan(guards, q, k, v, table, key_mask, options, plan)
+    )
 
 
 def _remember(key: tuple, plan: Any) -> None:
@@ -1154,7 +1251,8 @@ class _CallPlan:
     """One call signature's outputs and cached launches (see _PLANS)."""
 
     __slots__ = (
-        "counters", "device", "dtype", "lse_shape", "merge", "out_shape", "part_numel", "split",
+        "counters", "device", "dtype", "lse_numel", "lse_shape", "merge", "out_shape",
+        "part_numel", "split",
     )  # fmt: skip
 
     def __init__(
@@ -1167,6 +1265,7 @@ class _CallPlan:
         self.out_shape, self.lse_shape, self.dtype, self.device = (
             out.shape, lse.shape, out.dtype, out.device,
         )  # fmt: skip
+        self.lse_numel = lse.numel()
         self.part_numel, self.counters = part_numel, counters
         cached: list[Any] = [
             CachedLaunch(kernel, compiled, grid, args, meta, tensors)
@@ -1190,7 +1289,11 @@ class _CallPlan:
         return_lse: bool,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty(self.out_shape, device=self.device, dtype=self.dtype)
-        lse = torch.empty(self.lse_shape, device=self.device, dtype=torch.float32)
+        scratch = _scratch(self.device)
+        if return_lse or scratch is None:
+            lse = torch.empty(self.lse_shape, device=self.device, dtype=torch.float32)
+        else:  # written, never read: the kernel takes it flat
+            lse = scratch.take_lse(self.lse_numel)
         bt = seqlens if table is None else table
         km, mask_strides, _ = _key_mask_view(key_mask, q)
         strides = _input_strides(q, k, v, table, mask_strides)
@@ -1198,9 +1301,16 @@ class _CallPlan:
         if not self.part_numel:
             split(strides, q, k, v, seqlens, bt, out, out, lse, lse, km)
             return (out, lse) if return_lse else out
-        part = torch.empty(self.part_numel, device=self.device, dtype=torch.float32)
+        if scratch is None or self.part_numel > _MAX_SCRATCH:
+            part = torch.empty(self.part_numel, device=self.device, dtype=torch.float32)
+        else:
+            part = scratch.take_partials(self.part_numel)
         if self.counters:
-            counter = _counters(self.device, self.counters)
+            counter = (
+                torch.zeros(self.counters, dtype=torch.int32, device=self.device)
+                if scratch is None
+                else scratch.take_counters(self.counters)
+            )
             split(strides, q, k, v, seqlens, bt, part, out, lse, counter, km)
         else:
             split(strides, q, k, v, seqlens, bt, part, out, lse, lse, km)

@@ -72,10 +72,15 @@ def decode_shaped(request: AttentionRequest) -> bool:
     )
 
 
-# The lengths tensor of the last few (device, B, Nk) dense decode calls: a model's layers
-# at one decoding step share one instead of filling their own (read only, never written).
-_FULL_LENGTHS: dict[tuple[Any, int, int], torch.Tensor] = {}
+# Lengths tensors for dense decode calls, per (device, B): a table whose row i holds
+# first + i in each of its B entries (rows padded to 4 ints, so that each is 16-byte
+# aligned, as Triton specializes pointers), read only, never written. A call with Nk
+# keys takes row Nk - first, a view: a model's layers at one decoding step, and the
+# next _LENGTH_ROWS - 1 steps, share the table instead of filling a tensor each (a
+# fill launch and an allocation per step).
+_FULL_LENGTHS: dict[tuple[Any, int], tuple[int, torch.Tensor]] = {}
 _MAX_FULL_LENGTHS = 8
+_LENGTH_ROWS = 256
 
 
 def _full_lengths(key: torch.Tensor) -> torch.Tensor:
@@ -85,13 +90,17 @@ def _full_lengths(key: torch.Tensor) -> torch.Tensor:
     # where the call runs, not shared.
     if torch.compiler.is_compiling() or (key.is_cuda and torch.cuda.is_current_stream_capturing()):
         return torch.full((b,), nk, dtype=torch.int32, device=key.device)
-    slot = (key.device, b, nk)
-    lengths = _FULL_LENGTHS.get(slot)
-    if lengths is None:
+    slot = (key.device, b)
+    first, table = _FULL_LENGTHS.get(slot, (0, None))
+    if table is None or not 0 <= nk - first < _LENGTH_ROWS:
         if len(_FULL_LENGTHS) >= _MAX_FULL_LENGTHS:
             _FULL_LENGTHS.clear()
-        lengths = _FULL_LENGTHS[slot] = torch.full((b,), nk, dtype=torch.int32, device=key.device)
-    return lengths
+        first, width = nk, -(-b // 4) * 4
+        rows = torch.arange(nk, nk + _LENGTH_ROWS, dtype=torch.int32, device=key.device)
+        table = rows[:, None].expand(_LENGTH_ROWS, width).contiguous()
+        _FULL_LENGTHS[slot] = (first, table)
+    row = table[nk - first]
+    return row if row.shape[0] == b else row[:b]
 
 
 def forward_dense_decode(
