@@ -274,19 +274,41 @@ def test_sinks_of_the_wrong_shape_are_refused():
         hf.attention_forward(_Module(), q, k, v, None, s_aux=[0.0] * 4)
 
 
-def test_a_model_that_never_calls_the_attention_interface_is_stopped():
-    """transformers accepts attn_implementation="attnhub" for any model; BLOOM's layers
-    never look their attention function up, and read attnhub's boolean mask as an
-    additive one (causality lost, silently). attnhub's mask function sees masks built
-    with no attention call between them and stops it within a few forward passes."""
+@pytest.mark.parametrize("family", ["bloom", "mpt", "xglm"])
+def test_a_model_that_never_calls_the_attention_interface_is_stopped(family):
+    """transformers accepts attn_implementation="attnhub" for any model; the layers of
+    BLOOM, MPT and XGLM never look their attention function up, and read attnhub's
+    boolean mask as a mask of their own kind (BLOOM adds it, MPT masks the kept keys:
+    silently wrong). attnhub's mask function finds the model building the mask and
+    stops it before its first mask is handed over."""
     t = transformers
-    config = t.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)
-    model = t.BloomForCausalLM._from_config(config, attn_implementation="attnhub").eval()
+    config, cls = {
+        "bloom": (lambda: t.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4),
+                  t.BloomForCausalLM),
+        "mpt": (lambda: t.MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4,
+                                    max_seq_len=64), t.MptForCausalLM),
+        "xglm": (lambda: t.XGLMConfig(vocab_size=VOCAB, d_model=64, num_layers=2,
+                                      attention_heads=4, ffn_dim=128), t.XGLMForCausalLM),
+    }[family]  # fmt: skip
+    model = cls._from_config(config(), attn_implementation="attnhub").eval()
     ids = torch.randint(1, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), pytest.raises(RuntimeError, match=r"bloom.*does not use transformers' attention interface"):  # fmt: skip
-        for _ in range(hf.MASKS_WITHOUT_ATTENTION + 1):
-            model(input_ids=ids)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=rf"{family}.*does not use transformers' attention interface"):  # fmt: skip
+        model(input_ids=ids)  # the first pass
     assert attnhub.stats() == {}  # attnhub never served it
+
+
+def test_masks_built_outside_a_model_are_counted():
+    """Where the model building a mask is not among the mask function's callers (here
+    it is called directly), masks built with no attention call between them are
+    counted, and stopped past MASKS_WITHOUT_ATTENTION."""
+    hf.register()
+    config = transformers.LlamaConfig(**COMMON)
+    config._attn_implementation = "attnhub"
+    hf._masks_since_attention.clear()
+    for _ in range(hf.MASKS_WITHOUT_ATTENTION):
+        hf.mask(1, 4, 4, config=config)
+    with pytest.raises(RuntimeError, match="llama and its attention never called attnhub"):
+        hf.mask(1, 4, 4, config=config)
 
 
 def test_models_building_several_masks_a_pass_run_on():

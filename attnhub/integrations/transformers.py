@@ -34,6 +34,8 @@ What reaches attnhub
 from __future__ import annotations
 
 import functools
+import sys
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -140,10 +142,38 @@ _masks_since_attention: dict[str, int] = {}
 _registered: set[str] = set()
 
 
-def _count_mask(config: Any) -> None:
+# Of a model's config (by identity; a weak reference says the object is still the
+# same): whether the model building masks with it has attention code that looks
+# attention functions up in transformers' interface (None: its model was not found).
+_uses_interface: dict[int, tuple[Any, bool | None]] = {}
+_MAX_USES_INTERFACE = 64
+# The name a transformers modeling module imports to look attention functions up by
+# attn_implementation; modules of models that never do (BLOOM, MPT, XGLM) lack it.
+_INTERFACE_NAME = "ALL_ATTENTION_FUNCTIONS"
+
+
+def _check_mask_use(config: Any) -> None:
+    """Stop a model that would read attnhub's mask with its own attention code.
+
+    First, by the model itself, before its first mask is handed over: the model whose
+    forward builds the mask (found on the call stack, holding this config) is checked
+    once for a module whose code looks attention functions up in transformers'
+    interface; a model with none (BLOOM, MPT, XGLM in transformers 5.25) would add the
+    boolean mask to its scores, or mask the kept keys, silently wrong. Where the model
+    is not found, the masks built with no attention call between them are counted.
+    """
     if getattr(config, "_attn_implementation", None) not in _registered:
         return
     model = str(getattr(config, "model_type", None) or "this model")
+    if _model_uses_interface(config) is False:
+        raise RuntimeError(
+            f"attn_implementation='attnhub': {model}'s attention code does not use "
+            "transformers' attention interface: it would run its own attention with "
+            "attnhub's boolean mask read as its own kind of mask, and its outputs would be "
+            "wrong. Load it with attn_implementation='eager', or 'sdpa' where transformers "
+            "offers that for it (attnhub.patch() then serves its "
+            "F.scaled_dot_product_attention calls)."
+        )
     count = _masks_since_attention.get(model, 0) + 1
     _masks_since_attention[model] = count
     if count > MASKS_WITHOUT_ATTENTION:
@@ -156,6 +186,38 @@ def _count_mask(config: Any) -> None:
             "Load it with attn_implementation='sdpa' (or 'eager') and use attnhub.patch() "
             "where it calls F.scaled_dot_product_attention."
         )
+
+
+def _model_uses_interface(config: Any) -> bool | None:
+    """Whether the model building a mask with ``config`` has a module defined where
+    transformers' attention interface is looked up; None where no module holding this
+    config is found among its callers (kept per config object)."""
+    kept = _uses_interface.get(id(config))
+    if kept is not None and kept[0]() is config:
+        return cast("bool | None", kept[1])
+    verdict: bool | None = None
+    frame: Any = sys._getframe(2)
+    for _ in range(16):  # transformers' mask builders, then the model's forward
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and getattr(owner, "config", None) is config:
+            modules = {type(m).__module__ for m in owner.modules()}
+            verdict = any(
+                _INTERFACE_NAME in vars(sys.modules[name])
+                for name in modules
+                if name in sys.modules
+            )
+            break
+        frame = frame.f_back
+    try:
+        reference = weakref.ref(config)
+    except TypeError:  # not weakly referenceable: decided again next time
+        return verdict
+    if len(_uses_interface) >= _MAX_USES_INTERFACE:
+        _uses_interface.clear()
+    _uses_interface[id(config)] = (reference, verdict)
+    return verdict
 
 
 def mask(
@@ -183,7 +245,7 @@ def mask(
     )
 
     if not torch.compiler.is_compiling():
-        _count_mask(kwargs.get("config"))
+        _check_mask_use(kwargs.get("config"))
     if mask_function is None:
         mask_function = causal_mask_function
     if (

@@ -1,0 +1,115 @@
+"""Hugging Face model families through attnhub, both ways, against eager attention (CPU).
+
+For each transformers model type named, a tiny random-init causal LM from its default
+config with small sizes (2 layers, hidden 64, 4 heads, 2 KV heads where it has them),
+float32 on the CPU: the logits of a left-padded batch (valid positions) and six greedy
+tokens, eager attention against ``attn_implementation="attnhub"`` and against
+``"sdpa"`` under ``attnhub.patch()``. A family that cannot be built this way, or whose
+eager run fails, is listed as skipped with the reason; a way transformers or attnhub
+refuses is listed with its error (an error is the right answer for a model whose
+attention code never calls the interface)::
+
+    python benchmarks/hf_family_sweep.py [--types llama,mpt,...] [-o FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from typing import Any
+
+import torch
+
+import attnhub
+from attnhub.integrations.transformers import register
+
+TYPES = (
+    "llama,mistral,qwen2,qwen3,gemma,gemma2,gemma3_text,opt,gpt_neox,falcon,phi,starcoder2,"
+    "stablelm,mixtral,olmo,olmo2,cohere,granite,gpt_bigcode,gptj,codegen,persimmon,nemotron,"
+    "helium,qwen2_moe,qwen3_moe,gpt_oss,ernie4_5,apertus,arcee,dots1,seed_oss,exaone4,lfm2,"
+    "granitemoe,olmoe,phimoe,mpt,bloom,xglm"
+)
+# Small sizes under each name a config may use for them.
+SMALL: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256,
+    n_embd=64, n_layer=2, n_head=4, n_positions=256, d_model=64, ffn_dim=128, num_layers=2,
+    attention_heads=4, n_heads=4, n_layers=2, max_seq_len=256, rotary_dim=8, sliding_window=8,
+    num_local_experts=2, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+
+
+def build(model_type: str, implementation: str) -> Any:
+    import transformers as t
+
+    names = t.AutoConfig.for_model(model_type).to_dict()
+    config = t.AutoConfig.for_model(model_type, **{k: v for k, v in SMALL.items() if k in names})
+    layers = getattr(config, "num_hidden_layers", None)
+    if getattr(config, "layer_types", None) is not None and layers is not None:
+        config.layer_types = config.layer_types[:layers]
+    torch.manual_seed(0)
+    return t.AutoModelForCausalLM.from_config(
+        config, attn_implementation=implementation, dtype=torch.float32
+    ).eval()
+
+
+def run(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                                do_sample=False, pad_token_id=0)  # fmt: skip
+    return logits, tokens
+
+
+def sweep(model_type: str) -> str:
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0  # left padding
+    try:
+        want, want_tokens = run(build(model_type, "eager"), ids, mask)
+    except Exception as exc:  # a family this tiny config cannot make
+        return f"| {model_type} | skipped: {type(exc).__name__}: {str(exc)[:80]} | |"
+    cells = []
+    for way in ("attnhub", "patch"):
+        try:
+            if way == "attnhub":
+                got, tokens = run(build(model_type, register()), ids, mask)
+            else:
+                model = build(model_type, "sdpa")
+                with attnhub.patch():
+                    got, tokens = run(model, ids, mask)
+            err = (got - want)[mask.bool()].abs().max().item()
+            same = "same tokens" if torch.equal(tokens, want_tokens) else "OTHER TOKENS"
+            cells.append(f"max err {err:.1e}, {same}")
+        except Exception as exc:  # reported as the way's outcome
+            cells.append(f"{type(exc).__name__}: {str(exc)[:90]}")
+    return f"| {model_type} | {cells[0]} | {cells[1]} |"
+
+
+def main() -> None:
+    import transformers
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default=TYPES)
+    parser.add_argument("-o", "--output")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    lines = [
+        f"transformers {transformers.__version__}, torch {torch.__version__}, CPU, float32",
+        "",
+        '| model type | attn_implementation="attnhub" | "sdpa" under attnhub.patch() |',
+        "|---|---|---|",
+    ]
+    for model_type in args.types.split(","):
+        lines.append(sweep(model_type))
+        print(lines[-1], flush=True)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write("# Model families through attnhub (`benchmarks/hf_family_sweep.py`)\n\n")
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
