@@ -147,9 +147,10 @@ _registered: set[str] = set()
 # attention functions up in transformers' interface (None: its model was not found).
 _uses_interface: dict[int, tuple[Any, bool | None]] = {}
 _MAX_USES_INTERFACE = 64
-# The name a transformers modeling module imports to look attention functions up by
-# attn_implementation; modules of models that never do (BLOOM, MPT, XGLM) lack it.
-_INTERFACE_NAME = "ALL_ATTENTION_FUNCTIONS"
+# The names a modeling module imports to look attention functions up by
+# attn_implementation (transformers' own modules the first; remote code may make its
+# own interface instance); modules of models that never do (BLOOM, MPT, XGLM) lack both.
+_INTERFACE_NAMES = ("ALL_ATTENTION_FUNCTIONS", "AttentionInterface")
 
 
 def _check_mask_use(config: Any) -> None:
@@ -204,9 +205,10 @@ def _model_uses_interface(config: Any) -> bool | None:
         if isinstance(owner, torch.nn.Module) and getattr(owner, "config", None) is config:
             modules = {type(m).__module__ for m in owner.modules()}
             verdict = any(
-                _INTERFACE_NAME in vars(sys.modules[name])
+                interface in vars(sys.modules[name])
                 for name in modules
                 if name in sys.modules
+                for interface in _INTERFACE_NAMES
             )
             break
         frame = frame.f_back
