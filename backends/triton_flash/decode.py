@@ -795,7 +795,7 @@ def _run(
     counter = lse
     if plan.counters:
         # A traced call's counters are its own (never a kept buffer of fake tensors).
-        counter = _counters(q.device, plan.counters, fresh=traced)
+        counter = _counters(None if traced else _scratch(q.device), q.device, plan.counters)
     args = (
         q, k_cache, v_cache, cache_seqlens, bt, part, out, lse, counter, km,
         *_input_strides(q, k_cache, v_cache, block_table, km_strides), *out.stride(),
@@ -1030,8 +1030,8 @@ def _scratch(device: torch.device) -> _Scratch | None:
     return scratch
 
 
-def _counters(device: torch.device, n: int, fresh: bool = False) -> torch.Tensor:
-    scratch = None if fresh else _scratch(device)
+def _counters(scratch: _Scratch | None, device: torch.device, n: int) -> torch.Tensor:
+    """n arrival counters at zero: ``scratch``'s, or the call's own without one."""
     if scratch is None:
         return torch.zeros(n, dtype=torch.int32, device=device)
     return scratch.take_counters(n)
@@ -1306,11 +1306,7 @@ class _CallPlan:
         else:
             part = scratch.take_partials(self.part_numel)
         if self.counters:
-            counter = (
-                torch.zeros(self.counters, dtype=torch.int32, device=self.device)
-                if scratch is None
-                else scratch.take_counters(self.counters)
-            )
+            counter = _counters(scratch, self.device, self.counters)
             split(strides, q, k, v, seqlens, bt, part, out, lse, counter, km)
         else:
             split(strides, q, k, v, seqlens, bt, part, out, lse, lse, km)
