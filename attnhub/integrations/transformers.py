@@ -153,6 +153,13 @@ _MAX_USES_INTERFACE = 64
 _INTERFACE_NAMES = ("ALL_ATTENTION_FUNCTIONS", "AttentionInterface")
 
 
+# What a model that does not use the interface can do instead (both stops say it).
+_REMEDY = (
+    "Load it with attn_implementation='eager', or 'sdpa' where transformers offers that "
+    "for it (attnhub.patch() then serves its F.scaled_dot_product_attention calls)."
+)
+
+
 def _check_mask_use(config: Any) -> None:
     """Stop a model that would read attnhub's mask with its own attention code.
 
@@ -171,9 +178,7 @@ def _check_mask_use(config: Any) -> None:
             f"attn_implementation='attnhub': {model}'s attention code does not use "
             "transformers' attention interface: it would run its own attention with "
             "attnhub's boolean mask read as its own kind of mask, and its outputs would be "
-            "wrong. Load it with attn_implementation='eager', or 'sdpa' where transformers "
-            "offers that for it (attnhub.patch() then serves its "
-            "F.scaled_dot_product_attention calls)."
+            "wrong. " + _REMEDY
         )
     count = _masks_since_attention.get(model, 0) + 1
     _masks_since_attention[model] = count
@@ -183,9 +188,7 @@ def _check_mask_use(config: Any) -> None:
             f"attn_implementation='attnhub': {count} attention masks were built for "
             f"{model} and its attention never called attnhub: it does not use "
             "transformers' attention interface, so its own attention code ran with "
-            "attnhub's boolean mask read as an additive one, and its outputs were wrong. "
-            "Load it with attn_implementation='sdpa' (or 'eager') and use attnhub.patch() "
-            "where it calls F.scaled_dot_product_attention."
+            "attnhub's boolean mask read as an additive one, and its outputs were wrong. " + _REMEDY
         )
 
 
