@@ -60,7 +60,9 @@ _CALL_CACHE_LIMIT = 4096
 # runner (requests hold lengths as buckets, and runners serve every call of their
 # request: torch.compile's graphs reuse them so). It skips validation and the decision
 # (on the development CPU, 127 us a call with a new key length, 54 us repeated; the
-# first layer of every patched decoding step paid it), and gets guards of its own.
+# first layer of every patched decoding step paid it), and gets guards of its own:
+# _LengthFreeGuards, which leave the key length to its bucket, so that the memos in
+# front of this dict serve the next step's first call without a key.
 _length_free_cache: dict[_CallKey, _Entry] = {}
 
 
@@ -452,7 +454,9 @@ def _slow_path(
     if not (call_key and query.numel() and key.numel() and value.numel()):
         return (name, runner, _NO_GUARDS, _NO_CONTEXT, None)
     tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
-    guards = _Guards.make(tensors)
+    guards = None if length_free is None else _LengthFreeGuards.make(tensors)
+    if guards is None:
+        guards = _Guards.make(tensors)
     entry: _Entry = (
         name,
         runner,
@@ -497,6 +501,80 @@ def _length_free(call_key: _CallKey) -> _CallKey | None:
         query_shape, key_shape[:2] + key_shape[3:], value_shape[:2] + value_shape[3:],
         seqlen_bucket(nk), nq == nk, nq > nk, *call_key[3:12], mask, *call_key[13:],
     )  # fmt: skip
+
+
+class _LengthFreeGuards:
+    """The guards of an entry that serves its key length's bucket (a call with a
+    _length_free key): the memos in front of the call cache (``_last``, the patch's)
+    then serve a decoding step's first call, whose cache is one key longer, as they
+    serve the step's other layers.
+
+    Everything the call key holds is checked, as _Guards checks it, in one C call but
+    for the key length and the strides that change with it, and here what the call key
+    holds of those: the key length's bucket, Nq == Nk and Nq > Nk (compared only when
+    the key length differs from the last call's), the value's and the mask's key dims
+    (Nk, or 1 for a mask that broadcasts over the keys). Left out of the C call: dim 2
+    of the key and the value and the strides of their other dims, and the mask's last
+    dim and its strides (the call key holds no strides: "stride(-1) == 1 or
+    contiguous", which a tensor whose stride(-1) stays 1 keeps).
+    """
+
+    __slots__ = ("bucket", "check_exact", "guards", "mask_keys", "nk", "nq")
+    bucket: int
+    check_exact: Any
+    guards: Any
+    mask_keys: int
+    nk: int
+    nq: int
+
+    # Of (query, key, value, mask): the size and stride dims the C check leaves out.
+    _FREE = (None, ((2,), (0, 1, 2)), ((2,), (0, 1, 2)), ((3,), (0, 1, 2, 3)))
+
+    @classmethod
+    def make(cls, tensors: tuple[torch.Tensor, ...]) -> _LengthFreeGuards | None:
+        """Guards for ``tensors`` (query, key, value[, a 4-D mask]) of a call with a
+        length-free key, where their key and value have stride(-1) == 1; else None."""
+        query, key, value = tensors[:3]
+        if key.stride(-1) != 1 or value.stride(-1) != 1:
+            return None
+        guards = _Guards.make(tensors, cls._FREE[: len(tensors)])
+        if guards is None:
+            return None
+        self = cls.__new__(cls)
+        self.guards, self.check_exact = guards, guards.check
+        self.nq, self.nk = query.shape[2], key.shape[2]
+        self.bucket = seqlen_bucket(self.nk)
+        # The mask's key dim: 1 (it broadcasts over the keys) or Nk; 0 without a mask
+        self.mask_keys = 0 if len(tensors) == 3 else 1 if tensors[3].shape[3] == 1 else self.nk
+        return self
+
+    def check(self, query: Any, key: Any, value: Any, mask: Any = None) -> bool:
+        if not (
+            self.check_exact(query, key, value)
+            if mask is None
+            else self.check_exact(query, key, value, mask)
+        ):
+            return False
+        nk = key.shape[2]
+        if nk != self.nk and not self._takes(nk):
+            return False
+        return value.shape[2] == nk and (mask is None or mask.shape[3] == self.mask_keys)
+
+    def _takes(self, nk: int) -> bool:
+        """Whether key length ``nk`` has the call key of the last one (then it becomes
+        the last one: its calls compare nothing more)."""
+        nq, last = self.nq, self.nk
+        if not (
+            nk > 0
+            and seqlen_bucket(nk) == self.bucket
+            and (nq == nk) is (nq == last)
+            and (nq > nk) is (nq > last)
+        ):
+            return False
+        if self.mask_keys > 1:
+            self.mask_keys = nk
+        self.nk = nk
+        return True
 
 
 def _with_4d_mask(runner: Runner, mask_shape: Sequence[int]) -> Runner:

@@ -325,7 +325,9 @@ def test_the_last_call_memo_checks_metadata_with_pytorch_tensor_guards(fake_regi
     q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
     attnhub.attention(q, k, v)
     guards = api._last[2]
-    assert type(guards).__name__ == "TensorGuards"
+    # A call whose key length is free to change within its bucket (no window): the
+    # length-free wrapper of the same check (test_a_decoding_steps_first_call_takes_the_memo).
+    assert type(guards.guards).__name__ == "TensorGuards"
     assert guards.check(q, k, v) and guards.check(*(torch.randn(1, 2, 4, 8) for _ in range(3)))
     assert not guards.check(q, k, v[:, :1])
     assert not guards.check(q, k, k)  # a tensor passed twice: the dict serves that call
@@ -471,6 +473,116 @@ def test_calls_that_take_a_decision_by_key_length_answer_as_decided_afresh(monke
         else:
             assert torch.equal(warm.nan_to_num(7.0), fresh.nan_to_num(7.0))
     assert reused > 40  # the reuse ran
+
+
+def test_a_decoding_steps_first_call_takes_the_memo(fake_registry, monkeypatch):
+    """An entry decided for its key length's bucket keeps guards that leave the key length
+    out (api._LengthFreeGuards): a decoding step's first call, one key more, is served by
+    the memo in front of the call cache without building a key, each with its own
+    answer. A length in another bucket, one that makes Nq == Nk or Nq > Nk, value or
+    mask keys other than the key's, a broadcast mask dim given in full, and a key whose
+    last stride is not 1 (exact guards) take the call cache instead."""
+    general = fake("general", gqa=True)
+    fake_registry.add(general)
+    keyed = []
+    cached = api._cached
+    monkeypatch.setattr(api, "_cached", lambda *a: keyed.append(a[1].shape[2]) or cached(*a))
+    gen = torch.Generator().manual_seed(0)
+
+    def call(nq, n, mask_keys=None, value_keys=None, key=None):  # type: ignore[no-untyped-def]
+        q = torch.randn(2, 4, nq, 8, generator=gen)
+        k = torch.randn(2, 2, n, 8, generator=gen) if key is None else key
+        v = torch.randn(2, 2, n if value_keys is None else value_keys, 8, generator=gen)
+        mask = None if mask_keys is None else torch.rand(2, 1, 1, mask_keys, generator=gen) > 0.3
+        out = attnhub.attention(q, k, v, mask)
+        want, _ = reference_attention(q, k, v, mask, AttentionParams(scale=8**-0.5))
+        torch.testing.assert_close(out, want)
+
+    for n in (33, 34, 35, 64):  # bucket 64, a key padding mask of the call's keys
+        call(1, n, mask_keys=n)
+    assert keyed == [33]
+    call(1, 65, mask_keys=65)  # bucket 128
+    call(1, 66, mask_keys=66)
+    assert keyed == [33, 65]
+    with pytest.raises(ValueError, match="same sequence length"):
+        call(1, 67, mask_keys=67, value_keys=68)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        call(1, 67, mask_keys=66)
+    assert keyed == [33, 65, 67, 67]
+    keyed.clear()
+    for n in (40, 41, 42):  # a mask shared by the keys (key dim 1)
+        call(1, n, mask_keys=1)
+    call(1, 43, mask_keys=43)  # the key dim in full: another call key
+    assert keyed == [40, 43]
+    keyed.clear()
+    for n in (6, 7, 5, 8):  # Nq = 5: Nq < Nk for 6..8, Nq == Nk at 5 (bucket 8 all)
+        call(5, n)
+    assert keyed == [6, 5, 8]
+    keyed.clear()
+    for n in (20, 21):
+        call(1, n, key=torch.randn(2, 2, 8, n, generator=gen).transpose(2, 3))
+    assert keyed == [20, 21]  # a key of last stride != 1: guards of its shape
+    assert type(api._last[2]).__name__ == "TensorGuards"
+
+
+def test_calls_served_by_the_memo_answer_as_decided_afresh():
+    """Random sequences of calls as a decoding loop makes them (key lengths growing by
+    one, within and across buckets; now and then a length that flips Nq == Nk or Nq >
+    Nk, mismatched value or mask keys, masks of each broadcast, options, backends) on
+    the real registry, the memo and caches kept from call to call: each answers, or
+    fails, exactly as the same call with every cache and memo emptied."""
+    rng = random.Random(1)
+    gen = torch.Generator().manual_seed(1)
+    served = 0
+
+    def afresh(*args, **options):  # type: ignore[no-untyped-def]
+        kept = (api._last, dict(api._call_cache), dict(api._length_free_cache))
+        api._last = api._NO_ENTRY
+        api._call_cache.clear()
+        api._length_free_cache.clear()
+        try:
+            return outcome(*args, **options)
+        finally:
+            api._last = kept[0]
+            api._call_cache.clear()
+            api._call_cache.update(kept[1])
+            api._length_free_cache.clear()
+            api._length_free_cache.update(kept[2])
+
+    def outcome(*args, **options):  # type: ignore[no-untyped-def]
+        try:
+            return attnhub.attention(*args, **options)
+        except (ValueError, TypeError, attnhub.NoBackendError) as exc:
+            return type(exc).__name__
+
+    for _ in range(60):
+        nq, n = rng.choice([1, 1, 2, 5]), rng.choice([3, 5, 9, 30, 62])
+        options: dict[str, Any] = {"backend": rng.choice([None, "torch_sdpa", "torch_reference"])}
+        if rng.random() < 0.4:
+            options["causal"] = True
+            options["alignment"] = rng.choice(["top_left", "bottom_right"])
+        if rng.random() < 0.15:
+            options["window"] = (rng.choice([0, 2, None]), rng.choice([0, 3, None]))
+        mask_kind = rng.choice([None, "keys", "one", "rows"])
+        q = torch.randn(2, 4, nq, 8, generator=gen)
+        for _ in range(rng.choice([3, 6, 12])):
+            n += rng.choice([1, 1, 1, 1, 0, -1, 2])
+            n = max(n, 1)
+            k = torch.randn(2, 2, n, 8, generator=gen)
+            v = torch.randn(2, 2, n + (rng.random() < 0.05), 8, generator=gen)
+            mask_keys = n + (rng.random() < 0.05)
+            shape = {None: None, "keys": (2, 1, 1, mask_keys), "one": (1, 1, 1, 1),
+                     "rows": (2, 1, nq, mask_keys)}[mask_kind]  # fmt: skip
+            mask = None if shape is None else torch.rand(shape, generator=gen) > 0.2
+            before = api._last
+            warm = outcome(q, k, v, mask, **options)
+            served += api._last is before and isinstance(before[2], api._LengthFreeGuards)
+            fresh = afresh(q, k, v, mask, **options)
+            if isinstance(fresh, str) or isinstance(warm, str):
+                assert warm == fresh
+            else:
+                assert torch.equal(warm.nan_to_num(7.0), fresh.nan_to_num(7.0))
+    assert served > 40  # the memo served calls of new key lengths
 
 
 def test_use_backend_restricts_orders_and_is_thread_local(fake_registry):

@@ -105,7 +105,13 @@ def test_new_metadata_is_decided_again(decided):
     q, k, v = _qkv()
     with attnhub.patch():
         F.scaled_dot_product_attention(q, k, v)
-        q2, k2, v2 = _qkv(nk=12)  # a longer key sequence
+        _, k12, v12 = _qkv(nk=12)  # a longer key sequence in the same bucket (9..16): the
+        # memo serves it (its guards leave the key length to the bucket: api._LengthFreeGuards)
+        torch.testing.assert_close(
+            F.scaled_dot_product_attention(q, k12, v12), ORIGINAL(q, k12, v12)
+        )
+        assert len(decided) == 1
+        q2, k2, v2 = _qkv(nk=17)  # a longer key sequence in another bucket
         torch.testing.assert_close(F.scaled_dot_product_attention(q2, k2, v2), ORIGINAL(q2, k2, v2))
         qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # the same shape, other strides
         torch.testing.assert_close(F.scaled_dot_product_attention(qt, k, v), ORIGINAL(qt, k, v))
