@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import attnhub
 from attnhub import api, dispatch
@@ -583,6 +584,80 @@ def test_calls_served_by_the_memo_answer_as_decided_afresh():
             else:
                 assert torch.equal(warm.nan_to_num(7.0), fresh.nan_to_num(7.0))
     assert served > 40  # the memo served calls of new key lengths
+
+
+def test_patched_calls_served_by_the_memo_answer_as_decided_afresh():
+    """The patch's memo with length-free guards: random decoding loops of patched
+    F.scaled_dot_product_attention calls (key lengths growing by one, in and across
+    buckets, now and then mismatched value or mask keys; masks bool or float, per key,
+    per row or broadcast; is_causal; enable_gqa) each answer, or fail, exactly as the
+    same call with the patch's memos and attnhub's caches emptied."""
+    from attnhub import patching
+
+    rng = random.Random(2)
+    gen = torch.Generator().manual_seed(2)
+    served = 0
+
+    def outcome(*args, **options):  # type: ignore[no-untyped-def]
+        try:
+            return F.scaled_dot_product_attention(*args, **options)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            return type(exc).__name__
+
+    def afresh(*args, **options):  # type: ignore[no-untyped-def]
+        memos = [(m, m.value, m.masked) for m in patching._memos]
+        kept = (api._last, dict(api._call_cache), dict(api._length_free_cache))
+        for m, _, _ in memos:
+            m.value, m.masked = (patching._NO_MEMO, None), patching._NO_MASKED
+        api._last = api._NO_ENTRY
+        api._call_cache.clear()
+        api._length_free_cache.clear()
+        try:
+            return outcome(*args, **options)
+        finally:
+            for m, value, masked in memos:
+                m.value, m.masked = value, masked
+            api._last = kept[0]
+            api._call_cache.clear()
+            api._call_cache.update(kept[1])
+            api._length_free_cache.clear()
+            api._length_free_cache.update(kept[2])
+
+    with attnhub.patch():
+        (memo,) = [m for m in patching._memos]
+        for _ in range(50):
+            nq, n = rng.choice([1, 1, 3]), rng.choice([3, 9, 30, 62])
+            gqa = rng.random() < 0.3
+            options: dict[str, Any] = {"is_causal": rng.random() < 0.3, "enable_gqa": gqa}
+            mask_kind = rng.choice([None, "keys", "one", "rows"])
+            float_mask = rng.random() < 0.4
+            q = torch.randn(2, 4, nq, 8, generator=gen)
+            for _ in range(rng.choice([3, 6, 12])):
+                n = max(n + rng.choice([1, 1, 1, 1, 0, -1, 2]), 1)
+                heads = 2 if gqa else 4
+                k = torch.randn(2, heads, n, 8, generator=gen)
+                v = torch.randn(2, heads, n + (rng.random() < 0.05), 8, generator=gen)
+                keys = n + (rng.random() < 0.05)
+                shape = {None: None, "keys": (2, 1, 1, keys), "one": (1, 1, 1, 1),
+                         "rows": (2, 1, nq, keys)}[mask_kind]  # fmt: skip
+                mask = None
+                if shape is not None:
+                    mask = torch.rand(shape, generator=gen)
+                    mask = mask.log() if float_mask else mask > 0.2
+                call_options = dict(options, is_causal=options["is_causal"] and mask is None)
+                before = memo.value[1]
+                warm = outcome(q, k, v, mask, **call_options)
+                served += (
+                    memo.value[1] is before
+                    and before is not None
+                    and isinstance(before[2], api._LengthFreeGuards)
+                )
+                fresh = afresh(q, k, v, mask, **call_options)
+                if isinstance(fresh, str) or isinstance(warm, str):
+                    assert warm == fresh
+                else:
+                    assert torch.equal(warm.nan_to_num(7.0), fresh.nan_to_num(7.0))
+    assert served > 30  # the memo served calls of new key lengths
 
 
 def test_use_backend_restricts_orders_and_is_thread_local(fake_registry):
