@@ -623,8 +623,9 @@ def test_patched_calls_served_by_the_memo_answer_as_decided_afresh():
             api._length_free_cache.clear()
             api._length_free_cache.update(kept[2])
 
+    before = set(patching._memos)  # memos of patches other tests left alive
     with attnhub.patch():
-        (memo,) = [m for m in patching._memos]
+        (memo,) = [m for m in patching._memos if m not in before]
         for _ in range(50):
             nq, n = rng.choice([1, 1, 3]), rng.choice([3, 9, 30, 62])
             gqa = rng.random() < 0.3
@@ -645,18 +646,26 @@ def test_patched_calls_served_by_the_memo_answer_as_decided_afresh():
                     mask = torch.rand(shape, generator=gen)
                     mask = mask.log() if float_mask else mask > 0.2
                 call_options = dict(options, is_causal=options["is_causal"] and mask is None)
+                # Value rows other than the keys': attnhub refuses the call, and
+                # PyTorch's CPU kernel, which then serves it, reads past the keys'
+                # scores (its answer changes from call to call): only the outcome's
+                # kind is compared.
+                valid = v.shape[2] == n
                 before = memo.value[1]
                 warm = outcome(q, k, v, mask, **call_options)
                 served += (
-                    memo.value[1] is before
+                    valid
+                    and memo.value[1] is before
                     and before is not None
                     and isinstance(before[2], api._LengthFreeGuards)
                 )
                 fresh = afresh(q, k, v, mask, **call_options)
                 if isinstance(fresh, str) or isinstance(warm, str):
                     assert warm == fresh
-                else:
+                elif valid:
                     assert torch.equal(warm.nan_to_num(7.0), fresh.nan_to_num(7.0))
+                else:
+                    assert warm.shape == fresh.shape
     assert served > 30  # the memo served calls of new key lengths
 
 
