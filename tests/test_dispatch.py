@@ -326,9 +326,9 @@ def test_the_last_call_memo_checks_metadata_with_pytorch_tensor_guards(fake_regi
     q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
     attnhub.attention(q, k, v)
     guards = api._last[2]
-    # A call whose key length is free to change within its bucket (no window): the
-    # length-free wrapper of the same check (test_a_decoding_steps_first_call_takes_the_memo).
-    assert type(guards.guards).__name__ == "TensorGuards"
+    # Nq == Nk: PyTorch's check itself (a cache's call, Nq < Nk, gets the length-free
+    # wrapper of the same check: test_a_decoding_steps_first_call_takes_the_memo).
+    assert type(guards).__name__ == "TensorGuards"
     assert guards.check(q, k, v) and guards.check(*(torch.randn(1, 2, 4, 8) for _ in range(3)))
     assert not guards.check(q, k, v[:, :1])
     assert not guards.check(q, k, k)  # a tensor passed twice: the dict serves that call
