@@ -6,6 +6,7 @@ and through ``attnhub.attention`` where the whole path runs on CPU tensors.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import typing
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -526,6 +528,23 @@ def test_a_decoding_steps_first_call_takes_the_memo(fake_registry, monkeypatch):
     assert type(api._last[2]).__name__ == "TensorGuards"
 
 
+@contextlib.contextmanager
+def _api_caches_emptied() -> Iterator[None]:
+    """api's memo and call caches empty inside, as they were after."""
+    kept = (api._last, dict(api._call_cache), dict(api._length_free_cache))
+    api._last = api._NO_ENTRY
+    api._call_cache.clear()
+    api._length_free_cache.clear()
+    try:
+        yield
+    finally:
+        api._last = kept[0]
+        api._call_cache.clear()
+        api._call_cache.update(kept[1])
+        api._length_free_cache.clear()
+        api._length_free_cache.update(kept[2])
+
+
 def test_calls_served_by_the_memo_answer_as_decided_afresh():
     """Random sequences of calls as a decoding loop makes them (key lengths growing by
     one, within and across buckets; now and then a length that flips Nq == Nk or Nq >
@@ -537,18 +556,8 @@ def test_calls_served_by_the_memo_answer_as_decided_afresh():
     served = 0
 
     def afresh(*args, **options):  # type: ignore[no-untyped-def]
-        kept = (api._last, dict(api._call_cache), dict(api._length_free_cache))
-        api._last = api._NO_ENTRY
-        api._call_cache.clear()
-        api._length_free_cache.clear()
-        try:
+        with _api_caches_emptied():
             return outcome(*args, **options)
-        finally:
-            api._last = kept[0]
-            api._call_cache.clear()
-            api._call_cache.update(kept[1])
-            api._length_free_cache.clear()
-            api._length_free_cache.update(kept[2])
 
     def outcome(*args, **options):  # type: ignore[no-untyped-def]
         try:
@@ -606,22 +615,14 @@ def test_patched_calls_served_by_the_memo_answer_as_decided_afresh():
 
     def afresh(*args, **options):  # type: ignore[no-untyped-def]
         memos = [(m, m.value, m.masked) for m in patching._memos]
-        kept = (api._last, dict(api._call_cache), dict(api._length_free_cache))
         for m, _, _ in memos:
             m.value, m.masked = (patching._NO_MEMO, None), patching._NO_MASKED
-        api._last = api._NO_ENTRY
-        api._call_cache.clear()
-        api._length_free_cache.clear()
         try:
-            return outcome(*args, **options)
+            with _api_caches_emptied():
+                return outcome(*args, **options)
         finally:
             for m, value, masked in memos:
                 m.value, m.masked = value, masked
-            api._last = kept[0]
-            api._call_cache.clear()
-            api._call_cache.update(kept[1])
-            api._length_free_cache.clear()
-            api._length_free_cache.update(kept[2])
 
     before = set(patching._memos)  # memos of patches other tests left alive
     with attnhub.patch():
