@@ -527,11 +527,11 @@ class _LengthFreeGuards:
     contiguous", which a tensor whose stride(-1) stays 1 keeps).
     """
 
-    __slots__ = ("bucket", "check_exact", "guards", "mask_keys", "nk", "nq")
+    __slots__ = ("bucket", "check_exact", "guards", "mask_full", "nk", "nq")
     bucket: int
     check_exact: Any
     guards: Any
-    mask_keys: int
+    mask_full: bool
     nk: int
     nq: int
 
@@ -552,8 +552,11 @@ class _LengthFreeGuards:
         self.guards, self.check_exact = guards, guards.check
         self.nq, self.nk = query.shape[2], key.shape[2]
         self.bucket = seqlen_bucket(self.nk)
-        # The mask's key dim: 1 (it broadcasts over the keys) or Nk; 0 without a mask
-        self.mask_keys = 0 if len(tensors) == 3 else 1 if tensors[3].shape[3] == 1 else self.nk
+        # The mask's key dim: Nk (full), or 1 (it broadcasts over the keys). A flag, not
+        # a count: nk, the one field a check writes, is written only after its own
+        # comparisons, so threads sharing the entry never pass a mask that another
+        # thread's key length made look right.
+        self.mask_full = len(tensors) == 4 and tensors[3].shape[3] != 1
         return self
 
     def check(self, query: Any, key: Any, value: Any, mask: Any = None) -> bool:
@@ -566,7 +569,9 @@ class _LengthFreeGuards:
         nk = key.shape[2]
         if nk != self.nk and not self._takes(nk):
             return False
-        return value.shape[2] == nk and (mask is None or mask.shape[3] == self.mask_keys)
+        return value.shape[2] == nk and (
+            mask is None or mask.shape[3] == (nk if self.mask_full else 1)
+        )
 
     def _takes(self, nk: int) -> bool:
         """Whether key length ``nk`` has the call key of the last one (then it becomes
@@ -579,8 +584,6 @@ class _LengthFreeGuards:
             and (nq > nk) is (nq > last)
         ):
             return False
-        if self.mask_keys > 1:
-            self.mask_keys = nk
         self.nk = nk
         return True
 

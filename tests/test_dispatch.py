@@ -528,6 +528,42 @@ def test_a_decoding_steps_first_call_takes_the_memo(fake_registry, monkeypatch):
     assert type(api._last[2]).__name__ == "TensorGuards"
 
 
+def test_length_free_guards_shared_by_threads_never_pass_a_mask_of_other_keys(monkeypatch):
+    """A check's own key length decides the mask comparison: a thread whose call (mask
+    keys other than its keys, refused by validation) is checked while another thread's
+    valid call moves the entry's last length must still fail. Once the mask's expected
+    key count was the entry's state, and that interleaving passed the refused call to
+    the backend (here the other thread's check runs right after this one's length
+    update, deterministically)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def tensors(n, mask_keys):  # type: ignore[no-untyped-def]
+        return (
+            torch.randn(2, 4, 1, 8, generator=gen),
+            torch.randn(2, 2, n, 8, generator=gen),
+            torch.randn(2, 2, n, 8, generator=gen),
+            torch.rand(2, 1, 1, mask_keys, generator=gen) > 0.3,
+        )
+
+    guards = api._LengthFreeGuards.make(tensors(33, 33))
+    assert guards is not None
+    other = tensors(40, 40)  # another thread's valid call, same bucket
+    takes = api._LengthFreeGuards._takes
+    interleaved = []
+
+    def takes_then_other(self, nk):  # type: ignore[no-untyped-def]
+        took = takes(self, nk)
+        if not interleaved:
+            interleaved.append(None)  # once: the other check takes its length here too
+            interleaved[0] = guards.check(*other)
+        return took
+
+    monkeypatch.setattr(api._LengthFreeGuards, "_takes", takes_then_other)
+    assert not guards.check(*tensors(41, 40)[:3], other[3])
+    assert interleaved == [True]
+    assert guards.check(*tensors(41, 41))
+
+
 @contextlib.contextmanager
 def _api_caches_emptied() -> Iterator[None]:
     """api's memo and call caches empty inside, as they were after."""
