@@ -479,8 +479,9 @@ def test_calls_that_take_a_decision_by_key_length_answer_as_decided_afresh(monke
 
 
 def test_a_decoding_steps_first_call_takes_the_memo(fake_registry, monkeypatch):
-    """An entry decided for its key length's bucket keeps guards that leave the key length
-    out (api._LengthFreeGuards): a decoding step's first call, one key more, is served by
+    """An entry of a cache's call (Nq < Nk) decided for its key length's bucket keeps
+    guards that leave the key length out (api._LengthFreeGuards; other calls keep
+    PyTorch's check alone): a decoding step's first call, one key more, is served by
     the memo in front of the call cache without building a key, each with its own
     answer. A length in another bucket, one that makes Nq == Nk or Nq > Nk, value or
     mask keys other than the key's, a broadcast mask dim given in full, and a key whose
