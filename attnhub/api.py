@@ -527,10 +527,9 @@ class _LengthFreeGuards:
     contiguous", which a tensor whose stride(-1) stays 1 keeps).
     """
 
-    __slots__ = ("bucket", "check_exact", "guards", "mask_full", "nk", "nq")
+    __slots__ = ("bucket", "check_exact", "mask_full", "nk", "nq")
     bucket: int
-    check_exact: Any
-    guards: Any
+    check_exact: Any  # the C check's bound method (it keeps the guards alive)
     mask_full: bool
     nk: int
     nq: int
@@ -549,7 +548,7 @@ class _LengthFreeGuards:
         if guards is None:
             return None
         self = cls.__new__(cls)
-        self.guards, self.check_exact = guards, guards.check
+        self.check_exact = guards.check
         self.nq, self.nk = query.shape[2], key.shape[2]
         self.bucket = seqlen_bucket(self.nk)
         # The mask's key dim: Nk (full), or 1 (it broadcasts over the keys). A flag, not
