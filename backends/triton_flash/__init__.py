@@ -42,7 +42,9 @@ def kernel_options(params: AttentionParams) -> dict[str, Any]:
 
 
 # The largest softcap (as the power of two at or above it) each dtype is served with.
-# The kernels' tanh (common._tanh, 1 - 2 / (exp(2x) + 1), one exp2) is off
+# Half precision runs PTX tanh.approx.f32 on the GPU (common._tanh; relative error about
+# 2**-11, the rounding float16 scores carry anyway) and the formula below in the
+# interpreter. The float32 tanh (1 - 2 / (exp(2x) + 1), one exp2) is off
 # by about 1e-7 near 0, and the softcap multiplies it: scores c * tanh(s / c) are off by
 # about c * 1e-7. Measured against the contract's tolerance in the interpreter
 # (tests/test_triton_flash.py, test_a_large_softcap_is_declined_where_it_breaks_the_

@@ -156,7 +156,7 @@ def _decode_step(
         # as common._scores does and for the same reasons: an overflowed ratio made
         # 0 * inf = NaN, an overflowed softcap * LOG2E inf - inf in the running max.
         ratio = tl.minimum(tl.maximum(sm_scale / softcap, -FP32_MAX), FP32_MAX)
-        s = _tanh(qk * ratio) * tl.minimum(softcap * LOG2E, FP32_MAX)
+        s = _tanh(qk * ratio, k.dtype != tl.float32) * tl.minimum(softcap * LOG2E, FP32_MAX)
     else:
         s = qk * qk_scale
     if MASK_KIND == 1:

@@ -60,6 +60,7 @@ def _tma_step(
         qk, offs_m, start_n + offs_n0, NQ, NK, offset, win_left, win_right, offs_m, 0,
         qk_scale, sm_scale, softcap, MASKED=MASKED, HAS_BAND=HAS_BAND,
         HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=0, ROWS_FIRST=True, UNSCALED=FOLD_SCALE,
+        FAST_TANH=k.dtype != tl.float32,
     )  # fmt: skip
     p, l_i, acc, m_new = _softmax_update(
         s, l_i, m_i, acc, qk_scale, MAY_BE_EMPTY=MASKED, FOLD_SCALE=FOLD_SCALE
