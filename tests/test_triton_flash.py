@@ -973,6 +973,21 @@ def test_import_attnhub_does_not_load_kernels() -> None:
             softcap=20.0,
             mask="float_bcast",
         ),
+        # Gemma 2's softcap on its two kinds of layer (global causal; a 1024 window):
+        # half precision runs common._tanh's tanh.approx.f32 in forward and backward.
+        Case("softcap50_causal", 1, 8, 4, 2048, 2048, 128, causal=True, softcap=50.0),
+        Case(
+            "softcap50_window",
+            1,
+            8,
+            2,
+            3000,
+            3000,
+            256,
+            causal=True,
+            window=(1023, 0),
+            softcap=50.0,
+        ),
     ],
     ids=lambda c: c.id,
 )
