@@ -12,6 +12,9 @@
 #   DEMO_S      demo.log: `attnhub demo` (the large model, stock vs patched, judged)
 #   OVERHEAD_S  overhead.json/txt: dispatch overhead over PyTorch's own calls
 #   CHURN_S     churn.json/txt: per-call cost with a new key length each call
+#   SOFTCAP_S   softcap-probe.txt: benchmarks/softcap_probe.py with the kernels' tanh as
+#               shipped (approx) and swapped for the exp2 formula (exact), one after the
+#               other (SOFTCAP_ARGS, default --no-flex)
 #   TINYBWD_S   tiny-backward.txt: benchmarks/tiny_backward_probe.py (auto's tiny fwd+bwd step)
 #   GAP_S       decode-gap.json/txt: benchmarks/decode_gap_probe.py (GAP_ARGS, e.g. --shape ...)
 #   DECODE_S    decode.json/md/-bandwidth.png: `attnhub bench --decode` (DECODE_ARGS, e.g. --no-sweep)
@@ -92,6 +95,9 @@ tail -4 "$OUT/demo.log" 2>/dev/null
 step "${OVERHEAD_S:-0}" overhead python3 benchmarks/overhead.py --device cuda --rounds 40 \
     --repeat 500 --json "$OUT/overhead.json" > "$OUT/overhead.txt" 2>&1
 cat "$OUT/overhead.txt" 2>/dev/null
+step "${SOFTCAP_S:-0}" softcap bash -c "for t in approx exact; do python3 benchmarks/softcap_probe.py --tanh \$t ${SOFTCAP_ARGS:---no-flex}; done" \
+    > "$OUT/softcap-probe.txt" 2>&1
+cat "$OUT/softcap-probe.txt" 2>/dev/null
 step "${CHURN_S:-0}" churn python3 benchmarks/shape_churn_probe.py --json "$OUT/churn.json" \
     > "$OUT/churn.txt" 2>&1
 cat "$OUT/churn.txt" 2>/dev/null
