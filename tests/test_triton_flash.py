@@ -904,7 +904,7 @@ def test_softcap_beyond_float32_max_over_log2e() -> None:
     torch.manual_seed(6)
     q, k, v = (torch.randn(1, 2, 7, 16, device=DEVICE) * 0.3 for _ in range(3))
     cap = 3e38
-    with pytest.raises(attnhub.NoBackendError, match=r"softcap above 2\*\*4"):
+    with pytest.raises(attnhub.NoBackendError, match=r"softcap above 2\*\*6"):
         attnhub.attention(q, k, v, softcap=cap, scale=cap, backend="triton_flash")
     out, lse = ops.flash_attention(q, k, v, softcap=cap, scale=cap)
     r64, lse64 = reference_attention(
@@ -1370,9 +1370,10 @@ def test_gpu_cached_backward_plans_match_the_full_path(
     + [(torch.float16, c) for c in (8192.0, 1e5, 1e6)],
 )
 def test_a_large_softcap_is_declined_where_it_breaks_the_tolerance(dtype, softcap):
-    """The kernels' tanh is off by ~1e-7 near 0, which c * tanh(s / c) scales by c:
-    fp32 at c = 500 gave 3x the contract's bound (5000: 38x). Such calls are declined
-    (explain() says why) and served elsewhere; every call served meets the tolerance."""
+    """The kernels' tanh error is scaled by c in c * tanh(s / c): past the largest
+    softcap a dtype is served with (backends/triton_flash._SOFTCAP_LOG2_LIMIT), calls
+    are declined (explain() says why) and served elsewhere; every call served meets
+    the tolerance."""
     import attnhub
     from attnhub.testing.cases import Case
     from attnhub.testing.reference import plain_attention
@@ -1386,7 +1387,7 @@ def test_a_large_softcap_is_declined_where_it_breaks_the_tolerance(dtype, softca
         q.double(), k.double(), v.double(), backend="torch_reference", causal=True,
         softcap=softcap,
     )  # fmt: skip
-    limit = 16.0 if dtype == torch.float32 else 8192.0
+    limit = 64.0 if dtype == torch.float32 else 8192.0
     try:
         out = attnhub.attention(q, k, v, backend="triton_flash", causal=True, softcap=softcap)
     except attnhub.NoBackendError as exc:
@@ -1401,8 +1402,9 @@ def test_a_large_softcap_is_declined_where_it_breaks_the_tolerance(dtype, softca
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_largest_softcap_served_keeps_the_tolerance_in_the_gradients_too(dtype):
     """At the largest softcap triton_flash serves in a dtype, output and gradients meet
-    the contract. fp32 at c = 64 had dK and dV at 1.1-1.9x the bound with grouped heads
-    (four query heads summed into each key head), while its output was within it."""
+    the contract, with grouped heads (four query heads summed into each key head): with
+    the tanh formula alone, fp32 at c = 64 had dK and dV at 1.1-1.9x the bound while its
+    output was within it (common._tanh's series near 0 mends it)."""
     from attnhub.backends.triton_flash import _SOFTCAP_LOG2_LIMIT
     from attnhub.testing import Case, case_problems
 
@@ -1428,9 +1430,9 @@ def test_serving_calls_decline_a_large_softcap_too():
         q, cache, cache, lengths, softcap=16.0, backend="triton_flash"
     )
     assert torch.isfinite(served).all()
-    with pytest.raises(attnhub.NoBackendError, match=r"softcap above 2\*\*4"):
+    with pytest.raises(attnhub.NoBackendError, match=r"softcap above 2\*\*6"):
         attnhub.attention_kvcache(q, cache, cache, lengths, softcap=500.0, backend="triton_flash")
-    with pytest.raises(attnhub.NoBackendError, match=r"softcap above 2\*\*4"):
+    with pytest.raises(attnhub.NoBackendError, match=r"softcap above 2\*\*6"):
         attnhub.attention_varlen(
             packed, packed, packed, cu, cu, softcap=500.0, backend="triton_flash"
         )

@@ -60,14 +60,24 @@ def _tanh(x, FAST: tl.constexpr):
     """tanh in float32. FAST (half-precision inputs, compiled): PTX ``tanh.approx.f32``,
     one special-function instruction, relative error about 2**-11 (float16's own
     rounding): the softcap's forward 1.34x and forward+backward 1.14x faster at Gemma 2's
-    global call on the H100 (results/archive/softcap-probe-h100-2026-12-06-*). Otherwise
-    1 - 2 / (exp(2x) + 1): exact saturation at +-inf, one exp2 and a division, off by
-    about 1e-7 near 0, and it runs in the interpreter (no inline assembly there)."""
+    global call on the H100 (results/archive/softcap-probe-h100-2026-12-06-*).
+
+    Otherwise (float32, and the interpreter, which has no inline assembly): below
+    |x| = 1/4 the odd series to x**9 (truncation under 1e-8 of tanh there), above it
+    1 - 2 / (exp(2x) + 1) (one exp2 and a division; exact saturation at +-inf). The
+    formula alone cancels near 0, off by about 6e-8 absolute, which the softcap c
+    scales: float32 scores c * tanh(s / c) broke the contract's tolerance from c = 64
+    on; with the series, 0.2x the bound up to c = 2048 in the interpreter."""
     if FAST and not INTERPRETED:
         return tl.inline_asm_elementwise(
             "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
         )
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+    x2 = x * x
+    series = x2 * (62.0 / 2835.0) - 17.0 / 315.0
+    series = series * x2 + 2.0 / 15.0
+    series = series * x2 - 1.0 / 3.0
+    formula = 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+    return tl.where(tl.abs(x) < 0.25, x + x * (x2 * series), formula)
 
 
 @triton.jit
