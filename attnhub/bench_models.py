@@ -138,6 +138,40 @@ def build(
     raise AssertionError("unreachable")
 
 
+def build_shared(
+    spec: ModelSpec, dtype: torch.dtype, device: torch.device, vocab: int
+) -> tuple[Any, dict[str, str]]:
+    """One model for every way, and the attn_implementation each way runs on it.
+
+    The ways switch the one model (transformers' ``set_attn_implementation``) instead of
+    each building its own: with a model per way, a ``generate``'s 3,648 ``F.linear``
+    calls took 150-180 ms of host time in the stock and patched models and 104 ms in
+    the attn_implementation one (cProfile, H100, benchmarks/NOTES.md 2026-12-06): a
+    difference of the instances, not of the attention, in a host-bound task; and each
+    way's peak memory counted the other ways' weights.
+    """
+    from .integrations.transformers import register
+
+    model, stock = build(spec, "sdpa", dtype, device, vocab)
+    if not hasattr(model, "set_attn_implementation"):
+        import transformers
+
+        raise RuntimeError(
+            "attnhub bench --models switches one model between the ways with "
+            "PreTrainedModel.set_attn_implementation, which transformers "
+            f"{transformers.__version__} lacks: upgrade transformers"
+        )
+    implementations = {"sdpa": stock, "patch": stock, "attnhub": register()}
+    return model, implementations
+
+
+def _switch(model: Any, implementation: str) -> Any:
+    """``model`` running ``implementation`` (set only when it runs another)."""
+    if model.config._attn_implementation != implementation:
+        model.set_attn_implementation(implementation)
+    return model
+
+
 def _context(way: str) -> contextlib.AbstractContextManager[Any]:
     return patch(aliases=False) if way == "patch" else contextlib.nullcontext()
 
@@ -196,13 +230,14 @@ def prewarm(spec: ModelSpec, dtype: torch.dtype, device: torch.device, vocab: in
     """One training step and each generate task of ``spec`` in both of attnhub's ways,
     for what they run through attnhub (``attnhub tune --model``)."""
     ids, generate = _inputs(spec, vocab, device)
+    model, implementations = build_shared(spec, dtype, device, vocab)
     for way in ("patch", "attnhub"):
-        model, _ = build(spec, way, dtype, device, vocab)
         with _context(way):
+            _switch(model, implementations[way])
             _train_step(model, ids)
             for prompts, mask in generate.values():
                 _generate(model, prompts, mask, spec.new_tokens)
-        del model
+    del model
 
 
 def run_model(
@@ -217,26 +252,25 @@ def run_model(
         tokens[task] = spec.gen_batch * spec.new_tokens
     for task, fn in work.items():
         timed: dict[str, _Timed] = {}
-        built = {way: build(spec, way, dtype, device, vocab) for way in WAYS}
-        models = {way: model for way, (model, _) in built.items()}
+        model, implementations = build_shared(spec, dtype, device, vocab)
         served: dict[str, dict[str, int]] = {}
-        for way, model in models.items():  # warm-up: compilation, caches, autotuning
+        for way in WAYS:  # warm-up: compilation, caches, autotuning
             with _context(way):
+                _switch(model, implementations[way])
                 fn(model)
                 reset_stats()  # what serves the attention calls, once warm
                 fn(model)
                 served[way] = stats()
         for repeat in range(repeats):
             for way in rotated(WAYS, repeat):
-                model = models[way]
                 with _context(way):
+                    _switch(model, implementations[way])
                     seconds, peak = _time(functools.partial(fn, model), device)
                 entry = timed.setdefault(way, _Timed([], peak))
                 entry.seconds.append(seconds)
                 if peak is not None:
                     entry.peak_mib = max(entry.peak_mib or 0.0, peak)
-        implementations = {way: implementation for way, (_, implementation) in built.items()}
-        del models, built
+        del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
         stock = statistics.median(timed["sdpa"].seconds)

@@ -45,6 +45,22 @@ def test_every_way_runs_each_family(spec):
             assert served and "pytorch_original" not in served, (r["way"], served)
 
 
+def test_the_ways_run_one_model_switched_between_implementations(monkeypatch):
+    """Each way built its own model; the instances' host costs differed (F.linear)."""
+    spec = bm.ModelSpec("llama", "llama", **TINY)
+    built, seen = [], []
+    real_build, real_switch = bm.build, bm._switch
+    monkeypatch.setattr(bm, "build", lambda *a, **k: built.append(real_build(*a, **k)[0]) or (built[-1], "sdpa"))  # fmt: skip
+    monkeypatch.setattr(bm, "_switch", lambda m, i: seen.append((id(m), i)) or real_switch(m, i))
+    rows = list(bm.run_model(spec, torch.float32, torch.device("cpu"), repeats=2, vocab=50))
+    assert len(built) == 3  # one model per task, shared by the three ways
+    ids = {id(m) for m in built}
+    assert {i for i, _ in seen} <= ids
+    assert {impl for _, impl in seen} == {"sdpa", "attnhub"}
+    for r in rows:  # and each way ran what it says
+        assert bool(r["served"]) == (r["way"] != "sdpa"), (r["task"], r["way"], r["served"])
+
+
 def test_the_three_ways_compute_the_same_model():
     spec = bm.ModelSpec("gemma2", "gemma2", window=4, softcap=50.0, **TINY)
     ids = torch.randint(1, 50, (2, 16))
