@@ -45,7 +45,8 @@ backend beside untimed ones is still measured: the measurement is what ranks it 
 them. Left to the cost model, the order of a timed and an untimed backend would rest on
 fitted constants that may predate either kernel (seen on the H200: Gemma 2's decode
 calls through ``attn_implementation="attnhub"`` went to FlexAttention, untimed, over
-triton_flash, and generation ran at 0.78x stock; benchmarks/results/models-h200.md).
+triton_flash, and generation ran at 0.78x stock;
+benchmarks/results/archive/models-h200-2026-12-01-8c59a60.md).
 
 Timing never touches the caller's tensors (they are read, never written; gradients go
 to detached leaves), nor the caller's random state; the outputs of the timed calls are
