@@ -137,15 +137,16 @@ def main() -> None:
     (spec,) = [m for m in bm.MODELS if m.name == args.model]
     _, generate = bm._inputs(spec, 32000, device)
     prompts, mask = generate[args.task]
-    models = {}
-    for way in WAYS:
-        models[way], _ = bm.build(
-            spec, "attnhub" if way == "attnhub" else "sdpa", torch.bfloat16, device, 32000
-        )
-    run: dict[str, Callable[[], None]] = {
-        way: functools.partial(bm._generate, models[way], prompts, mask, spec.new_tokens)
-        for way in WAYS
-    }
+    # One model for every way, switched between stock's implementation and attnhub's
+    # (as `attnhub bench --models` does): a model per way made host time that is not
+    # attention's differ between the ways (F.linear, benchmarks/NOTES.md 2026-12-06).
+    model, implementations = bm.build_shared(spec, torch.bfloat16, device, 32000)
+
+    def generate(way: str) -> None:
+        bm._switch(model, implementations["attnhub" if way == "attnhub" else "sdpa"])
+        bm._generate(model, prompts, mask, spec.new_tokens)
+
+    run: dict[str, Callable[[], None]] = {way: functools.partial(generate, way) for way in WAYS}
     once = attnhub.patch(aliases=False)
     once.undo()  # re-entered around each of its runs below, the same handle's function
 
