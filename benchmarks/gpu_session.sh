@@ -15,6 +15,8 @@
 #   SOFTCAP_S   softcap-probe.txt: benchmarks/softcap_probe.py with the kernels' tanh as
 #               shipped (approx) and swapped for the exp2 formula (exact), one after the
 #               other (SOFTCAP_ARGS, default --no-flex)
+#   INFMODE_S   inference-mode-probe.txt: benchmarks/inference_mode_probe.py (a patched
+#               padded forward under inference_mode against no_grad; INFMODE_ARGS)
 #   TINYBWD_S   tiny-backward.txt: benchmarks/tiny_backward_probe.py (auto's tiny fwd+bwd step)
 #   GAP_S       decode-gap.json/txt: benchmarks/decode_gap_probe.py (GAP_ARGS, e.g. --shape ...)
 #   DECODE_S    decode.json/md/-bandwidth.png: `attnhub bench --decode` (DECODE_ARGS, e.g. --no-sweep)
@@ -98,6 +100,9 @@ cat "$OUT/overhead.txt" 2>/dev/null
 step "${SOFTCAP_S:-0}" softcap bash -c "for t in approx exact; do python3 benchmarks/softcap_probe.py --tanh \$t ${SOFTCAP_ARGS:---no-flex}; done" \
     > "$OUT/softcap-probe.txt" 2>&1
 cat "$OUT/softcap-probe.txt" 2>/dev/null
+step "${INFMODE_S:-0}" infmode python3 benchmarks/inference_mode_probe.py ${INFMODE_ARGS:-} \
+    > "$OUT/inference-mode-probe.txt" 2>&1
+cat "$OUT/inference-mode-probe.txt" 2>/dev/null
 step "${CHURN_S:-0}" churn python3 benchmarks/shape_churn_probe.py --json "$OUT/churn.json" \
     > "$OUT/churn.txt" 2>&1
 cat "$OUT/churn.txt" 2>/dev/null
