@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -46,6 +47,20 @@ def _batch(batch: int, n: int, device: torch.device) -> tuple[torch.Tensor, torc
     pads = torch.arange(batch) * n // (2 * batch)
     mask = (torch.arange(n)[None, :] >= pads[:, None]).long()
     return (ids * mask).to(device), mask.to(device)
+
+
+def _forward(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, device: torch.device, way: str
+) -> float:
+    """Seconds of one forward the way ``way`` says ("patch inference_mode", ...)."""
+    kind, mode = way.split()
+    patched = attnhub.patch(aliases=False) if kind == "patch" else contextlib.nullcontext()
+    with patched, MODES[mode]():
+        synchronize(device)
+        start = time.perf_counter()
+        model(ids, attention_mask=mask)
+        synchronize(device)
+        return time.perf_counter() - start
 
 
 def main() -> None:
@@ -79,16 +94,7 @@ def main() -> None:
         times: dict[str, list[float]] = {way: [] for way in WAYS}
         reads: dict[str, int] = {}
 
-        def forward(way: str) -> float:
-            kind, mode = way.split()
-            patched = attnhub.patch(aliases=False) if kind == "patch" else contextlib.nullcontext()
-            with patched, MODES[mode]():
-                synchronize(device)
-                start = time.perf_counter()
-                model(ids, attention_mask=mask)
-                synchronize(device)
-                return time.perf_counter() - start
-
+        forward = functools.partial(_forward, model, ids, mask, device)
         for way in WAYS:  # warm-up: compiles, autotuning, caches
             forward(way)
             readings[0] = 0
@@ -102,7 +108,6 @@ def main() -> None:
             median = statistics.median(times[way]) * 1e3
             stock = statistics.median(times[f"stock {way.split()[1]}"]) * 1e3
             print(f"  {way:24s} {median:9.2f}  {stock / median:5.2f}x  {reads[way]}")
-        del ids, mask
     mask_structure._recognize = recognize
 
 
