@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import statistics
 import time
@@ -38,15 +39,6 @@ MODES: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
     "inference_mode": torch.inference_mode,
 }
 WAYS = tuple(f"{way} {mode}" for mode in MODES for way in ("stock", "patch"))
-
-
-def _batch(batch: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids (B, N) and a left-padded attention mask: entry b pads b * N / (2B) keys."""
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    ids = torch.randint(1, 32000, (batch, n), generator=gen)
-    pads = torch.arange(batch) * n // (2 * batch)
-    mask = (torch.arange(n)[None, :] >= pads[:, None]).long()
-    return (ids * mask).to(device), mask.to(device)
 
 
 def _forward(
@@ -74,8 +66,7 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     (spec,) = [m for m in bm.MODELS if m.name == args.model]
-    model, implementations = bm.build_shared(spec, dtype, device, 32000)
-    bm._switch(model, implementations["sdpa"])
+    model, _ = bm.build_shared(spec, dtype, device, 32000)  # built running stock's
     readings = [0]
     recognize = mask_structure._recognize
 
@@ -90,7 +81,9 @@ def main() -> None:
         f"torch {torch.__version__}, {args.rounds} rounds"
     )
     for n in (int(s) for s in args.seqlens.split(",")):
-        ids, mask = _batch(args.batch, n, device)
+        # The models bench's left-padded prompts (entry b pads b * N / (2B) keys).
+        sized = dataclasses.replace(spec, gen_batch=args.batch, prompt=n)
+        ids, mask = bm._inputs(sized, 32000, device)[1]["generate_padded"]
         times: dict[str, list[float]] = {way: [] for way in WAYS}
         reads: dict[str, int] = {}
 

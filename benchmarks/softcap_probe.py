@@ -38,6 +38,7 @@ import triton.language as tl
 
 from attnhub.backends.torch_reference import reference_attention
 from attnhub.backends.triton_flash import common, ops
+from attnhub.backends.triton_flash.common import LOG2E
 from attnhub.request import AttentionParams
 from attnhub.timing import event_ms
 
@@ -46,7 +47,7 @@ SOFTCAP = 50.0
 
 @triton.jit
 def _tanh_exact(x, FAST: tl.constexpr):
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
 def _flex(q: Any, k: Any, v: Any, window: int | None) -> Callable[[], Any]:
