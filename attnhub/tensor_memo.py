@@ -40,7 +40,9 @@ SNAPSHOT_BYTES = 128 * 2**20
 # Bases of inference tensors that attnhub made and passes to no caller (see own()):
 # id -> weak reference, checked for identity.
 _owned: dict[int, weakref.ref[torch.Tensor]] = {}
-_owned_lock = threading.Lock()
+# Reentrant, as is TensorMemo's: a weak reference's callback may run on a thread that
+# holds the lock (a garbage collection while an entry is stored).
+_owned_lock = threading.RLock()
 
 
 def _base(tensor: torch.Tensor) -> torch.Tensor:
@@ -81,7 +83,7 @@ class TensorMemo(Generic[T]):
 
     def __init__(self, limit: int = 64) -> None:
         self._entries: dict[tuple, tuple[weakref.ref[torch.Tensor], Any, T]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # see _owned_lock
         self._limit = limit
 
     @staticmethod
