@@ -18,8 +18,9 @@ Recognition costs a few passes over the mask and three device synchronizations (
 mask adds one); it is cached per
 mask tensor (identity and version counter, :mod:`attnhub.tensor_memo`), so the layers
 of one forward pass, which share their mask, pay it once; under
-``torch.inference_mode`` every layer pays it (inference tensors keep no version
-counter). It never runs while ``torch.compile`` traces
+``torch.inference_mode`` (inference tensors keep no version counter) the later layers
+pay one comparison with a snapshot of the mask and one synchronization instead, for
+masks up to ``tensor_memo.SNAPSHOT_BYTES``. It never runs while ``torch.compile`` traces
 (the answer depends on the mask's values).
 
 Masks recognized: bool (True = may attend) and float masks whose every value is 0 or
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tensor_memo import TensorMemo
+from .tensor_memo import TensorMemo, own
 
 __all__ = ["MaskPlan", "recognize"]
 
@@ -176,7 +177,9 @@ def _rows(keep: torch.Tensor) -> MaskPlan | None:
     # lower bound hides the oldest keys from every row of a short query block), so that
     # the call stays maskless, as a decoder's is. One comparison, one read back.
     implied = bool((key_ok == structure.any(dim=-2)).all())
-    key_mask = None if implied else key_ok.unsqueeze(-2)
+    # attnhub's own tensor (tensor_memo.own): the memos that read it later (key ranges,
+    # row keys) know it by identity under torch.inference_mode too.
+    key_mask = None if implied else own(key_ok.unsqueeze(-2))
     return MaskPlan(key_mask, causal, alignment, window)
 
 
@@ -188,7 +191,8 @@ def recognize(mask: torch.Tensor) -> MaskPlan | None:
 
     None when the mask is not exactly key padding combined with causal or window
     structure, when it is a float mask with values other than 0 and -inf, or when it
-    requires grad (a gradient is owed to it). See the module docstring.
+    requires grad (a gradient is owed to it). The plan's ``attn_mask`` is attnhub's own
+    (never write into it). See the module docstring.
     """
     if mask.requires_grad or mask.dim() < 2:
         return None

@@ -10,7 +10,7 @@ on a left-padded batch (a (B, 1, N, N) causal and padding mask every forward), s
 and patched, under each mode, in rotating rounds, and counts the mask readings::
 
     python benchmarks/inference_mode_probe.py [--model llama] [--batch 8] \
-        [--seqlens 512,4096] [--rounds 6] [--device cuda]
+        [--seqlens 512,4096] [--rounds 6] [--device cuda] [--snapshot-bytes 0]
 
 Prints, per sequence length, each way's median milliseconds a forward, its ratio to
 stock's in the same mode, and the structure readings a forward made.
@@ -31,7 +31,7 @@ import torch
 
 import attnhub
 from attnhub import bench_models as bm
-from attnhub import mask_structure
+from attnhub import mask_structure, tensor_memo
 from attnhub.timing import rotated, synchronize
 
 MODES: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
@@ -62,7 +62,15 @@ def main() -> None:
     parser.add_argument("--seqlens", default="512,4096")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--snapshot-bytes",
+        type=int,
+        help="tensor_memo.SNAPSHOT_BYTES for the run (0: inference tensors' masks are read "
+        "at every call, as before the snapshots)",
+    )
     args = parser.parse_args()
+    if args.snapshot_bytes is not None:
+        tensor_memo.SNAPSHOT_BYTES = args.snapshot_bytes
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     (spec,) = [m for m in bm.MODELS if m.name == args.model]
@@ -78,7 +86,8 @@ def main() -> None:
     print(
         f"# {args.model}, B{args.batch}, left-padded, "
         f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
-        f"torch {torch.__version__}, {args.rounds} rounds"
+        f"torch {torch.__version__}, {args.rounds} rounds, "
+        f"snapshots up to {tensor_memo.SNAPSHOT_BYTES} bytes"
     )
     for n in (int(s) for s in args.seqlens.split(",")):
         # The models bench's left-padded prompts (entry b pads b * N / (2B) keys).

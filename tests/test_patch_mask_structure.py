@@ -253,3 +253,34 @@ def test_gpu_a_padded_decoding_step_runs_its_mask_unread(monkeypatch, dtype, for
     assert attnhub.stats() == {"triton_flash": 1}
     torch.testing.assert_close(out[:3].double(), expected, atol=2e-2, rtol=2e-2)
     assert (out[3] == 0).all()
+
+
+def test_under_inference_mode_the_layers_share_one_reading_and_a_change_is_read_anew(
+    structured_on_cpu, monkeypatch
+):
+    """Inference tensors keep no version counter: each layer read the mask anew (a few
+    passes and synchronizations a layer on a GPU). The memo's snapshot serves the later
+    layers, and a mask written in place between two calls is read again."""
+    from attnhub import mask_structure
+
+    readings: list[torch.Tensor] = []
+    real = mask_structure._recognize
+    monkeypatch.setattr(mask_structure, "_recognize", lambda m: readings.append(m) or real(m))
+    n = 12
+    q = torch.randn(3, 4, n, 16)
+    k, v = torch.randn(3, 2, n, 16), torch.randn(3, 2, n, 16)
+    with torch.inference_mode(), attnhub.patch():
+        mask = _hf_mask([12, 7, 3], n).clone()
+        for _ in range(4):  # four layers, one mask
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        assert len(readings) == 1
+        torch.testing.assert_close(
+            out, STOCK(q, k, v, attn_mask=mask, enable_gqa=True), atol=2e-5, rtol=1e-4
+        )
+        mask.copy_(_hf_mask([12, 12, 5], n))  # in place: no version counter moves
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        assert len(readings) == 2
+        torch.testing.assert_close(
+            out, STOCK(q, k, v, attn_mask=mask, enable_gqa=True), atol=2e-5, rtol=1e-4
+        )
+    assert structured_on_cpu[-1]["causal"] is True

@@ -18,8 +18,9 @@ gets zeros, lse -inf, as the contract says), in an eager call outside CUDA-graph
 capture; reading the runs costs one device synchronization per mask tensor
 (:mod:`attnhub.mask_rows`, shared with torch_sdpa's reading of the same mask), kept while
 the tensor lives unchanged (:class:`attnhub.tensor_memo.TensorMemo`), so the layers of
-one forward pass pay it once (under ``torch.inference_mode``, every layer: inference
-tensors keep no version counter). Dropout calls keep the mask path (its random stream is
+one forward pass pay it once (under ``torch.inference_mode``, where tensors keep no
+version counter, the memo compares a snapshot, or knows attnhub's own key mask by
+identity). Dropout calls keep the mask path (its random stream is
 indexed by the dense key positions). Anything else (per-head or per-row masks, holes
 in the run, tracing) runs with the mask as given.
 """
