@@ -27,7 +27,8 @@
 #   MODELS_S    models.json/md: `attnhub bench --models` (MODELS: comma-separated names;
 #               MODELS_REPEATS: timed repetitions per way, default 3)
 #   PROFILE_S   model-profile.json/md: benchmarks/model_profile.py, attention kernels' share of
-#               a model step per way (PROFILE_MODELS, default Gemma 2; PROFILE_TASK: train;
+#               a model step per way (PROFILE_MODELS, default Gemma 2; PROFILE_TASK: train,
+#               generate, generate_padded or prefill_padded, default train;
 #               PROFILE_HOST_TOP: also a cProfile of one run per way, this many functions)
 #   WORKLOADS_S workloads.json/md: `attnhub bench --workloads` (DTYPES, default bfloat16;
 #               WORKLOADS_ONLY: only the workloads whose name contains it, or any of a

@@ -9,7 +9,9 @@ wall clock: host gaps (launch overhead, Python) show as the difference between t
 step's wall clock and the kernels' sum.
 
     python benchmarks/model_profile.py [--models gemma2-window1024-softcap50] [--host-top 40] \
-        [--task train|generate|generate_padded] [--top 8] [--json FILE]
+        [--task train|generate|generate_padded|prefill_padded] [--top 8] [--json FILE]
+
+``prefill_padded``: one forward of generate_padded's left-padded prompts under no_grad.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ ATTENTION_KERNELS = re.compile(
     re.IGNORECASE,
 )
 
+
+TASKS = ("train", "generate", "generate_padded", "prefill_padded")
 
 # Unprofiled runs timed per way; the fastest is its wall clock (one run drifts by tens
 # of percent on the shared host, 2026-12-02).
@@ -70,6 +74,13 @@ def _host_profile(fn: Any, top: int) -> list[tuple[str, int, float, float]]:
     return sorted(rows, key=lambda r: -r[3])[:top]
 
 
+def _prefill(model: Any, prompts: torch.Tensor, mask: torch.Tensor) -> None:
+    """One forward of the left-padded prompts under no_grad: a padded generate's
+    prefill (a (B, 1, N, N) mask that the patch reads for its structure)."""
+    with torch.no_grad():
+        model(prompts, attention_mask=mask)
+
+
 def profile_way(
     spec: bm.ModelSpec,
     way: str,
@@ -82,6 +93,8 @@ def profile_way(
     model, implementation = bm.build(spec, way, torch.bfloat16, device, 32000)
     if task == "train":
         fn = functools.partial(bm._train_step, model, ids)
+    elif task == "prefill_padded":
+        fn = functools.partial(_prefill, model, *generate["generate_padded"])
     else:
         fn = functools.partial(bm._generate, model, *generate[task], spec.new_tokens)
     with bm._context(way):
@@ -136,7 +149,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gemma2-window1024-softcap50")
-    parser.add_argument("--task", choices=("train", "generate", "generate_padded"), default="train")
+    parser.add_argument("--task", choices=TASKS, default="train")
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument(
         "--host-top",
