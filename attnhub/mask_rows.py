@@ -8,8 +8,8 @@ Each reading costs a device synchronization; :func:`row_keys` makes one, for bot
 keeps it while the tensor lives unchanged (:mod:`attnhub.tensor_memo`): the layers of
 one forward pass, which share their mask, pay it once. A key mask that
 :mod:`attnhub.mask_structure` derives from a dense mask comes with its reading, made in
-the structure's own synchronization (:func:`summary`, :func:`remember`). A reader that only profits where
-the reading exists asks :func:`known_row_keys`, which never reads.
+the structure's own synchronization (:func:`summary`, :func:`remember`). A reader that
+only profits where the reading exists asks :func:`known_row_keys`, which never reads.
 
 A row is one (.., Nq) position of the mask: ``keep.reshape(-1, Nk)``'s rows.
 """
