@@ -14,8 +14,9 @@ rewrite of the same function, never an approximation: the candidate is built fro
 mask and then compared with it element by element; a mask that is almost a window is
 not a window, and comes back as None (the call runs with the mask as given).
 
-Recognition costs a few passes over the mask and three device synchronizations (a float
-mask adds one); it is cached per
+Recognition costs a few passes over the mask and two device synchronizations (a float
+mask adds one), the second of which also reads the rows of the plan's key mask, for the
+backends that read them (:mod:`attnhub.mask_rows`); it is cached per
 mask tensor (identity and version counter, :mod:`attnhub.tensor_memo`), so the layers
 of one forward pass, which share their mask, pay it once; under
 ``torch.inference_mode`` (inference tensors keep no version counter) the later layers
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import mask_rows
 from .tensor_memo import TensorMemo, own
 
 __all__ = ["MaskPlan", "recognize"]
@@ -169,17 +171,26 @@ def _rows(keep: torch.Tensor) -> MaskPlan | None:
     if arguments is None:
         return None
     structure = _structure(nq, nk, offset, left, keep.device)
-    if not torch.equal(keep, key_ok.unsqueeze(-2) & structure):
-        return None
-    causal, alignment, window = arguments
+    same = (keep == (key_ok.unsqueeze(-2) & structure)).all()
     # No key mask where the structure alone keeps exactly key_ok's keys: every key
     # (keep == structure then), or all but those no row of the structure sees (a window's
     # lower bound hides the oldest keys from every row of a short query block), so that
-    # the call stays maskless, as a decoder's is. One comparison, one read back.
-    implied = bool((key_ok == structure.any(dim=-2)).all())
+    # the call stays maskless, as a decoder's is.
+    implied = (key_ok == structure.any(dim=-2)).all()
+    # The key mask's rows (attnhub.mask_rows: triton_flash's key ranges, torch_sdpa's
+    # empty rows), read back with the comparison: one synchronization for the three,
+    # where each took its own (a backend's reading of the key mask came after).
+    first, end, scalars = mask_rows.summary(key_ok)
+    is_same, is_implied, *row_scalars = torch.cat([same.view(1), implied.view(1), scalars]).tolist()
+    if not is_same:
+        return None
+    causal, alignment, window = arguments
+    if is_implied:
+        return MaskPlan(None, causal, alignment, window)
     # attnhub's own tensor (tensor_memo.own): the memos that read it later (key ranges,
     # row keys) know it by identity under torch.inference_mode too.
-    key_mask = None if implied else own(key_ok.unsqueeze(-2))
+    key_mask = own(key_ok.unsqueeze(-2))
+    mask_rows.remember(key_mask, mask_rows.from_summary(first, end, row_scalars))
     return MaskPlan(key_mask, causal, alignment, window)
 
 

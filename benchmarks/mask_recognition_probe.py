@@ -5,7 +5,9 @@ forward (Hugging Face's ``sdpa`` path builds one per step: (B, 1, Nq, Nk) bool, 
 (B, 1, 1, Nk) while decoding with padding); the patch reads the structure of a mask of
 several query rows once per tensor (a decoding step's it leaves unread:
 patching._reads_mask). This times, wall clock per mask with the host's launches and
-synchronizations included, that reading, and a whole patched decoding call with a
+synchronizations included, that reading with the reading of the plan's key mask's rows
+that a backend then makes (given with the structure's reading, and read again as
+before the two were read back together), and a whole patched decoding call with a
 fresh mask each call against PyTorch's own call with that mask::
 
     python benchmarks/mask_recognition_probe.py [--calls 200] [--device cuda]
@@ -37,11 +39,19 @@ def _padded(b: int, nq: int, nk: int, causal: bool, device: torch.device) -> tor
     return keep.contiguous()
 
 
-def _recognize_unkept(keep: torch.Tensor) -> mask_structure.MaskPlan | None:
-    """mask_structure's reading of ``keep`` as a new mask's (its rows' reading, which
-    attnhub.mask_rows keeps per tensor for the backends, forgotten first)."""
+def _recognize_unkept(keep: torch.Tensor, reread: bool) -> mask_structure.MaskPlan | None:
+    """mask_structure's reading of ``keep`` as a new mask's (the rows' memo,
+    attnhub.mask_rows, forgotten first), and what a patched forward's backend then
+    reads of the plan's key mask (triton_flash's key ranges: its rows): given with the
+    structure's reading, or (``reread``) forgotten and read again, as before they were
+    read back together."""
     mask_rows._memo.clear()
-    return mask_structure._recognize(keep)
+    plan = mask_structure._recognize(keep)
+    if plan is not None and plan.attn_mask is not None:
+        if reread:
+            mask_rows._memo.clear()
+        mask_rows.row_keys(plan.attn_mask)
+    return plan
 
 
 def _decode_calls(q: torch.Tensor, nk: int, calls: int) -> str:
@@ -96,11 +106,16 @@ def main() -> None:
         "prefill B8 N4096 causal left-padded": _padded(8, 4096, 4096, True, device),
     }
     for name, keep in masks.items():
-        _recognize_unkept(keep)
-        read = functools.partial(_recognize_unkept, keep)
-        us = min(loop_ms(read, device, args.calls) for _ in range(3)) * 1e3
         plan = mask_structure._recognize(keep)
-        print(f"{name}: {us:.1f} us; plan: {plan.describe() if plan else None}")
+        cells = []
+        for reread in (False, True):
+            read = functools.partial(_recognize_unkept, keep, reread)
+            read()
+            us = min(loop_ms(read, device, args.calls) for _ in range(3)) * 1e3
+            cells.append(
+                f"{'key mask read again' if reread else 'key mask rows given'} {us:.1f} us"
+            )
+        print(f"{name}: {'; '.join(cells)}; plan: {plan.describe() if plan else None}")
 
     if device.type != "cuda":
         return

@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from attnhub import mask_structure
+from attnhub import mask_rows, mask_structure
 from attnhub.backends.torch_reference import keep_mask
 from attnhub.request import AttentionParams
 
@@ -183,3 +183,28 @@ def test_a_mask_made_under_inference_mode_is_recognized_at_every_call():
         keep.fill_(True)
         again = mask_structure.recognize(keep)
         assert again is not None and not again.causal and again.attn_mask is None
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_the_key_mask_of_a_plan_comes_with_its_rows_reading(padding):
+    """The plan's key mask is given its rows' reading (attnhub.mask_rows, read back with
+    the structure's comparison), which must be what reading it gives: triton_flash's key
+    ranges and torch_sdpa use it without reading the mask again."""
+    n = 16
+    tril = torch.ones(n, n, dtype=torch.bool).tril()
+    keep = tril & _padding([16, 9, 1, 0], n, left=padding == "left")
+    plan = mask_structure._recognize(keep)
+    assert plan is not None and plan.attn_mask is not None
+    given = mask_rows.known_row_keys(plan.attn_mask)
+    read = mask_rows._read(plan.attn_mask)
+    assert given is not None
+    assert torch.equal(given.first, read.first) and torch.equal(given.end, read.end)
+    assert (given.fewest, given.runs) == (read.fewest, read.runs) == (0, True)
+    # A key mask with holes (the second entry's): its rows are not all runs, and the
+    # reading says so.
+    keys = torch.stack([torch.ones(n, dtype=torch.bool), torch.tensor([True, False] * 8)])
+    holes = tril & keys[:, None, None, :]
+    plan = mask_structure._recognize(holes)
+    assert plan is not None and plan.attn_mask is not None
+    given = mask_rows.known_row_keys(plan.attn_mask)
+    assert given is not None and not given.runs and given.fewest == 8
