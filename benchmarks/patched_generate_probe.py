@@ -12,10 +12,13 @@ call) by the call's layer, next to stock's and attn_implementation="attnhub"'s (
 - ``patch-torch_sdpa``: ``patch(backend="torch_sdpa")``: PyTorch's kernel choice behind the
   patch's dispatch (no Triton launch; a prefill's mask is still read for its plan, a
   decoding step's is not: patching._reads_mask);
+- ``patch-triton_flash``: ``patch(backend="triton_flash")``: our kernels behind the patch
+  (the decoding steps on triton_flash's split-KV decode, whatever the dispatch would pick);
 - ``attnhub``: ``attn_implementation="attnhub"``.
 
     python benchmarks/patched_generate_probe.py [--model llama] [--task generate_padded] \
-        [--repeats 6] [--drain] [--profile-layer0 N] [--explain] [--json OUT]
+        [--repeats 6] [--ways sdpa,patch,...] [--drain] [--profile-layer0 N] [--explain] \
+        [--json OUT]
 
 Prints, per way, the median run time, its ratio to stock, the mean host time of the
 prefill's attention calls, and that of the decoding steps' calls by layer (layer 0 of a
@@ -47,7 +50,8 @@ from attnhub import bench_models as bm
 from attnhub.integrations import transformers as hf_attnhub
 from attnhub.timing import synchronize
 
-WAYS = ("sdpa", "patch", "patch-once", "patch-torch_sdpa", "attnhub")
+WAYS = ("sdpa", "patch", "patch-once", "patch-torch_sdpa", "patch-triton_flash", "attnhub")
+DEFAULT_WAYS = ("sdpa", "patch", "patch-once", "patch-torch_sdpa", "attnhub")
 PREFILL = -1  # the host-time slot of the prefill's calls
 
 
@@ -101,8 +105,8 @@ def _timed_calls(
 def _way_context(way: str) -> contextlib.AbstractContextManager[Any]:
     if way == "patch":
         return attnhub.patch(aliases=False)
-    if way == "patch-torch_sdpa":
-        return attnhub.patch("torch_sdpa", aliases=False)
+    if way.startswith("patch-") and way != "patch-once":
+        return attnhub.patch(way.removeprefix("patch-"), aliases=False)
     return contextlib.nullcontext()
 
 
@@ -113,6 +117,11 @@ def main() -> None:
         "--task", choices=("generate", "generate_padded"), default="generate_padded"
     )
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument(
+        "--ways",
+        default=",".join(DEFAULT_WAYS),
+        help=f"comma-separated, in order, sdpa first (of {', '.join(WAYS)})",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
         "--drain",
@@ -133,6 +142,9 @@ def main() -> None:
     )
     parser.add_argument("--json")
     args = parser.parse_args()
+    ways = tuple(args.ways.split(","))
+    if ways[0] != "sdpa" or not set(ways) <= set(WAYS):
+        parser.error(f"--ways: sdpa first, then any of {', '.join(WAYS)}")
     device = torch.device(args.device)
     (spec,) = [m for m in bm.MODELS if m.name == args.model]
     _, generate = bm._inputs(spec, 32000, device)
@@ -146,7 +158,7 @@ def main() -> None:
         bm._switch(model, implementations["attnhub" if way == "attnhub" else "sdpa"])
         bm._generate(model, prompts, mask, spec.new_tokens)
 
-    run: dict[str, Callable[[], None]] = {way: functools.partial(generate, way) for way in WAYS}
+    run: dict[str, Callable[[], None]] = {way: functools.partial(generate, way) for way in ways}
     once = attnhub.patch(aliases=False)
     once.undo()  # re-entered around each of its runs below, the same handle's function
 
@@ -157,17 +169,17 @@ def main() -> None:
 
     profilers: dict[str, cProfile.Profile] = {}
     seconds: dict[str, list[float]] = defaultdict(list)
-    host: dict[str, dict[int, list[float]]] = {way: defaultdict(list) for way in WAYS}
+    host: dict[str, dict[int, list[float]]] = {way: defaultdict(list) for way in ways}
     captured: dict[str, dict[str, Any]] = {way: {} for way in ("patch", "attnhub")}
     served: dict[str, dict[str, int]] = {}
-    for way in WAYS:  # warm-up: compiles, autotuning, caches
+    for way in ways:  # warm-up: compiles, autotuning, caches
         with context(way):
             run[way]()
             attnhub.reset_stats()
             run[way]()
             served[way] = attnhub.stats()
     for repeat in range(args.repeats):
-        for way in WAYS[repeat % len(WAYS) :] + WAYS[: repeat % len(WAYS)]:
+        for way in ways[repeat % len(ways) :] + ways[: repeat % len(ways)]:
             timed = (
                 (hf_attnhub, "attention")
                 if way == "attnhub"
@@ -194,7 +206,7 @@ def main() -> None:
         "way                 median s  x sdpa   prefill | host us per decoding call by layer (mean)   served"
     )
     rows = []
-    for way in WAYS:
+    for way in ways:
         median = statistics.median(seconds[way])
         mean_us = {
             slot: statistics.fmean(times) * 1e6 if times else float("nan")
