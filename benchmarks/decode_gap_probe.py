@@ -16,13 +16,19 @@ fastest round of each is printed):
 
 and lists the CUDA kernels one call launches (``torch.profiler``)::
 
-    python benchmarks/decode_gap_probe.py [--shape 8,32,8,4096,128] [--calls 200]
+    python benchmarks/decode_gap_probe.py [--shape 8,32,8,4096,128] [--calls 200] \
+        [--profile N [--profile-ways triton_flash,backend=None]]
+
+``--profile N``: also a cProfile of one loop of each way whose name contains one of
+``--profile-ways`` (the N functions with the most own time): where a way's host time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import time
 from collections.abc import Callable
 from typing import Any
@@ -102,6 +108,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--profile-ways", default="triton_flash,backend=None")
     args = parser.parse_args()
     b, hq, hkv, nk, d = (int(x) for x in args.shape.split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -126,6 +134,17 @@ def main() -> None:
     kernels = {name: _kernels(fn) for name, fn in ways.items()}
     for name, names in kernels.items():
         print(f"{name}:\n  " + "\n  ".join(names))
+    if args.profile:
+        for name, fn in ways.items():
+            if any(part in name for part in args.profile_ways.split(",")):
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(args.calls):
+                    fn()
+                profiler.disable()
+                torch.cuda.synchronize()
+                print(f"\n## {name}: cProfile of {args.calls} calls, by own time")
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": args.shape, "best_us": best, "kernels": kernels}, f, indent=1)
