@@ -17,7 +17,11 @@ fastest round of each is printed):
 and lists the CUDA kernels one call launches (``torch.profiler``)::
 
     python benchmarks/decode_gap_probe.py [--shape 8,32,8,4096,128] [--calls 200] \
-        [--profile N [--profile-ways triton_flash,backend=None]]
+        [--layers] [--profile N [--profile-ways triton_flash,backend=None]]
+
+``--layers``: also triton_flash's decode path timed from each of its layers down (the
+backend's dense-decode entry, ``decode_attention``, its cached plan, the plan's split
+launch alone, and ``torch.empty`` of the output): what each layer adds to the launch.
 
 ``--profile N``: also a cProfile of one loop of each way whose name contains one of
 ``--profile-ways`` (the N functions with the most own time): where a way's host time goes.
@@ -67,6 +71,38 @@ def _ways(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callab
     return ways
 
 
+def _triton_layers(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> dict[str, Callable[[], Any]]:
+    """triton_flash's decode path entered at each of its layers (module docstring)."""
+    from attnhub.backends.triton_flash import decode, serving
+    from attnhub.request import AttentionParams
+
+    params = AttentionParams(causal=True, alignment="bottom_right", scale=q.shape[-1] ** -0.5)
+    lengths = serving._full_lengths(k)
+    decode.decode_attention(q, k, v, lengths, scale=params.scale)  # records the plan
+    plan = decode._PLANS[decode._plan_key(q, k, v, lengths, None, None, params.scale, None, None, True, None)]  # fmt: skip
+    out = torch.empty(plan.out_shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)
+    strides = decode._input_strides(q, k, v, None, (0, 0))
+    layers: dict[str, Callable[[], Any]] = {
+        "  serving.forward_dense_decode": lambda: serving.forward_dense_decode(q, k, v, None, params),
+        "  decode.decode_attention (full lengths given)": lambda: decode.decode_attention(
+            q, k, v, lengths, scale=params.scale
+        ),
+        "  the cached plan": lambda: plan(q, k, v, lengths, None, None, False),
+        "  the plan's split launch alone": lambda: plan.split.with_leading(
+            strides, q, k, v, lengths, lengths, out, out, lse, lse, q
+        ),
+        "  torch.empty of the output": lambda: torch.empty(
+            plan.out_shape, device=q.device, dtype=q.dtype
+        ),
+    }  # fmt: skip
+    if plan.part_numel:  # a split call: its launch alone needs partials and a merge
+        del layers["  the plan's split launch alone"]
+    return layers
+
+
 def _loop_us(fn: Callable[[], Any], calls: int) -> tuple[float, float, float]:
     """(enqueue, wall, device) microseconds per call of one loop of ``calls`` calls."""
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -108,6 +144,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--layers", action="store_true")
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument("--profile-ways", default="triton_flash,backend=None")
     args = parser.parse_args()
@@ -119,6 +156,8 @@ def main() -> None:
         for _ in range(2)
     )
     ways = _ways(q, k, v)
+    if args.layers and "attention(causal, bottom_right, backend=triton_flash)" in ways:
+        ways.update(_triton_layers(q, k, v))
     for fn in ways.values():  # warm: autotune, caches, cuDNN plans
         for _ in range(20):
             fn()
