@@ -20,7 +20,7 @@ and lists the CUDA kernels one call launches (``torch.profiler``)::
         [--layers] [--profile N [--profile-ways triton_flash,backend=None]]
 
 ``--layers``: also triton_flash's decode path timed from each of its layers down (the
-backend's dense-decode entry, ``decode_attention``, its cached plan, the plan's split
+backend's runner, its general dense-decode entry, ``decode_attention``, the lengths, its cached plan, the plan's split
 launch alone, and ``torch.empty`` of the output): what each layer adds to the launch.
 
 ``--profile N``: also a cProfile of one loop of each way whose name contains one of
@@ -85,11 +85,14 @@ def _triton_layers(
     out = torch.empty(plan.out_shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(plan.lse_shape, device=q.device, dtype=torch.float32)
     strides = decode._input_strides(q, k, v, None, (0, 0))
+    runner = serving.dense_decode_runner(params)
     layers: dict[str, Callable[[], Any]] = {
+        "  serving.dense_decode_runner(params)": lambda: runner(q, k, v, None),
         "  serving.forward_dense_decode": lambda: serving.forward_dense_decode(q, k, v, None, params),
         "  decode.decode_attention (full lengths given)": lambda: decode.decode_attention(
             q, k, v, lengths, scale=params.scale
         ),
+        "  serving._full_lengths": lambda: serving._full_lengths(k),
         "  the cached plan": lambda: plan(q, k, v, lengths, None, None, False),
         "  the plan's split launch alone": lambda: plan.split.with_leading(
             strides, q, k, v, lengths, lengths, out, out, lse, lse, q

@@ -877,6 +877,9 @@ def _count_decode_calls(monkeypatch) -> list[int]:  # type: ignore[no-untyped-de
 
     calls: list[int] = []
     real = decode.decode_attention
+    # No last plan: the runner's steady state (serving.dense_decode_runner) would launch
+    # a call that repeats the last one's key without the counted entry.
+    monkeypatch.setattr(decode, "_last_plan", None)
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(1)
@@ -991,6 +994,47 @@ def test_gpu_dense_calls_shaped_like_decoding(monkeypatch, dtype, d, nq, nk, opt
     k = torch.randn(3, 8, nk, d, generator=g).to(DEVICE, dtype)
     v = torch.randn(3, 8, nk, d, generator=g).to(DEVICE, dtype)
     _check_on_the_decode_kernel(monkeypatch, q, k, v, options)
+
+
+@gpu
+@requires_cuda
+def test_gpu_dense_decoding_steps_through_the_runner(monkeypatch):  # type: ignore[no-untyped-def]
+    """A model's decoding steps through attnhub.attention(backend="triton_flash"): per
+    step, layers that repeat the first one's call (the runner launches the last plan
+    directly: serving.dense_decode_runner), the next step's cache one key longer, and
+    calls of another signature in between (another scale, a key mask, another batch, a
+    window with softcap), each of which the last plan must not serve. Every answer
+    against float64; most calls never reach the general entry."""
+    import attnhub
+    from attnhub.testing.tolerance import compare
+
+    calls = _count_decode_calls(monkeypatch)
+    g = torch.Generator().manual_seed(11)
+    served = 0
+    for n in range(1000, 1010):
+        others: list[tuple[int, dict, bool]] = [(4, {}, False)] * 3 + [
+            (4, {"scale": 0.3}, False), (4, {}, True), (2, {}, False),
+            (4, {"window": (100, 0), "causal": True, "alignment": "bottom_right",
+                 "softcap": 30.0}, False),
+            (4, {}, False),
+        ]  # fmt: skip
+        for b, options, masked in others:
+            q = torch.randn(b, 16, 1, 128, generator=g).to(DEVICE, torch.bfloat16)
+            k = torch.randn(b, 4, n, 128, generator=g).to(DEVICE, torch.bfloat16)
+            v = torch.randn(b, 4, n, 128, generator=g).to(DEVICE, torch.bfloat16)
+            mask = None
+            if masked:  # left padding, its own per sequence
+                pads = torch.randint(0, n // 2, (b, 1), generator=g)
+                mask = (torch.arange(n) >= pads)[:, None, None, :].to(DEVICE)
+            before = len(calls)
+            out = attnhub.attention(q, k, v, mask, backend="triton_flash", **options)
+            served += len(calls) == before
+            r64 = attnhub.attention(q.double(), k.double(), v.double(), mask,
+                                    backend="torch_reference", **options)  # fmt: skip
+            r_lp = attnhub.attention(q, k, v, mask, backend="torch_reference", **options)
+            problem = compare("out", out, r_lp, r64)
+            assert not problem, (n, b, options, masked, problem)
+    assert served >= 20, served  # the repeated layers, at least
 
 
 @pytest.mark.parametrize(

@@ -152,12 +152,14 @@ class TritonFlash(Backend):
             return dense
         from torch.autograd import forward_ad
 
-        from .serving import forward_dense_decode
+        from .serving import dense_decode_runner
+
+        decode = dense_decode_runner(params)
 
         def runner(query, key, value, attn_mask):  # type: ignore[no-untyped-def]
             if forward_ad._current_level >= 0:  # dual tensors: the prefill path's autograd
                 return dense(query, key, value, attn_mask)
-            return forward_dense_decode(query, key, value, attn_mask, params)
+            return decode(query, key, value, attn_mask)
 
         return runner
 
