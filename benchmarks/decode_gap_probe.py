@@ -20,8 +20,9 @@ and lists the CUDA kernels one call launches (``torch.profiler``)::
         [--layers] [--profile N [--profile-ways triton_flash,backend=None]]
 
 ``--layers``: also triton_flash's decode path timed from each of its layers down (the
-backend's runner, its general dense-decode entry, ``decode_attention``, the lengths, its cached plan, the plan's split
-launch alone, and ``torch.empty`` of the output): what each layer adds to the launch.
+backend's runner, its general dense-decode entry, ``decode_attention``, the lengths,
+its cached plan, the plan's split launch alone, and ``torch.empty`` of the output):
+what each layer adds to the launch.
 
 ``--profile N``: also a cProfile of one loop of each way whose name contains one of
 ``--profile-ways`` (the N functions with the most own time): where a way's host time goes.
