@@ -72,6 +72,7 @@ Nesting
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -84,7 +85,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import handle_torch_function
 
-from . import dispatch
+from . import call_stats, dispatch
 from .api import attention, sdpa_entry
 from .call_stats import ORIGINAL, record
 from .dispatch import normalize_backend_arg
@@ -99,6 +100,8 @@ _grad_enabled = torch.is_grad_enabled
 _deterministic = torch.are_deterministic_algorithms_enabled
 _context_get = dispatch.context_selection.get
 _env_get = dispatch.environment_get
+_stats_local = call_stats.local
+_new_stats_counts = call_stats.new_thread_counts
 _ENV_BACKEND, _ENV_STRICT = dispatch.ENVIRONMENT_KEYS
 
 log = logging.getLogger("attnhub")
@@ -384,12 +387,12 @@ class _Memo:
     __slots__ = ("__weakref__", "masked", "value")
 
     def __init__(self) -> None:
-        self.value: tuple[Any, Any] = (_NO_MEMO, None)
+        self.value: tuple[Any, Any, bool] = (_NO_MEMO, None, False)
         self.masked: tuple[Any, ...] = _NO_MASKED
 
 
 _NO_MEMO = object()  # a context no call has
-_NO_MASKED: tuple[Any, ...] = (_NO_MEMO, lambda: None, -1, None, None)
+_NO_MASKED: tuple[Any, ...] = (_NO_MEMO, lambda: None, -1, None, None, False)
 _SAME_MASK = object()  # in _Memo.masked: the entry is handed the call's own mask
 _memos: weakref.WeakSet[_Memo] = weakref.WeakSet()
 
@@ -397,8 +400,21 @@ _memos: weakref.WeakSet[_Memo] = weakref.WeakSet()
 @on_invalidate
 def _clear_memos() -> None:
     for memo in list(_memos):
-        memo.value = (_NO_MEMO, None)
+        memo.value = (_NO_MEMO, None, False)
         memo.masked = _NO_MASKED
+
+
+_BUILTIN = type(len)
+
+
+def _native(runner: Any) -> bool:
+    """Whether ``runner`` is a C function (PyTorch's SDPA, or a partial of it: what
+    torch_sdpa hands most calls), which runs no Python and so cannot call
+    F.scaled_dot_product_attention back: the memo's calls then skip the ``_inside``
+    flag (two thread-local writes a call)."""
+    if runner.__class__ is functools.partial:
+        runner = runner.func
+    return runner.__class__ is _BUILTIN
 
 
 def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
@@ -454,10 +470,12 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                 _context_get(), _env_get(_ENV_BACKEND), _env_get(_ENV_STRICT),
             )  # fmt: skip
             if attn_mask is None or memo.masked[1]() is not attn_mask:
-                last_context, entry = memo.value  # an api entry: (name, runner, guards, ...)
+                # An api entry, (name, runner, guards, ...), and whether its runner is
+                # PyTorch's C function itself (_native).
+                last_context, entry, native = memo.value
                 mask = attn_mask  # what the entry is handed
             else:  # the mask the last masked call read
-                last_context, _, version, mask, entry = memo.masked
+                last_context, _, version, mask, entry, native = memo.masked
                 if mask is _SAME_MASK:
                     mask = attn_mask
                 if version != attn_mask._version or (attn_mask.is_cuda and _capturing()):
@@ -471,9 +489,16 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                 )
                 and (entry[4] is None or entry[4] is _deterministic())
             ):
-                _inside.active = True
+                # call_stats.record(name), inlined as in attnhub.attention.
                 try:
-                    record(entry[0])
+                    counts = _stats_local.counts
+                except AttributeError:
+                    counts = _new_stats_counts()
+                name = entry[0]
+                counts[name] = counts.get(name, 0) + 1
+                if not native:  # a C runner cannot reach this function again
+                    _inside.active = True
+                try:
                     return entry[1](query, key, value, mask)
                 except (ValueError, TypeError) as exc:
                     _note_original(f"attnhub rejects it ({type(exc).__name__}: {exc})", query, key)
@@ -486,7 +511,8 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                     return original(query, key, value, attn_mask, dropout_p, is_causal,
                                     scale=scale, enable_gqa=enable_gqa)  # fmt: skip
                 finally:
-                    _inside.active = False
+                    if not native:
+                        _inside.active = False
         why = _outside_domain(query, key, value, attn_mask, is_causal, enable_gqa)
         if why is None:
             _inside.active = True
@@ -503,7 +529,7 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                         query, key, value, attn_mask, is_causal, scale, dropout_p, backend
                     )
                     if context is not None:
-                        memo.value = (context, decided)
+                        memo.value = (context, decided, _native(decided[1]))
                     record(decided[0])
                     return decided[1](query, key, value, attn_mask)
                 mask, structure = mask_arguments(query, key, attn_mask, is_causal)
@@ -527,7 +553,8 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                     # can be large): a weak reference, and _SAME_MASK for "hand it on".
                     handed = _SAME_MASK if mask is attn_mask else mask
                     memo.masked = (
-                        context, weakref.ref(attn_mask), attn_mask._version, handed, decided
+                        context, weakref.ref(attn_mask), attn_mask._version, handed, decided,
+                        _native(decided[1]),
                     )  # fmt: skip
                 record(decided[0])
                 return decided[1](query, key, value, mask)

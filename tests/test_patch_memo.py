@@ -153,6 +153,42 @@ def test_registry_changes_clear_the_memo(decided):
     assert len(decided) == 2
 
 
+class _CallsPyTorch(attnhub.Backend):
+    """A backend whose runner, a Python function, calls F.scaled_dot_product_attention
+    (as a plugin wrapping PyTorch's function would): inside a patched call that must be
+    PyTorch's own function, on a reused decision too."""
+
+    name = "calls_pytorch"
+    devices = frozenset({"cpu"})
+    dtypes = frozenset({torch.float32})
+    memory = "linear"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return F.scaled_dot_product_attention(query, key, value, scale=params.scale)
+
+
+def test_a_reused_python_runner_calling_pytorch_does_not_recurse(decided):
+    backend = _CallsPyTorch()
+    registry = attnhub.get_registry()
+    registry.add(backend)
+    try:
+        with attnhub.patch(backend="calls_pytorch"):
+            for seed in range(3):
+                q, k, v = _qkv(seed=seed)
+                out = F.scaled_dot_product_attention(q, k, v, scale=0.3)
+                torch.testing.assert_close(out, ORIGINAL(q, k, v, scale=0.3))
+    finally:
+        registry.remove("calls_pytorch")
+    assert len(decided) == 1  # the second and third calls reused the decision
+    assert backend.calls == 3
+    assert attnhub.stats() == {"calls_pytorch": 3}
+    assert not patching._inside.active
+
+
 def test_options_of_other_types_are_not_taken_for_equal_values(decided):
     """``dropout_p=0`` (an int) equals 0.0 and ``is_causal=1`` equals True: PyTorch's
     answer for each, not the memo's for the value it equals."""
