@@ -387,11 +387,12 @@ class _Memo:
     __slots__ = ("__weakref__", "masked", "value")
 
     def __init__(self) -> None:
-        self.value: tuple[Any, Any, bool] = (_NO_MEMO, None, False)
+        self.value: tuple[Any, Any, bool] = _NO_VALUE
         self.masked: tuple[Any, ...] = _NO_MASKED
 
 
 _NO_MEMO = object()  # a context no call has
+_NO_VALUE: tuple[Any, Any, bool] = (_NO_MEMO, None, False)
 _NO_MASKED: tuple[Any, ...] = (_NO_MEMO, lambda: None, -1, None, None, False)
 _SAME_MASK = object()  # in _Memo.masked: the entry is handed the call's own mask
 _memos: weakref.WeakSet[_Memo] = weakref.WeakSet()
@@ -400,7 +401,7 @@ _memos: weakref.WeakSet[_Memo] = weakref.WeakSet()
 @on_invalidate
 def _clear_memos() -> None:
     for memo in list(_memos):
-        memo.value = (_NO_MEMO, None, False)
+        memo.value = _NO_VALUE
         memo.masked = _NO_MASKED
 
 

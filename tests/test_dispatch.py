@@ -653,7 +653,7 @@ def test_patched_calls_served_by_the_memo_answer_as_decided_afresh():
     def afresh(*args, **options):  # type: ignore[no-untyped-def]
         memos = [(m, m.value, m.masked) for m in patching._memos]
         for m, _, _ in memos:
-            m.value, m.masked = (patching._NO_MEMO, None), patching._NO_MASKED
+            m.value, m.masked = patching._NO_VALUE, patching._NO_MASKED
         try:
             with _api_caches_emptied():
                 return outcome(*args, **options)
