@@ -30,7 +30,10 @@ Masks recognized: bool (True = may attend) and float masks whose every value is 
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +41,8 @@ from . import mask_rows
 from .tensor_memo import TensorMemo, own
 
 __all__ = ["MaskPlan", "recognize"]
+
+log = logging.getLogger("attnhub")
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,18 @@ def _recognize(mask: torch.Tensor) -> MaskPlan | None:
 def _rows(keep: torch.Tensor) -> MaskPlan | None:
     """:func:`_recognize` of a bool keep-mask of any number of rows."""
     nq, nk = keep.shape[-2:]
+    fused = _fused_reading(keep)
+    if fused is not None:
+        key_ok, read, first, end = fused
+        reader = _reader()
+        if not read[reader.ANY_SEEN]:
+            return None
+        left = read[reader.LEFT] if read[reader.BOUNDED] else None
+        arguments = _to_arguments(read[reader.OFFSET], left, nq, nk)
+        if arguments is None or read[reader.BAD]:
+            return None
+        row_scalars = [read[reader.FEWEST], read[reader.GAPS]]
+        return _plan(key_ok, arguments, not read[reader.NOT_IMPLIED], first, end, row_scalars)
     found = _candidate(keep)
     if found is None:
         return None
@@ -184,14 +201,56 @@ def _rows(keep: torch.Tensor) -> MaskPlan | None:
     is_same, is_implied, *row_scalars = torch.cat([same.view(1), implied.view(1), scalars]).tolist()
     if not is_same:
         return None
+    return _plan(key_ok, arguments, is_implied, first, end, row_scalars)
+
+
+def _plan(
+    key_ok: torch.Tensor,
+    arguments: tuple[bool, str, tuple[int | None, int | None] | None],
+    implied: bool,
+    first: torch.Tensor,
+    end: torch.Tensor,
+    row_scalars: list[int],
+) -> MaskPlan:
+    """The plan of a mask read as ``key_ok & structure`` (``arguments``), its key mask
+    given the rows read with it (``first``, ``end``, ``row_scalars``: mask_rows.summary's)."""
     causal, alignment, window = arguments
-    if is_implied:
+    if implied:
         return MaskPlan(None, causal, alignment, window)
     # attnhub's own tensor (tensor_memo.own): the memos that read it later (key ranges,
     # row keys) know it by identity under torch.inference_mode too.
     key_mask = own(key_ok.unsqueeze(-2))
     mask_rows.remember(key_mask, mask_rows.from_summary(first, end, row_scalars))
     return MaskPlan(key_mask, causal, alignment, window)
+
+
+# Where a mask's reading runs as two Triton kernels and one synchronization
+# (backends/triton_flash/mask_reading.py) instead of some thirty PyTorch ops and two
+# synchronizations: on CUDA, where each small op costs the host several microseconds (a
+# B8 N512 mask took about 0.5 ms on an H100). Elsewhere PyTorch's ops serve (on a CPU
+# the kernels would run in Triton's interpreter).
+FUSED_DEVICES = frozenset({"cuda"})
+
+
+@functools.cache
+def _reader() -> Any:
+    """The fused reading's module, or None where Triton does not import."""
+    try:
+        from .backends.triton_flash import mask_reading
+    except Exception as exc:  # no Triton, or one that fails to import
+        log.info("attnhub: masks are read with PyTorch ops (%s: %s)", type(exc).__name__, exc)
+        return None
+    return mask_reading
+
+
+def _fused_reading(keep: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """mask_reading.read_rows(keep) where it serves this mask, else None."""
+    if keep.device.type not in FUSED_DEVICES:
+        return None
+    reader = _reader()
+    if reader is None or not reader.takes(keep):
+        return None
+    return reader.read_rows(keep)
 
 
 _memo: TensorMemo[MaskPlan | None] = TensorMemo()

@@ -6,9 +6,10 @@ forward (Hugging Face's ``sdpa`` path builds one per step: (B, 1, Nq, Nk) bool, 
 several query rows once per tensor (a decoding step's it leaves unread:
 patching._reads_mask). This times, wall clock per mask with the host's launches and
 synchronizations included, that reading with the reading of the plan's key mask's rows
-that a backend then makes (given with the structure's reading, and read again as
-before the two were read back together), and a whole patched decoding call with a
-fresh mask each call against PyTorch's own call with that mask::
+that a backend then makes (given with the structure's reading), by the fused kernels
+(backends/triton_flash/mask_reading.py, on CUDA) and by PyTorch's ops, in one run, and
+a whole patched decoding call with a fresh mask each call against PyTorch's own call
+with that mask::
 
     python benchmarks/mask_recognition_probe.py [--calls 200] [--device cuda]
 """
@@ -39,17 +40,19 @@ def _padded(b: int, nq: int, nk: int, causal: bool, device: torch.device) -> tor
     return keep.contiguous()
 
 
-def _recognize_unkept(keep: torch.Tensor, reread: bool) -> mask_structure.MaskPlan | None:
+def _recognize_unkept(keep: torch.Tensor, fused: bool) -> mask_structure.MaskPlan | None:
     """mask_structure's reading of ``keep`` as a new mask's (the rows' memo,
-    attnhub.mask_rows, forgotten first), and what a patched forward's backend then
-    reads of the plan's key mask (triton_flash's key ranges: its rows): given with the
-    structure's reading, or (``reread``) forgotten and read again, as before they were
-    read back together."""
+    attnhub.mask_rows, forgotten first), by the fused kernels or (not ``fused``)
+    PyTorch's ops, and what a patched forward's backend then reads of the plan's key
+    mask (triton_flash's key ranges: its rows, given with the structure's reading)."""
     mask_rows._memo.clear()
-    plan = mask_structure._recognize(keep)
+    devices = mask_structure.FUSED_DEVICES
+    mask_structure.FUSED_DEVICES = frozenset({keep.device.type} if fused else ())
+    try:
+        plan = mask_structure._recognize(keep)
+    finally:
+        mask_structure.FUSED_DEVICES = devices
     if plan is not None and plan.attn_mask is not None:
-        if reread:
-            mask_rows._memo.clear()
         mask_rows.row_keys(plan.attn_mask)
     return plan
 
@@ -93,6 +96,15 @@ def _decode_calls(q: torch.Tensor, nk: int, calls: int) -> str:
     )
 
 
+def _same(a: mask_structure.MaskPlan | None, b: mask_structure.MaskPlan | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    masks = (a.attn_mask, b.attn_mask)
+    return (a.causal, a.alignment, a.window) == (b.causal, b.alignment, b.window) and (
+        masks == (None, None) or (None not in masks and torch.equal(*masks))
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=200)
@@ -108,13 +120,12 @@ def main() -> None:
     for name, keep in masks.items():
         plan = mask_structure._recognize(keep)
         cells = []
-        for reread in (False, True):
-            read = functools.partial(_recognize_unkept, keep, reread)
-            read()
+        for fused in (True, False):
+            read = functools.partial(_recognize_unkept, keep, fused)
+            if not _same(read(), plan):
+                raise SystemExit(f"{name}: the {'fused' if fused else 'PyTorch'} reading differs")
             us = min(loop_ms(read, device, args.calls) for _ in range(3)) * 1e3
-            cells.append(
-                f"{'key mask read again' if reread else 'key mask rows given'} {us:.1f} us"
-            )
+            cells.append(f"{'fused kernels' if fused else 'PyTorch ops'} {us:.1f} us")
         print(f"{name}: {'; '.join(cells)}; plan: {plan.describe() if plan else None}")
 
     if device.type != "cuda":
