@@ -14,9 +14,11 @@ rewrite of the same function, never an approximation: the candidate is built fro
 mask and then compared with it element by element; a mask that is almost a window is
 not a window, and comes back as None (the call runs with the mask as given).
 
-Recognition costs a few passes over the mask and two device synchronizations (a float
-mask adds one), the second of which also reads the rows of the plan's key mask, for the
-backends that read them (:mod:`attnhub.mask_rows`); it is cached per
+Recognition costs a few passes over the mask: on CUDA two Triton kernels and one
+device synchronization (``backends/triton_flash/mask_reading.py``), elsewhere (or
+without Triton) some thirty PyTorch ops and two synchronizations (a float mask adds one
+either way); the reading also gives the rows of the plan's key mask, for the backends
+that read them (:mod:`attnhub.mask_rows`). It is cached per
 mask tensor (identity and version counter, :mod:`attnhub.tensor_memo`), so the layers
 of one forward pass, which share their mask, pay it once; under
 ``torch.inference_mode`` (inference tensors keep no version counter) the later layers
