@@ -230,8 +230,15 @@ def _plan(
 # (backends/triton_flash/mask_reading.py) instead of some thirty PyTorch ops and two
 # synchronizations: on CUDA, where each small op costs the host several microseconds (a
 # B8 N512 mask took about 0.5 ms on an H100). Elsewhere PyTorch's ops serve (on a CPU
-# the kernels would run in Triton's interpreter).
+# the kernels would run in Triton's interpreter). On CUDA from FUSED_CAPABILITY up: the
+# GPUs the kernels have run on (as triton_flash claims only those).
 FUSED_DEVICES = frozenset({"cuda"})
+FUSED_CAPABILITY = (9, 0)
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= FUSED_CAPABILITY
 
 
 @functools.cache
@@ -247,7 +254,7 @@ def _reader() -> Any:
 
 def _fused_reading(keep: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """mask_reading.read_rows(keep) where it serves this mask, else None."""
-    if keep.device.type not in FUSED_DEVICES:
+    if keep.device.type not in FUSED_DEVICES or (keep.is_cuda and not _capable(keep.get_device())):
         return None
     reader = _reader()
     if reader is None or not reader.takes(keep):
