@@ -11,14 +11,19 @@ that a backend then makes (given with the structure's reading), by the fused ker
 a whole patched decoding call with a fresh mask each call against PyTorch's own call
 with that mask::
 
-    python benchmarks/mask_recognition_probe.py [--calls 200] [--device cuda]
+    python benchmarks/mask_recognition_probe.py [--calls 200] [--device cuda] [--profile N]
+
+``--profile N``: also a cProfile of one loop of each prefill mask's fused reading (the N
+functions with the most own time): how much of it is Triton's per-launch binder.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import functools
+import pstats
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
@@ -127,6 +133,15 @@ def main() -> None:
             us = min(loop_ms(read, device, args.calls) for _ in range(3)) * 1e3
             cells.append(f"{'fused kernels' if fused else 'PyTorch ops'} {us:.1f} us")
         print(f"{name}: {'; '.join(cells)}; plan: {plan.describe() if plan else None}")
+        if args.profile:
+            profiler = cProfile.Profile()
+            read = functools.partial(_recognize_unkept, keep, True)
+            profiler.enable()
+            for _ in range(args.calls):
+                read()
+            profiler.disable()
+            print(f"## {name}, the fused reading: cProfile of {args.calls} readings, by own time")
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
 
     if device.type != "cuda":
         return
