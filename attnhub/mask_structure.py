@@ -230,8 +230,9 @@ def _plan(
 # (backends/triton_flash/mask_reading.py) instead of some thirty PyTorch ops and two
 # synchronizations: on CUDA, where each small op costs the host several microseconds (a
 # B8 N512 mask took about 0.5 ms on an H100). Elsewhere PyTorch's ops serve (on a CPU
-# the kernels would run in Triton's interpreter). On CUDA from FUSED_CAPABILITY up: the
-# GPUs the kernels have run on (as triton_flash claims only those).
+# the kernels would run in Triton's interpreter). On CUDA from FUSED_CAPABILITY up:
+# sm_90, the GPUs triton_flash runs and is checked on; older ones keep PyTorch's ops
+# until the kernels are run there.
 FUSED_DEVICES = frozenset({"cuda"})
 FUSED_CAPABILITY = (9, 0)
 
