@@ -7,10 +7,11 @@ ops and two synchronizations: on an H100 host about 0.5 ms for a B8 N512 mask
 gain over a dense-mask kernel in an 8-layer forward of that size. Here the same reading
 is two launches:
 
-1. ``_union_and_keys_kernel``: programs of two roles. A row program reduces a block of
-   query rows of the union over the leading dims to each row's first and last kept key;
-   a key program reduces one leading index's block of keys over every row to
-   ``key_ok[l, j]`` (some row keeps key j).
+1. ``_union_and_keys_kernel``: programs of two roles. A row program reduces one
+   leading index's block of query rows to each row's first and last kept key, folded
+   into the union over the leading dims by atomic max; a key program reduces one
+   leading index's block of keys over every row to ``key_ok[l, j]`` (some row keeps
+   key j).
 2. ``_verify_kernel``: every program derives the candidate (the diagonal's offset, the
    lower bound, whether any row keeps a key and whether the lower bound shows) from the
    rows' first and last keys, exactly as ``mask_structure._candidate`` does, and counts
@@ -45,29 +46,36 @@ BIG = 2**62
 BAD, NOT_IMPLIED, OFFSET, LEFT, ANY_SEEN, BOUNDED, FEWEST, GAPS = range(8)
 
 
-@triton.jit(do_not_specialize=["s1", "s2", "sq", "sk", "L2", "NQ", "NK", "L", "ROW_PROGRAMS"])
+# The strides are specialized (Triton's "== 1" and "divisible by 16"): a contiguous
+# mask's rows then load as 16-byte vectors; unspecialized, every byte was its own
+# load with its own 64-bit address (about 2.1 ms for a B8 N4096 mask on an H100,
+# 1.8x PyTorch's ops: benchmarks/results/archive/mask-recognition-h100-*).
+@triton.jit(do_not_specialize=["L2", "NQ", "NK", "ROW_PROGRAMS"])
 def _union_and_keys_kernel(
-    keep, s1, s2, sq, sk, L2, NQ, NK, L, ROW_PROGRAMS, row_first, row_last, key_ok,
+    keep, s1, s2, sq, sk, L2, NQ, NK, ROW_PROGRAMS, row_first, row_last, key_ok,
     BM: tl.constexpr, BN: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     if pid < ROW_PROGRAMS:
-        # Rows pid * BM.. of the union over the leading dims: first and last kept key.
-        rows = pid * BM + tl.arange(0, BM)
+        # Rows of one leading index: first and last kept key, into the union over the
+        # leading dims by atomic max on zeroed slots (NK - first, last + 1: 0 is none).
+        row_blocks = tl.cdiv(NQ, BM)
+        lead = pid // row_blocks
+        rows = (pid % row_blocks) * BM + tl.arange(0, BM)
         in_rows = rows < NQ
         first = tl.zeros([BM], tl.int64) + NK
         last = tl.zeros([BM], tl.int64) - 1
-        for lead in range(0, L):
-            base = keep + (lead // L2).to(tl.int64) * s1 + (lead % L2).to(tl.int64) * s2
-            for start in range(0, NK, BN):
-                cols = start + tl.arange(0, BN)
-                tile = in_rows[:, None] & (cols < NK)[None, :]
-                kept = tl.load(base + rows.to(tl.int64)[:, None] * sq + cols.to(tl.int64)[None, :] * sk,
-                               mask=tile, other=0) != 0  # fmt: skip
-                first = tl.minimum(first, tl.min(tl.where(kept, cols[None, :], NK), axis=1))
-                last = tl.maximum(last, tl.max(tl.where(kept, cols[None, :], -1), axis=1))
-        tl.store(row_first + rows, first, mask=in_rows)
-        tl.store(row_last + rows, last, mask=in_rows)
+        base = keep + (lead // L2).to(tl.int64) * s1 + (lead % L2).to(tl.int64) * s2
+        for start in range(0, NK, BN):
+            cols = start + tl.arange(0, BN)
+            tile = in_rows[:, None] & (cols < NK)[None, :]
+            kept = tl.load(base + rows.to(tl.int64)[:, None] * sq + cols.to(tl.int64)[None, :] * sk,
+                           mask=tile, other=0) != 0  # fmt: skip
+            first = tl.minimum(first, tl.min(tl.where(kept, cols[None, :], NK), axis=1))
+            last = tl.maximum(last, tl.max(tl.where(kept, cols[None, :], -1), axis=1))
+        seen = in_rows & (last >= 0)
+        tl.atomic_max(row_first + rows, NK - first, mask=seen)
+        tl.atomic_max(row_last + rows, last + 1, mask=seen)
     else:
         # Keys of one leading index: kept by some row.
         blocks = tl.cdiv(NK, BN)
@@ -85,7 +93,7 @@ def _union_and_keys_kernel(
         tl.store(key_ok + lead.to(tl.int64) * NK + cols, seen.to(tl.int8), mask=in_cols)
 
 
-@triton.jit(do_not_specialize=["s1", "s2", "sq", "sk", "L2", "NQ", "NK", "ROW_BLOCKS"])
+@triton.jit(do_not_specialize=["L2", "NQ", "NK", "ROW_BLOCKS"])
 def _verify_kernel(
     keep, s1, s2, sq, sk, L2, NQ, NK, ROW_BLOCKS, row_first, row_last, key_ok, first_end, res,
     BM: tl.constexpr, BN: tl.constexpr, SCAN_ROWS: tl.constexpr, BIG_COUNT: tl.constexpr,
@@ -100,8 +108,8 @@ def _verify_kernel(
     bounded = 0
     for start in range(0, NQ, SCAN_ROWS):
         r = start + tl.arange(0, SCAN_ROWS)
-        f = tl.load(row_first + r, mask=r < NQ, other=NK)
-        la = tl.load(row_last + r, mask=r < NQ, other=-1)
+        f = NK - tl.load(row_first + r, mask=r < NQ, other=0)
+        la = tl.load(row_last + r, mask=r < NQ, other=0) - 1
         seen = la >= 0
         offset = tl.minimum(offset, tl.min(tl.where(seen & (la < NK - 1), la - r, NK - 1)))
         left = tl.maximum(left, tl.max(tl.where(seen, r - f, -NK)))
@@ -191,8 +199,8 @@ def read_rows(keep: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor
     key_ok = torch.empty((leading, nk), dtype=torch.int8, device=device)
     bits = keep.view(torch.uint8)
     row_programs = triton.cdiv(nq, BLOCK_M)
-    _union_and_keys_kernel[(row_programs + leading * triton.cdiv(nk, BLOCK_N),)](
-        bits, s1, s2, sq, sk, lead[1], nq, nk, leading, row_programs, row_first, row_last,
+    _union_and_keys_kernel[(leading * (row_programs + triton.cdiv(nk, BLOCK_N)),)](
+        bits, s1, s2, sq, sk, lead[1], nq, nk, leading * row_programs, row_first, row_last,
         key_ok, BM=BLOCK_M, BN=BLOCK_N,
     )  # fmt: skip
     _verify_kernel[(leading * row_programs,)](
