@@ -73,9 +73,11 @@ def _union_and_keys_kernel(
                            mask=tile, other=0) != 0  # fmt: skip
             first = tl.minimum(first, tl.min(tl.where(kept, cols[None, :], NK), axis=1))
             last = tl.maximum(last, tl.max(tl.where(kept, cols[None, :], -1), axis=1))
-        seen = in_rows & (last >= 0)
-        tl.atomic_max(row_first + rows, NK - first, mask=seen)
-        tl.atomic_max(row_last + rows, last + 1, mask=seen)
+        # (Not named like the key role's `seen`: Triton's compiler wants a name bound in
+        # both branches of an `if` to have one type; the interpreter does not check.)
+        has_key = in_rows & (last >= 0)
+        tl.atomic_max(row_first + rows, NK - first, mask=has_key)
+        tl.atomic_max(row_last + rows, last + 1, mask=has_key)
     else:
         # Keys of one leading index: kept by some row.
         blocks = tl.cdiv(NK, BN)
