@@ -11,6 +11,7 @@ against the H100/H200 limit.
 
     python benchmarks/aot_check.py [--quick] [--capability 90]
     python benchmarks/aot_check.py --blocksparse [--quick]   # triton_blocksparse's kernels
+    python benchmarks/aot_check.py --mask-reading   # a mask's structure read (mask_reading)
 
 One launch as a GPU test makes it, with launch configurations forced
 (``tuning.override``), compile time, registers and spills per kernel (the fp32 D=256
@@ -65,6 +66,7 @@ _TYPES = {
     torch.uint8: "u8",
     torch.int64: "i64",
     torch.int32: "i32",  # triton_blocksparse's block lists
+    torch.int8: "i8",  # mask_reading's keys kept
 }
 
 
@@ -455,6 +457,32 @@ def record_blocksparse(
     return launches
 
 
+# ---------------------------------------------------------------- mask_reading
+
+
+def record_mask_reading() -> list:
+    """mask_reading.read_rows' two launches on CPU bool masks, recorded: a contiguous
+    (B, 1, Nq, Nk) one (its strides specialized: 1 and multiples of 16) and a transposed
+    one (none of them)."""
+    from attnhub.backends.triton_flash import mask_reading
+
+    launches: list = []
+    names = ("_union_and_keys_kernel", "_verify_kernel")
+    originals = {name: getattr(mask_reading, name) for name in names}
+    for name, kernel in originals.items():
+        setattr(mask_reading, name, _Recorder(kernel, launches))
+    try:
+        for keep in (
+            torch.ones(2, 1, 48, 64, dtype=torch.bool).tril(),
+            torch.ones(2, 64, 40, dtype=torch.bool).triu().transpose(1, 2),
+        ):
+            mask_reading.read_rows(keep)
+    finally:
+        for name, kernel in originals.items():
+            setattr(mask_reading, name, kernel)
+    return launches
+
+
 def variants_blocksparse(quick: bool) -> list[tuple[torch.dtype, int, int, dict]]:
     full = {"causal": True, "bottom_right": True, "window": (30, None), "softcap": 5.0,
             "mask": "float", "dropout_p": 0.1}  # fmt: skip
@@ -480,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capability", type=int, default=90)
     parser.add_argument("--blocksparse", action="store_true",
                         help="triton_blocksparse's kernels instead (with --quick and --capability)")  # fmt: skip
+    parser.add_argument("--mask-reading", action="store_true",
+                        help="mask_reading's two kernels instead (a mask's structure read)")  # fmt: skip
     one = parser.add_argument_group("one case instead of the variants (given --dtype)")
     one.add_argument("--dtype", choices=sorted(_DTYPES))
     one.add_argument("--head-dim", type=int, default=128)
@@ -510,6 +540,10 @@ def main(argv: list[str] | None = None) -> int:
         "--sass-dir", help="write each launch's SASS there (diff two trees: diff -r A B)"
     )
     args = parser.parse_args(argv)
+    if args.mask_reading:
+        failures = compile_all(record_mask_reading(), args.capability, registers=args.registers,
+                               sass_dir=args.sass_dir)  # fmt: skip
+        return 1 if failures else 0
     if args.blocksparse:
         launches = record_blocksparse(variants_blocksparse(args.quick), args.capability)
         failures = compile_all(launches, args.capability, registers=args.registers,

@@ -1,5 +1,5 @@
-"""The Triton kernels (triton_flash, triton_blocksparse) compile for sm_90 (Hopper),
-checked on a machine without a GPU.
+"""The Triton kernels (triton_flash, triton_blocksparse, the mask reading) compile for
+sm_90 (Hopper), checked on a machine without a GPU.
 
 The interpreter runs the kernels' arithmetic but not Triton's compiler, which rejects
 code the interpreter accepts. This compiles representative launches ahead of time with
@@ -21,12 +21,15 @@ pytest.importorskip("triton")
 AOT_CHECK = Path(__file__).resolve().parents[1] / "benchmarks" / "aot_check.py"
 
 
-@pytest.mark.parametrize("backend", ["triton_flash", "triton_blocksparse"])
+_FAMILY_FLAGS = {"triton_flash": ["--quick"], "triton_blocksparse": ["--quick", "--blocksparse"],
+                 "mask_reading": ["--mask-reading"]}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", list(_FAMILY_FLAGS))
 def test_kernels_compile_for_sm90(backend: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    family = ["--blocksparse"] if backend == "triton_blocksparse" else []
     result = subprocess.run(
-        [sys.executable, str(AOT_CHECK), "--quick", *family],
+        [sys.executable, str(AOT_CHECK), *_FAMILY_FLAGS[backend]],
         capture_output=True,
         text=True,
         env=env,
@@ -43,6 +46,8 @@ def test_kernels_compile_for_sm90(backend: str) -> None:
             "attn_bwd_dkdv_gluon_kernel",  # forced, as the next (--quick's shapes are short)
             "attn_bwd_dq_gluon_kernel",
         )
+    elif backend == "mask_reading":  # (their names as the script prints them)
+        kernels = ("_union_and_keys_kernel", "_verify_kernel")
     else:  # every kernel of the family, recorded through triton_flash's launcher
         kernels = ("bs_fwd_kernel", "bs_fwd_gluon_kernel", "bs_bwd_dkdv_kernel", "bs_bwd_dq_kernel",
                    "bs_bwd_dq_gluon_kernel", "bs_bwd_dkdv_gluon_kernel")  # fmt: skip
