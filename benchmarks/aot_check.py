@@ -463,7 +463,7 @@ def record_blocksparse(
 def record_mask_reading() -> list:
     """mask_reading.read_rows' two launches on CPU bool masks, recorded: a contiguous
     (B, 1, Nq, Nk) one (its strides specialized: 1 and multiples of 16) and a transposed
-    one (none of them)."""
+    one (its key stride not 1)."""
     from attnhub.backends.triton_flash import mask_reading
 
     launches: list = []

@@ -48,8 +48,8 @@ BAD, NOT_IMPLIED, OFFSET, LEFT, ANY_SEEN, BOUNDED, FEWEST, GAPS = range(8)
 
 # The strides are specialized (Triton's "== 1" and "divisible by 16"): a contiguous
 # mask's rows then load as 16-byte vectors; unspecialized, every byte was its own
-# load with its own 64-bit address (about 2.1 ms for a B8 N4096 mask on an H100,
-# 1.8x PyTorch's ops: benchmarks/results/archive/mask-recognition-h100-*).
+# load with its own 64-bit address (2.3 ms for a B8 N4096 mask on an H100, 1.8x
+# PyTorch's ops: benchmarks/results/archive/mask-recognition-h100-2026-12-06-640690d.txt).
 @triton.jit(do_not_specialize=["L2", "NQ", "NK", "ROW_PROGRAMS"])
 def _union_and_keys_kernel(
     keep, s1, s2, sq, sk, L2, NQ, NK, ROW_PROGRAMS, row_first, row_last, key_ok,
