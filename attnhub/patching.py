@@ -405,9 +405,6 @@ def _clear_memos() -> None:
         memo.masked = _NO_MASKED
 
 
-_BUILTIN = type(len)
-
-
 def _native(runner: Any) -> bool:
     """Whether ``runner`` is a C function (PyTorch's SDPA, or a partial of it: what
     torch_sdpa hands most calls), which runs no Python and so cannot call
@@ -415,7 +412,7 @@ def _native(runner: Any) -> bool:
     flag (two thread-local writes a call)."""
     if runner.__class__ is functools.partial:
         runner = runner.func
-    return runner.__class__ is _BUILTIN
+    return runner.__class__ is types.BuiltinFunctionType
 
 
 def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
