@@ -19,7 +19,8 @@ kept in :mod:`attnhub.measured` (persisted per device, PyTorch and attnhub versi
 which ranks by them (a difference within the noise is a tie, and goes to the stock
 backend); the call runs on the first, as does every later call of that signature, in
 this process and the next. ``explain()`` says what was measured, when, and in which
-file.
+file. A measurement that neither timed nor excused a backend now eligible (one a newer
+attnhub or a plugin installed since made eligible) is taken again, once, with it.
 
 It does not measure (and the shipped cost table or the declared priority ranks) where
 it cannot or must not:
@@ -121,6 +122,16 @@ def _untimed(decision: Decision) -> dict[str, str]:
     return why
 
 
+def _covers(found: measured.Measurement, decision: Decision) -> bool:
+    """Whether ``found`` timed, or says why it did not time, every eligible candidate of
+    ``decision``. One that it does not name (a backend a newer attnhub or a plugin
+    installed since made eligible) was never compared: the signature is measured again,
+    with it, and the new measurement replaces the old one."""
+    return all(
+        c.name in found.ms or c.name in found.failed for c in decision.candidates if c.eligible
+    )
+
+
 def wanted(decision: Decision, params: AttentionParams, device: torch.device) -> bool:
     """Whether this call's signature should be measured now (see the module docstring)."""
     if device.type not in measured.DEVICES or not env.flag(env.AUTOTUNE, default=True):
@@ -129,7 +140,8 @@ def wanted(decision: Decision, params: AttentionParams, device: torch.device) ->
         return False
     if torch.compiler.is_compiling() or _capturing(device) or measured.distributed_job():
         return False
-    if measured.store_for(device).get(decision.request) is not None:
+    found = measured.store_for(device).get(decision.request)
+    if found is not None and _covers(found, decision):
         return False  # measured already (the common answer): decided before the count
     eligible = sum(c.eligible for c in decision.candidates)
     return eligible >= 2 and eligible - len(_untimed(decision)) >= 1
@@ -224,7 +236,7 @@ def measure(
     with _lock:
         store = measured.store_for(device)
         found = store.get(decision.request)
-        if found is not None:  # another thread measured it meanwhile
+        if found is not None and _covers(found, decision):  # another thread measured it
             return found
         failed = _untimed(decision)
         runners: dict[str, Callable[..., Any]] = {}

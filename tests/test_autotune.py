@@ -141,6 +141,30 @@ def test_measurements_persist_and_a_new_process_reuses_them(tuned, tmp_path):
     assert slow.calls == calls  # no timing again
 
 
+def test_a_backend_eligible_since_the_measurement_is_measured_with_the_rest(tuned):
+    """A measurement that neither timed nor excused an eligible backend (one a newer
+    attnhub or a plugin made eligible since, kept in the same file) is taken again, once,
+    with it; the new one replaces the old and ranks all of them."""
+    slow, _, registry = tuned
+    q, k, v = _qkv()
+    attnhub.attention(q, k, v)  # measures slow and fast
+    newer = _backend("newer", 50, 0.001)
+    registry.add(newer)
+    dispatch.clear_cache()
+    slow_calls = slow.calls
+    assert attnhub.explain(q, k, v).chosen == "fast"  # ranked, not yet timed
+    attnhub.attention(q, k, v)
+    assert newer.calls > 1 and slow.calls == slow_calls + SLOW_TIMED_CALLS  # all timed again
+    decision = attnhub.explain(q, k, v)
+    (candidate,) = [c for c in decision.candidates if c.name == "newer"]
+    assert "measured here" in candidate.note and "not timed" not in candidate.note
+    calls = newer.calls
+    measured.forget_stores()  # a new process: the file holds the complete measurement
+    dispatch.clear_cache()
+    attnhub.attention(q, k, v)
+    assert newer.calls == calls
+
+
 def test_training_calls_are_timed_with_their_backward(tuned):
     q, k, v = _qkv(requires_grad=True)
     out = attnhub.attention(q, k, v)
