@@ -46,6 +46,10 @@ BIG = 2**62
 BAD, NOT_IMPLIED, OFFSET, LEFT, ANY_SEEN, BOUNDED, FEWEST, GAPS = range(8)
 
 
+# The mask tile's address and load are written out in each role, not shared through
+# @triton.jit helpers: with the base and the tile load as helpers, the union kernel's
+# SASS for sm_90 held 324 local-memory (spill) instructions, and none written out
+# (`aot_check.py --mask-reading --sass-dir`, 2026-12-07).
 # The strides are specialized (Triton's "== 1" and "divisible by 16"): a contiguous
 # mask's rows then load as 16-byte vectors; unspecialized, every byte was its own
 # load with its own 64-bit address (2.3 ms for a B8 N4096 mask on an H100, 1.8x
