@@ -29,9 +29,9 @@ gpu = pytest.mark.gpu
 GLUON = "attn_fwd_gluon_kernel"
 
 
-def _case(dtype: torch.dtype, hkv: int, nq: int, nk: int, **options) -> Case:  # type: ignore[no-untyped-def]
+def _case(dtype: torch.dtype, hkv: int, nq: int, nk: int, d: int = 128, **options) -> Case:  # type: ignore[no-untyped-def]
     return Case(
-        dtype=dtype, B=2, Hq=4, Hkv=hkv, Nq=nq, Nk=nk, D=128, Dv=128, return_lse=True, **options
+        dtype=dtype, B=2, Hq=4, Hkv=hkv, Nq=nq, Nk=nk, D=d, Dv=d, return_lse=True, **options
     )
 
 
@@ -71,15 +71,18 @@ def test_gpu_gluon_forward_keeps_the_contract(case: Case, launched_kernels: list
 
 
 GLUON_KV, GLUON_Q = "attn_bwd_dkdv_gluon_kernel", "attn_bwd_dq_gluon_kernel"
-_GLUON_ROWS = configs.GLUON_BWD  # the rows the table gives admitted calls; forced here
+# The Gluon kernels' rows by head dim (the table's for admitted calls); forced here.
+_GLUON_ROWS = configs.GLUON_BWD
+_GLUON_ROWS_BY_D = {128: _GLUON_ROWS, 256: configs.GLUON_BWD_256}
 # The table's rows for calls that the Gluon kernels cannot serve: a role forced alone
 # has the other on them (the table would give an admitted call Gluon's there too).
-_POINTER_ROWS = configs.backward_rows(128, 2, False, (9, 0), False, 4096, True)
+_POINTER_ROWS = {d: configs.backward_rows(d, 2, False, (9, 0), False, 4096, True) for d in _GLUON_ROWS_BY_D}
 _BWD_CASES = [
     pytest.param(case, roles, marks=gpu, id=f"{'+'.join(roles)}-{case.id}")
     for roles in (("bwd_kv",), ("bwd_q",), ("bwd_kv", "bwd_q"))
     for case in (
-        _case(dtype, hkv, nq, nk, backward=True, **options)
+        _case(dtype, hkv, nq, nk, d, backward=True, **options)
+        for d in (128, 256)
         for dtype in (torch.bfloat16, torch.float16)
         for hkv, nq, nk, options in (
             (4, 1100, 1100, {}),
@@ -99,13 +102,14 @@ def test_gpu_gluon_backward_keeps_the_contract(
     case: Case, roles: tuple[str, ...], launched_kernels: list[str]
 ) -> None:
     """The Gluon backward kernels (kernels_gluon_bwd), forced, each alone (the other role
-    on a pointer row) and both:
-    gradients within the contract's tolerance of the float64 reference, for either
+    on a pointer row) and both, at D = 128 and 256 (whose dK/dV consumers split the head
+    dim): gradients within the contract's tolerance of the float64 reference, for either
     alignment, windows, GQA, ragged lengths, rows without keys, strided views and a
     negative scale."""
     from attnhub.backends.triton_flash import tuning
 
-    with tuning.override(**{**_POINTER_ROWS, **{role: _GLUON_ROWS[role] for role in roles}}):
+    rows = _GLUON_ROWS_BY_D[case.D]
+    with tuning.override(**{**_POINTER_ROWS[case.D], **{role: rows[role] for role in roles}}):
         problems = case_problems("triton_flash", case, "cuda")
     assert not problems, f"{case.id}: " + "; ".join(problems)
     for role, kernel in (("bwd_kv", GLUON_KV), ("bwd_q", GLUON_Q)):

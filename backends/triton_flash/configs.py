@@ -247,6 +247,14 @@ GLUON_BWD: dict[str, LaunchConfig] = {
     "bwd_kv": LaunchConfig(64, 128, 4, 2, gluon=True),
     "bwd_q": LaunchConfig(128, 64, 4, 2, gluon=True),
 }
+# D = 256: dK/dV programs of 64 keys whose consumers split the head dim (K, V and two
+# 64-row Q/dO buffers fill 209 KiB of shared memory); dQ programs of 128 rows over
+# 32-key K/V tiles (two 64-row consumers, 128 registers a thread of dQ each; 64-key
+# tiles would need 256 KiB).
+GLUON_BWD_256: dict[str, LaunchConfig] = {
+    "bwd_kv": LaunchConfig(64, 64, 4, 2, gluon=True),
+    "bwd_q": LaunchConfig(128, 32, 4, 2, gluon=True),
+}
 
 
 # The Gluon kernels' rows, for the calls ops._gluon_eligible (forward) and
