@@ -488,7 +488,7 @@ def _kv_consumer_d256(
     dv = gl.zeros([_KEYS, _HALF_D], gl.float32, layout=acc_layout)
     mbarrier.wait(kv_bar, 0)
     base = start_n * 0  # the head's first tile in the walk (a tensor: it is carried)
-    for g in range(0, GROUP):
+    for _ in range(0, GROUP):
         for seg in gl.static_range(3):
             s0, s1 = _segment(seg, 0, n_head, n_bulk, n)
             if _compiled(seg=seg, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL):
@@ -607,7 +607,7 @@ def attn_bwd_dkdv_gluon_kernel(
     gl.static_assert(VARLEN == 0 and not HAS_SOFTCAP)
     gl.static_assert(gl.num_warps() == 4)
     # D = 256: 64 keys a program, the consumers split the head dim (_kv_block_d256).
-    gl.static_assert(BLOCK_N == (_KEYS if BLOCK_D == 256 else 2 * _KEYS))
+    gl.static_assert((_KEYS if BLOCK_D == 256 else 2 * _KEYS) == BLOCK_N)
     start_n = gl.program_id(0) * BLOCK_N
     pid_bh = gl.program_id(1).to(gl.int64)
     b = pid_bh // HKV
