@@ -1,15 +1,15 @@
-"""The D=128 backward for Hopper in Gluon: dK/dV and dQ kernels, each a TMA loader warp
-and two consumer warpgroups.
+"""The D=128 and D=256 backward for Hopper in Gluon: dK/dV and dQ kernels, each a TMA
+loader warp and two consumer warpgroups.
 
 :func:`attn_bwd_dkdv_gluon_kernel` and :func:`attn_bwd_dq_gluon_kernel` compute what
 ``kernels.attn_bwd_dkdv_kernel`` and ``kernels.attn_bwd_dq_kernel`` compute, for the
 calls that ops._gluon_bwd_eligible admits (dense, no attn_mask, no dropout, no softcap,
-bf16/fp16, D = Dv = 128, sm_90, TMA's layout rules) and whose launch row for that role
+bf16/fp16, D = Dv = 128 or 256, sm_90, TMA's layout rules) and whose launch row for that role
 asks for it (LaunchConfig.gluon); either may run beside the other role's pointer
 kernel, and the backward then runs split. Causal (either alignment), sliding windows,
 GQA, any lengths, rows without keys and negative scales are kept. FlashAttention-3's
-roles, written for this project; the consumers of a program never synchronize with
-each other, and a loader reuses a buffer once both consumers released it.
+roles, written for this project; a loader reuses a buffer once both consumers released
+it, and at D = 128 the consumers of a program never synchronize with each other.
 
 dK/dV: a program owns BLOCK_N = 128 keys of one kv head, K and V resident in shared
 memory, and walks the query tiles of each of the GROUP query heads that read them (the
@@ -18,6 +18,12 @@ each query tile's Q, dO, lse and delta into ``STAGES`` buffers. Each consumer ow
 of the keys, its dK and dV accumulators in registers; per query tile it issues
 S^T = K Q^T and dP^T = V dO^T, takes P^T from S^T (the lse), issues dV += P^T dO while
 dP^T finishes, then dS^T = P^T (dP^T - delta) and dK += dS^T Q.
+
+At D = 256 those accumulators would take 256 registers a thread, so a program owns 64
+keys and the consumers split the work differently (:func:`_kv_tile_d256`): each computes
+S^T and dP^T for half of a query tile's rows, the two hand each other their halves of
+P^T and dS^T through shared memory, and each adds 128 columns of the head dim to dK and
+dV over the whole tile.
 
 dQ: a program owns BLOCK_M = 128 query rows, Q, dO, lse and delta resident, and walks
 the band's key tiles, which the loader streams (K and V) into ``STAGES`` buffers. Each

@@ -649,7 +649,8 @@ def _forward(
 def _tma_eligible(c: _Setup, varlen: int, *tensors: torch.Tensor, max_d: int = 128) -> bool:
     """Whether a forward may run kernels_tma.attn_fwd_tma_kernel (where its launch row
     asks for TMA loads, LaunchConfig.tma): a dense call with no attn_mask and no dropout,
-    2-byte dtypes, power-of-two head dims up to 128 (the sizes measured), not traced (the kernel builds its tensor
+    2-byte dtypes, power-of-two head dims up to ``max_d`` (128: the forward's sizes
+    measured; the Gluon backward passes 256), not traced (the kernel builds its tensor
     descriptors in global scratch, which the launch allocates: Inductor's launches of
     traced kernels are not known to), on sm_90+ or in the interpreter, and ``tensors``
     laid out as TMA requires: unit stride along the head dim, rows that do not overlap,
@@ -692,7 +693,7 @@ def _gluon_eligible(c: _Setup, q: torch.Tensor) -> bool:
 def _gluon_bwd_eligible(c: _Setup, lse: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """Whether a backward's dK/dV or dQ may run kernels_gluon_bwd's kernel (where that
     role's launch row asks for it): ``tensors`` (q, k, v, dout) as
-    :func:`_tma_eligible` admits them for a dense call, D = Dv = 128, no softcap, on
+    :func:`_tma_eligible` admits them for a dense call, D = Dv = 128 or 256, no softcap, on
     sm_90 with Gluon's Hopper API, and lse rows that its 1-D descriptors can start at
     (16-byte aligned: an aligned lse and Nq % 4 == 0; on the H200 Nq = 1025 made the
     kernel fault)."""
