@@ -419,7 +419,7 @@ def _kv_tile_d256(
     dtype, as the pointer kernel's products take them). Then each adds its 128 columns:
     dV += P^T dO and dK += dS^T Q over the tile's rows, both halves. The tile's
     exchange buffers are rewritten only after both consumers' products of the last tile
-    are done (``free_bar``)."""
+    are done (``free_bar``). dV's products run while dP^T finishes and dS^T is formed."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = WG * HALF_M
     COL0: gl.constexpr = WG * _HALF_D
@@ -453,14 +453,14 @@ def _kv_tile_d256(
     dtype: gl.constexpr = q_smem.dtype
     mbarrier.wait(free_bar, (t & 1) ^ 1, pred=t > 0)
     _hand_over(pt_smem, p_bar, p.to(dtype), WG)
-    dp = warpgroup_mma_wait(0, deps=(dp,))
-    delta = delta_smem.index(slot).slice(ROW0, HALF_M).load(gl.SliceLayout(0, s_layout))
-    _hand_over(dst_smem, ds_bar, (p * (dp - delta[None, :])).to(dtype), WG)
     do_cols = do_tile.slice(COL0, _HALF_D, dim=1)
     q_cols = q_tile.slice(COL0, _HALF_D, dim=1)
     mbarrier.wait(p_bar, t & 1)
     dv = warpgroup_mma(pt_smem.index(0), do_cols.slice(0, HALF_M, dim=0), dv, is_async=True)
     dv = warpgroup_mma(pt_smem.index(1), do_cols.slice(HALF_M, HALF_M, dim=0), dv, is_async=True)
+    dp = warpgroup_mma_wait(2, deps=(dp,))  # dP^T done; dV's two products may still run
+    delta = delta_smem.index(slot).slice(ROW0, HALF_M).load(gl.SliceLayout(0, s_layout))
+    _hand_over(dst_smem, ds_bar, (p * (dp - delta[None, :])).to(dtype), WG)
     mbarrier.wait(ds_bar, t & 1)
     dk = warpgroup_mma(dst_smem.index(0), q_cols.slice(0, HALF_M, dim=0), dk, is_async=True)
     dk = warpgroup_mma(dst_smem.index(1), q_cols.slice(HALF_M, HALF_M, dim=0), dk, is_async=True)
