@@ -286,6 +286,7 @@ GLUON_BWD_256: dict[str, LaunchConfig] = {
 _GLUON_2B: dict[tuple[str, int, bool], LaunchConfig] = {
     **{("fwd", 128, causal): LaunchConfig(128, 128, 4, 2, gluon=True) for causal in (False, True)},
     **{(role, 128, causal): row for role, row in GLUON_BWD.items() for causal in (False, True)},
+    **{(role, 256, causal): row for role, row in GLUON_BWD_256.items() for causal in (False, True)},
 }
 _GLUON_MIN_N = {"fwd": SHORT_N + 1, "bwd_kv": 4096, "bwd_q": 4096}
 
