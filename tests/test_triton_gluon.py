@@ -120,12 +120,14 @@ def test_gpu_gluon_backward_keeps_the_contract(
 _TABLE_BWD_CASES = [
     pytest.param(case, marks=gpu, id=case.id)
     for case in (
-        _case(dtype, hkv, nq, nk, backward=True, **options)
+        _case(dtype, hkv, nq, nk, d, backward=True, **options)
         for dtype in (torch.bfloat16, torch.float16)
-        for hkv, nq, nk, options in (
-            (2, 4096, 4096, {"causal": True}),
-            (4, 4096, 4100, {}),
-            (1, 4100, 4096, {"causal": True, "alignment": "bottom_right", "strided": True}),
+        for hkv, nq, nk, d, options in (
+            (2, 4096, 4096, 128, {"causal": True}),
+            (4, 4096, 4100, 128, {}),
+            (1, 4100, 4096, 128, {"causal": True, "alignment": "bottom_right", "strided": True}),
+            (2, 4096, 4096, 256, {"causal": True}),
+            (4, 4100, 4096, 256, {"causal": True, "alignment": "bottom_right", "strided": True}),
         )
     )
 ]
@@ -137,7 +139,7 @@ def test_gpu_the_tables_gluon_backward_keeps_the_contract(
     case: Case, launched_kernels: list[str]
 ) -> None:
     """The launch table's own choice (no forced row) for long half-precision D = 128
-    calls: both Gluon backward kernels run, and the gradients keep the contract
+    and D = 256 calls: both Gluon backward kernels run, and the gradients keep the contract
     against the float64 reference."""
     problems = case_problems("triton_flash", case, "cuda")
     assert not problems, f"{case.id}: " + "; ".join(problems)
