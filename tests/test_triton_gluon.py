@@ -76,7 +76,9 @@ _GLUON_ROWS = configs.GLUON_BWD
 _GLUON_ROWS_BY_D = {128: _GLUON_ROWS, 256: configs.GLUON_BWD_256}
 # The table's rows for calls that the Gluon kernels cannot serve: a role forced alone
 # has the other on them (the table would give an admitted call Gluon's there too).
-_POINTER_ROWS = {d: configs.backward_rows(d, 2, False, (9, 0), False, 4096, True) for d in _GLUON_ROWS_BY_D}
+_POINTER_ROWS = {
+    d: configs.backward_rows(d, 2, False, (9, 0), False, 4096, True) for d in _GLUON_ROWS_BY_D
+}
 _BWD_CASES = [
     pytest.param(case, roles, marks=gpu, id=f"{'+'.join(roles)}-{case.id}")
     for roles in (("bwd_kv",), ("bwd_q",), ("bwd_kv", "bwd_q"))
