@@ -289,6 +289,8 @@ _GLUON_2B: dict[tuple[str, int, bool], LaunchConfig] = {
     **{(role, 256, causal): row for role, row in GLUON_BWD_256.items() for causal in (False, True)},
 }
 _GLUON_MIN_N = {"fwd": SHORT_N + 1, "bwd_kv": 4096, "bwd_q": 4096}
+# D = 256's Gluon backward pays from the shortest calls measured (512 keys).
+_GLUON_MIN_N_256 = 512
 
 
 def _rows(direction: str, element_size: int, causal: bool) -> _Rows:
@@ -343,7 +345,8 @@ def launch_config(
         if narrow is not None:
             return narrow
     short_call = seqlen is not None and seqlen <= SHORT_N
-    if gluon and (seqlen is None or seqlen >= _GLUON_MIN_N[direction]):
+    min_n = _GLUON_MIN_N_256 if block_d == 256 else _GLUON_MIN_N[direction]
+    if gluon and (seqlen is None or seqlen >= min_n):
         row = _GLUON_2B.get((direction, block_d, causal))
         if row is not None:
             return row
