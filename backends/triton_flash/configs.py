@@ -247,10 +247,10 @@ GLUON_BWD: dict[str, LaunchConfig] = {
     "bwd_kv": LaunchConfig(64, 128, 4, 2, gluon=True),
     "bwd_q": LaunchConfig(128, 64, 4, 2, gluon=True),
 }
-# D = 256: dK/dV programs of 64 keys whose consumers split the head dim (K, V and two
-# 64-row Q/dO buffers fill 209 KiB of shared memory); dQ programs of 128 rows over
-# 32-key K/V tiles (two 64-row consumers, 128 registers a thread of dQ each; 64-key
-# tiles would need 256 KiB).
+# D = 256: dK/dV programs of 64 keys whose consumers split the head dim (K, V, two
+# 64-row Q/dO buffers and the P^T/dS^T exchange fill 210 KiB of shared memory); dQ
+# programs of 128 rows over 32-key K/V tiles (two 64-row consumers, 128 registers a
+# thread of dQ each; 64-key tiles would need 256 KiB).
 GLUON_BWD_256: dict[str, LaunchConfig] = {
     "bwd_kv": LaunchConfig(64, 64, 4, 2, gluon=True),
     "bwd_q": LaunchConfig(128, 32, 4, 2, gluon=True),
@@ -283,6 +283,12 @@ GLUON_BWD_256: dict[str, LaunchConfig] = {
 # 0.80, so calls of fewer than 4096 keys keep the pointer rows. dK/dV's Gluon kernel
 # alone reads 1.00-1.07 where both read 0.98-1.06 (B4 H16 N4096): within the runs'
 # spread, so one rule for both.
+# D = 256 (GLUON_BWD_256), bf16 on an H200, both Gluon kernels against the pointer
+# backward (benchmarks/results/archive/gluon-bwd-probe-h200-2026-12-07-*.txt),
+# non-causal / causal: B4 H8 N4096 1.80 / 1.69, B1 H8 N16384 1.84 / 1.70, GQA B8 16/4
+# N2048 1.73 / 1.65, B16 H8 N1024 1.59 / 1.38, B32 H8 N512 1.37 / 1.17 (each also
+# faster than SDPA flash, 1.29-1.67x): the rows take calls from 512 keys
+# (_GLUON_MIN_N_256). The grid: results/grid-d256-h200.md.
 _GLUON_2B: dict[tuple[str, int, bool], LaunchConfig] = {
     **{("fwd", 128, causal): LaunchConfig(128, 128, 4, 2, gluon=True) for causal in (False, True)},
     **{(role, 128, causal): row for role, row in GLUON_BWD.items() for causal in (False, True)},
