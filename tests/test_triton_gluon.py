@@ -171,14 +171,19 @@ _POINTERS, _MERGED = ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"), ("attn_bwd_
         ("a Triton without Gluon", "forced", _POINTERS),
         ("Nq not a multiple of 4", "table", _MERGED),
         ("Nq not a multiple of 4", "forced", _POINTERS),
+        ("head dim 256", "table", (GLUON_KV, GLUON_Q)),
+        ("head dim 256, 512 keys", "table", (GLUON_KV, GLUON_Q)),
+        ("head dim 256, 508 keys", "table", _POINTERS),
+        ("head dim 256, softcap", "table", _POINTERS),
+        ("head dim 256, float32", "table", _POINTERS),
     ],
 )
 def test_which_backward_kernels_an_sm90_call_gets(what: str, rows: str, expected: tuple[str, ...],
                                                   monkeypatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
     """The backward's launches on an sm_90 (recorded, not run), by the table or with the
     Gluon rows forced: the table gives the Gluon kernels the dense half-precision D = 128
-    calls of 4096 keys or more that they can serve, and leaves the rest on the rows they
-    had (D = 128 merged); under forced rows, calls that the Gluon kernels cannot serve
+    calls of 4096 keys or more and D = 256 calls of 512 or more that they can serve, and
+    leaves the rest on the rows they had (D = 128 merged, D = 256 split); under forced rows, calls that the Gluon kernels cannot serve
     run the pointer kernels on the same tiles, split (Nq not a multiple of 4: a head's
     lse row would start unaligned for TMA, which faulted on the H200 at Nq = 1025)."""
     from attnhub.backends.triton_flash import tuning
@@ -186,15 +191,16 @@ def test_which_backward_kernels_an_sm90_call_gets(what: str, rows: str, expected
     launched = _recorded_as_on(monkeypatch, (10, 0) if what == "sm_100" else (9, 0))
     if what == "a Triton without Gluon":
         monkeypatch.setattr(ops, "kernels_gluon_bwd", None)
-    dtype = torch.float32 if what == "float32" else torch.bfloat16
-    d = 64 if what == "head dim 64" else 128
-    n = {"Nq not a multiple of 4": 4097, "fewer than 4096 keys": 4092}.get(what, 4096)
+    dtype = torch.float32 if what.endswith("float32") else torch.bfloat16
+    d = 64 if what == "head dim 64" else 256 if what.startswith("head dim 256") else 128
+    n = {"Nq not a multiple of 4": 4097, "fewer than 4096 keys": 4092,
+         "head dim 256, 512 keys": 512, "head dim 256, 508 keys": 508}.get(what, 4096)  # fmt: skip
     q, k, v = (torch.zeros(1, 4, n, d, dtype=dtype, requires_grad=True) for _ in range(3))
     mask = torch.ones(1, 1, n, n, dtype=torch.bool) if what == "bool mask" else None
     forced = {"table": {}, "dQ forced": {"bwd_q": _GLUON_ROWS["bwd_q"]}}.get(rows, _GLUON_ROWS)
     with tuning.override(**forced):
         out, _ = ops.flash_attention(q, k, v, mask, causal=True,
-                                     softcap=30.0 if what == "softcap" else 0.0)  # fmt: skip
+                                     softcap=30.0 if what.endswith("softcap") else 0.0)  # fmt: skip
         launched.clear()  # the forward's
         out.backward(torch.ones_like(out))
     assert tuple(launched[1:]) == expected, launched  # after the preprocess
@@ -296,10 +302,14 @@ def test_the_table_takes_the_gluon_row_only_where_the_call_allows_it() -> None:
         for direction in ("bwd_kv", "bwd_q"):
             assert configs.launch_config(direction, 128, 2, causal, sm90, False, 4096, True,
                                          gluon=True) == _GLUON_ROWS[direction]  # fmt: skip
+            assert configs.launch_config(direction, 256, 2, causal, sm90, False, 512, True,
+                                         gluon=True) == configs.GLUON_BWD_256[direction]  # fmt: skip
             for key, gluon in (
                 ((128, 2, causal, sm90, False, 4096), False),
                 ((128, 2, causal, sm90, False, 4095), True),
                 ((64, 2, causal, sm90, False, 4096), True),
+                ((256, 2, causal, sm90, False, 511), True),
+                ((256, 2, causal, sm90, False, 4096), False),
             ):
                 got = configs.launch_config(direction, *key, True, gluon=gluon)
                 assert not got.gluon

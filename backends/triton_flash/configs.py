@@ -39,8 +39,9 @@ class LaunchConfig:
     Gluon kernel of its direction, with ``num_stages`` buffers: the forward
     (kernels_gluon.attn_fwd_gluon_kernel, K/V tiles; only calls that ops._gluon_eligible
     admits get such a row), dK/dV (kernels_gluon_bwd.attn_bwd_dkdv_gluon_kernel, Q/dO
-    tiles; tiles (64, 128) on 4 warps) or dQ (attn_bwd_dq_gluon_kernel, K/V tiles; tiles
-    (128, 64) on 4 warps; also triton_blocksparse's): the backward's for calls that
+    tiles; tiles (64, 128) on 4 warps, (64, 64) at D = 256) or dQ
+    (attn_bwd_dq_gluon_kernel, K/V tiles; tiles (128, 64) on 4 warps, (128, 32) at D =
+    256; also triton_blocksparse's): the backward's for calls that
     ops._gluon_bwd_eligible admits (only such calls get a table row; a forced row on
     another call runs the pointer kernel on the same tiles); such a backward runs
     split."""
@@ -258,9 +259,10 @@ GLUON_BWD_256: dict[str, LaunchConfig] = {
 
 
 # The Gluon kernels' rows, for the calls ops._gluon_eligible (forward) and
-# ops._gluon_bwd_eligible (backward) admit: D = Dv = 128, 2-byte dtypes, dense, no
-# softcap, sm_90. Keyed by (direction, padded head dim, causal); calls of fewer than
-# _GLUON_MIN_N[direction] keys keep the rows below.
+# ops._gluon_bwd_eligible (backward) admit: D = Dv = 128 (the backward also 256), 2-byte
+# dtypes, dense, no softcap, sm_90. Keyed by (direction, padded head dim, causal); calls
+# of fewer than _GLUON_MIN_N[direction] keys (at D = 256, _GLUON_MIN_N_256) keep the
+# rows below.
 #
 # Forward (kernels_gluon: a TMA loader warp, two consumer warpgroups of 64 rows each).
 # bf16, B = 16384 / N, H = 16, TFLOP/s at N = 4096 / 16384 / 1024
