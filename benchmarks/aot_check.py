@@ -175,16 +175,18 @@ def variants(quick: bool) -> list[tuple[torch.dtype, int, dict]]:
     # The Gluon backward kernels (kernels_gluon_bwd), forced: GQA, bottom-right, ragged
     # (Nq a multiple of 4: ops._gluon_bwd_eligible).
     gluon_bwd = {**gluon, "shape": (1, 4, 2, 1032, 1100), **configs.GLUON_BWD}
+    gluon_bwd_256 = {**gluon_bwd, **configs.GLUON_BWD_256}
     if quick:
         return [(torch.bfloat16, 128, {"causal": True}), (torch.float32, 40, full),
                 (torch.bfloat16, 128, tma), (torch.bfloat16, 128, gluon),
-                (torch.bfloat16, 128, gluon_bwd)]  # fmt: skip
+                (torch.bfloat16, 128, gluon_bwd), (torch.bfloat16, 256, gluon_bwd_256)]  # fmt: skip
     cases: list[tuple[torch.dtype, int, dict]] = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for d in (64, 128, 256, 96):
             cases += [(dtype, d, {}), (dtype, d, {"causal": True})]
         cases += [(dtype, 40, full), (dtype, 128, {"mask": "bool", "window": (3, 4)}),
                   (dtype, 128, tma), (dtype, 128, gluon), (dtype, 128, gluon_bwd),
+                  (dtype, 256, gluon_bwd_256),
                   (dtype, 128, {**gluon_bwd, "causal": False, "window": (300, 40)})]  # fmt: skip
     return cases
 

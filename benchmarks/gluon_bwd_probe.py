@@ -2,7 +2,7 @@
 pointer kernels' backward, the table's and PyTorch's cuDNN and flash kernels, in one
 process.
 
-For each shape (bf16, D = 128), causal and not: the backward alone (the forward run
+For each shape (bf16, D = ``--head-dim``: 128, or 256 with its own Gluon rows), causal and not: the backward alone (the forward run
 once, its graph kept) of the pointer kernels (the rows the table gives calls that the
 Gluon kernels cannot serve, forced), of the table's launch and, at each ``--stages``,
 of the Gluon dK/dV kernel, the Gluon dQ kernel (each beside the other role's pointer
@@ -12,6 +12,7 @@ pointer kernels', and the Triton kernels it launched. The ratios: the pointer ke
 time, cuDNN's and flash's over each way's (> 1: the way is faster).
 
     python benchmarks/gluon_bwd_probe.py [--shapes "4,16,16,4096;2,32,8,8192"] [--stages 2,3]
+    python benchmarks/gluon_bwd_probe.py --head-dim 256 --shapes "4,8,8,4096;1,8,8,16384"
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnhub.backends.triton_flash import ops, tuning
-from attnhub.backends.triton_flash.configs import GLUON_BWD, backward_rows
+from attnhub.backends.triton_flash.configs import GLUON_BWD, GLUON_BWD_256, backward_rows
 from attnhub.timing import event_ms
 
 
@@ -57,25 +58,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="4,16,16,4096;2,32,8,8192", help="B,Hq,Hkv,N;...")
     parser.add_argument("--stages", default="2")
+    parser.add_argument("--head-dim", type=int, choices=(128, 256), default=128)
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     torch.manual_seed(0)
+    d = args.head_dim
+    gluon_rows = GLUON_BWD if d == 128 else GLUON_BWD_256
     for text in args.shapes.split(";"):
         b, hq, hkv, n = (int(x) for x in text.split(","))
         for causal in (False, True):
-            q = torch.randn(b, hq, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            k, v = (torch.randn(b, hkv, n, 128, device="cuda", dtype=torch.bfloat16,
+            q = torch.randn(b, hq, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16,
                                 requires_grad=True) for _ in range(2))  # fmt: skip
             grad = torch.randn_like(q)
-            flops = 4 * b * hq * n * n * 128 * 2.5 / (2 if causal else 1)
-            print(f"B{b} Hq{hq} Hkv{hkv} N{n} D128 bf16 {'causal' if causal else 'non-causal'}:"
+            flops = 4 * b * hq * n * n * d * 2.5 / (2 if causal else 1)
+            print(f"B{b} Hq{hq} Hkv{hkv} N{n} D{d} bf16 {'causal' if causal else 'non-causal'}:"
                   " backward ms, TFLOP/s, ratios (other's time / this way's)")  # fmt: skip
 
             def flash(q=q, k=k, v=v, causal=causal) -> torch.Tensor:  # type: ignore[no-untyped-def]
                 return ops.flash_attention(q, k, v, causal=causal)[0]
 
             ways: dict[str, tuple[Callable[[], tuple], tuple, list[str]]] = {}
-            pointer = backward_rows(128, 2, causal, (9, 0), False, n, True)
+            pointer = backward_rows(d, 2, causal, (9, 0), False, n, True)
             with tuning.override(**pointer):
                 ways["pointer"] = _backward(flash, (q, k, v), grad)
             ways["table"] = _backward(flash, (q, k, v), grad)
@@ -90,7 +94,7 @@ def main() -> None:
                     print(f"  {name}: {str(exc)[:100]}")
             for stages in (int(s) for s in args.stages.split(",")):
                 rows = {role: dataclasses.replace(row, num_stages=stages)
-                        for role, row in GLUON_BWD.items()}  # fmt: skip
+                        for role, row in gluon_rows.items()}  # fmt: skip
                 for label, roles in (("dK/dV", ("bwd_kv",)), ("dQ", ("bwd_q",)),
                                      ("both", ("bwd_kv", "bwd_q"))):  # fmt: skip
                     name = f"gluon {label}, {stages} stages"

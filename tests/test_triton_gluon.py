@@ -29,9 +29,9 @@ gpu = pytest.mark.gpu
 GLUON = "attn_fwd_gluon_kernel"
 
 
-def _case(dtype: torch.dtype, hkv: int, nq: int, nk: int, **options) -> Case:  # type: ignore[no-untyped-def]
+def _case(dtype: torch.dtype, hkv: int, nq: int, nk: int, d: int = 128, **options) -> Case:  # type: ignore[no-untyped-def]
     return Case(
-        dtype=dtype, B=2, Hq=4, Hkv=hkv, Nq=nq, Nk=nk, D=128, Dv=128, return_lse=True, **options
+        dtype=dtype, B=2, Hq=4, Hkv=hkv, Nq=nq, Nk=nk, D=d, Dv=d, return_lse=True, **options
     )
 
 
@@ -71,15 +71,20 @@ def test_gpu_gluon_forward_keeps_the_contract(case: Case, launched_kernels: list
 
 
 GLUON_KV, GLUON_Q = "attn_bwd_dkdv_gluon_kernel", "attn_bwd_dq_gluon_kernel"
-_GLUON_ROWS = configs.GLUON_BWD  # the rows the table gives admitted calls; forced here
+# The Gluon kernels' rows by head dim (the table's for admitted calls); forced here.
+_GLUON_ROWS = configs.GLUON_BWD
+_GLUON_ROWS_BY_D = {128: _GLUON_ROWS, 256: configs.GLUON_BWD_256}
 # The table's rows for calls that the Gluon kernels cannot serve: a role forced alone
 # has the other on them (the table would give an admitted call Gluon's there too).
-_POINTER_ROWS = configs.backward_rows(128, 2, False, (9, 0), False, 4096, True)
+_POINTER_ROWS = {
+    d: configs.backward_rows(d, 2, False, (9, 0), False, 4096, True) for d in _GLUON_ROWS_BY_D
+}
 _BWD_CASES = [
     pytest.param(case, roles, marks=gpu, id=f"{'+'.join(roles)}-{case.id}")
     for roles in (("bwd_kv",), ("bwd_q",), ("bwd_kv", "bwd_q"))
     for case in (
-        _case(dtype, hkv, nq, nk, backward=True, **options)
+        _case(dtype, hkv, nq, nk, d, backward=True, **options)
+        for d in (128, 256)
         for dtype in (torch.bfloat16, torch.float16)
         for hkv, nq, nk, options in (
             (4, 1100, 1100, {}),
@@ -99,13 +104,14 @@ def test_gpu_gluon_backward_keeps_the_contract(
     case: Case, roles: tuple[str, ...], launched_kernels: list[str]
 ) -> None:
     """The Gluon backward kernels (kernels_gluon_bwd), forced, each alone (the other role
-    on a pointer row) and both:
-    gradients within the contract's tolerance of the float64 reference, for either
+    on a pointer row) and both, at D = 128 and 256 (whose dK/dV consumers split the head
+    dim): gradients within the contract's tolerance of the float64 reference, for either
     alignment, windows, GQA, ragged lengths, rows without keys, strided views and a
     negative scale."""
     from attnhub.backends.triton_flash import tuning
 
-    with tuning.override(**{**_POINTER_ROWS, **{role: _GLUON_ROWS[role] for role in roles}}):
+    rows = _GLUON_ROWS_BY_D[case.D]
+    with tuning.override(**{**_POINTER_ROWS[case.D], **{role: rows[role] for role in roles}}):
         problems = case_problems("triton_flash", case, "cuda")
     assert not problems, f"{case.id}: " + "; ".join(problems)
     for role, kernel in (("bwd_kv", GLUON_KV), ("bwd_q", GLUON_Q)):
@@ -116,12 +122,14 @@ def test_gpu_gluon_backward_keeps_the_contract(
 _TABLE_BWD_CASES = [
     pytest.param(case, marks=gpu, id=case.id)
     for case in (
-        _case(dtype, hkv, nq, nk, backward=True, **options)
+        _case(dtype, hkv, nq, nk, d, backward=True, **options)
         for dtype in (torch.bfloat16, torch.float16)
-        for hkv, nq, nk, options in (
-            (2, 4096, 4096, {"causal": True}),
-            (4, 4096, 4100, {}),
-            (1, 4100, 4096, {"causal": True, "alignment": "bottom_right", "strided": True}),
+        for hkv, nq, nk, d, options in (
+            (2, 4096, 4096, 128, {"causal": True}),
+            (4, 4096, 4100, 128, {}),
+            (1, 4100, 4096, 128, {"causal": True, "alignment": "bottom_right", "strided": True}),
+            (2, 4096, 4096, 256, {"causal": True}),
+            (4, 4100, 4096, 256, {"causal": True, "alignment": "bottom_right", "strided": True}),
         )
     )
 ]
@@ -133,7 +141,7 @@ def test_gpu_the_tables_gluon_backward_keeps_the_contract(
     case: Case, launched_kernels: list[str]
 ) -> None:
     """The launch table's own choice (no forced row) for long half-precision D = 128
-    calls: both Gluon backward kernels run, and the gradients keep the contract
+    and D = 256 calls: both Gluon backward kernels run, and the gradients keep the contract
     against the float64 reference."""
     problems = case_problems("triton_flash", case, "cuda")
     assert not problems, f"{case.id}: " + "; ".join(problems)
@@ -163,14 +171,19 @@ _POINTERS, _MERGED = ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"), ("attn_bwd_
         ("a Triton without Gluon", "forced", _POINTERS),
         ("Nq not a multiple of 4", "table", _MERGED),
         ("Nq not a multiple of 4", "forced", _POINTERS),
+        ("head dim 256", "table", (GLUON_KV, GLUON_Q)),
+        ("head dim 256, 512 keys", "table", (GLUON_KV, GLUON_Q)),
+        ("head dim 256, 508 keys", "table", _POINTERS),
+        ("head dim 256, softcap", "table", _POINTERS),
+        ("head dim 256, float32", "table", _POINTERS),
     ],
 )
 def test_which_backward_kernels_an_sm90_call_gets(what: str, rows: str, expected: tuple[str, ...],
                                                   monkeypatch) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
     """The backward's launches on an sm_90 (recorded, not run), by the table or with the
     Gluon rows forced: the table gives the Gluon kernels the dense half-precision D = 128
-    calls of 4096 keys or more that they can serve, and leaves the rest on the rows they
-    had (D = 128 merged); under forced rows, calls that the Gluon kernels cannot serve
+    calls of 4096 keys or more and D = 256 calls of 512 or more that they can serve, and
+    leaves the rest on the rows they had (D = 128 merged, D = 256 split); under forced rows, calls that the Gluon kernels cannot serve
     run the pointer kernels on the same tiles, split (Nq not a multiple of 4: a head's
     lse row would start unaligned for TMA, which faulted on the H200 at Nq = 1025)."""
     from attnhub.backends.triton_flash import tuning
@@ -178,15 +191,16 @@ def test_which_backward_kernels_an_sm90_call_gets(what: str, rows: str, expected
     launched = _recorded_as_on(monkeypatch, (10, 0) if what == "sm_100" else (9, 0))
     if what == "a Triton without Gluon":
         monkeypatch.setattr(ops, "kernels_gluon_bwd", None)
-    dtype = torch.float32 if what == "float32" else torch.bfloat16
-    d = 64 if what == "head dim 64" else 128
-    n = {"Nq not a multiple of 4": 4097, "fewer than 4096 keys": 4092}.get(what, 4096)
+    dtype = torch.float32 if what.endswith("float32") else torch.bfloat16
+    d = 64 if what == "head dim 64" else 256 if what.startswith("head dim 256") else 128
+    n = {"Nq not a multiple of 4": 4097, "fewer than 4096 keys": 4092,
+         "head dim 256, 512 keys": 512, "head dim 256, 508 keys": 508}.get(what, 4096)  # fmt: skip
     q, k, v = (torch.zeros(1, 4, n, d, dtype=dtype, requires_grad=True) for _ in range(3))
     mask = torch.ones(1, 1, n, n, dtype=torch.bool) if what == "bool mask" else None
     forced = {"table": {}, "dQ forced": {"bwd_q": _GLUON_ROWS["bwd_q"]}}.get(rows, _GLUON_ROWS)
     with tuning.override(**forced):
         out, _ = ops.flash_attention(q, k, v, mask, causal=True,
-                                     softcap=30.0 if what == "softcap" else 0.0)  # fmt: skip
+                                     softcap=30.0 if what.endswith("softcap") else 0.0)  # fmt: skip
         launched.clear()  # the forward's
         out.backward(torch.ones_like(out))
     assert tuple(launched[1:]) == expected, launched  # after the preprocess
@@ -288,10 +302,14 @@ def test_the_table_takes_the_gluon_row_only_where_the_call_allows_it() -> None:
         for direction in ("bwd_kv", "bwd_q"):
             assert configs.launch_config(direction, 128, 2, causal, sm90, False, 4096, True,
                                          gluon=True) == _GLUON_ROWS[direction]  # fmt: skip
+            assert configs.launch_config(direction, 256, 2, causal, sm90, False, 512, True,
+                                         gluon=True) == configs.GLUON_BWD_256[direction]  # fmt: skip
             for key, gluon in (
                 ((128, 2, causal, sm90, False, 4096), False),
                 ((128, 2, causal, sm90, False, 4095), True),
                 ((64, 2, causal, sm90, False, 4096), True),
+                ((256, 2, causal, sm90, False, 511), True),
+                ((256, 2, causal, sm90, False, 4096), False),
             ):
                 got = configs.launch_config(direction, *key, True, gluon=gluon)
                 assert not got.gluon

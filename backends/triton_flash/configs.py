@@ -39,8 +39,9 @@ class LaunchConfig:
     Gluon kernel of its direction, with ``num_stages`` buffers: the forward
     (kernels_gluon.attn_fwd_gluon_kernel, K/V tiles; only calls that ops._gluon_eligible
     admits get such a row), dK/dV (kernels_gluon_bwd.attn_bwd_dkdv_gluon_kernel, Q/dO
-    tiles; tiles (64, 128) on 4 warps) or dQ (attn_bwd_dq_gluon_kernel, K/V tiles; tiles
-    (128, 64) on 4 warps; also triton_blocksparse's): the backward's for calls that
+    tiles; tiles (64, 128) on 4 warps, (64, 64) at D = 256) or dQ
+    (attn_bwd_dq_gluon_kernel, K/V tiles; tiles (128, 64) on 4 warps, (128, 32) at D =
+    256; also triton_blocksparse's): the backward's for calls that
     ops._gluon_bwd_eligible admits (only such calls get a table row; a forced row on
     another call runs the pointer kernel on the same tiles); such a backward runs
     split."""
@@ -247,12 +248,21 @@ GLUON_BWD: dict[str, LaunchConfig] = {
     "bwd_kv": LaunchConfig(64, 128, 4, 2, gluon=True),
     "bwd_q": LaunchConfig(128, 64, 4, 2, gluon=True),
 }
+# D = 256: dK/dV programs of 64 keys whose consumers split the head dim (K, V, two
+# 64-row Q/dO buffers and the P^T/dS^T exchange fill 210 KiB of shared memory); dQ
+# programs of 128 rows over 32-key K/V tiles (two 64-row consumers, 128 registers a
+# thread of dQ each; 64-key tiles would need 256 KiB).
+GLUON_BWD_256: dict[str, LaunchConfig] = {
+    "bwd_kv": LaunchConfig(64, 64, 4, 2, gluon=True),
+    "bwd_q": LaunchConfig(128, 32, 4, 2, gluon=True),
+}
 
 
 # The Gluon kernels' rows, for the calls ops._gluon_eligible (forward) and
-# ops._gluon_bwd_eligible (backward) admit: D = Dv = 128, 2-byte dtypes, dense, no
-# softcap, sm_90. Keyed by (direction, padded head dim, causal); calls of fewer than
-# _GLUON_MIN_N[direction] keys keep the rows below.
+# ops._gluon_bwd_eligible (backward) admit: D = Dv = 128 (the backward also 256), 2-byte
+# dtypes, dense, no softcap, sm_90. Keyed by (direction, padded head dim, causal); calls
+# of fewer than _GLUON_MIN_N[direction] keys (at D = 256, _GLUON_MIN_N_256) keep the
+# rows below.
 #
 # Forward (kernels_gluon: a TMA loader warp, two consumer warpgroups of 64 rows each).
 # bf16, B = 16384 / N, H = 16, TFLOP/s at N = 4096 / 16384 / 1024
@@ -275,11 +285,20 @@ GLUON_BWD: dict[str, LaunchConfig] = {
 # 0.80, so calls of fewer than 4096 keys keep the pointer rows. dK/dV's Gluon kernel
 # alone reads 1.00-1.07 where both read 0.98-1.06 (B4 H16 N4096): within the runs'
 # spread, so one rule for both.
+# D = 256 (GLUON_BWD_256), bf16 on an H200, both Gluon kernels against the pointer
+# backward (benchmarks/results/archive/gluon-bwd-probe-h200-2026-12-07-*.txt),
+# non-causal / causal: B4 H8 N4096 1.80 / 1.69, B1 H8 N16384 1.84 / 1.70, GQA B8 16/4
+# N2048 1.73 / 1.65, B16 H8 N1024 1.59 / 1.38, B32 H8 N512 1.37 / 1.17 (each also
+# faster than SDPA flash, 1.29-1.67x): the rows take calls from 512 keys
+# (_GLUON_MIN_N_256). The grid: results/grid-d256-h200.md.
 _GLUON_2B: dict[tuple[str, int, bool], LaunchConfig] = {
     **{("fwd", 128, causal): LaunchConfig(128, 128, 4, 2, gluon=True) for causal in (False, True)},
     **{(role, 128, causal): row for role, row in GLUON_BWD.items() for causal in (False, True)},
+    **{(role, 256, causal): row for role, row in GLUON_BWD_256.items() for causal in (False, True)},
 }
 _GLUON_MIN_N = {"fwd": SHORT_N + 1, "bwd_kv": 4096, "bwd_q": 4096}
+# D = 256's Gluon backward pays from the shortest calls measured (512 keys).
+_GLUON_MIN_N_256 = 512
 
 
 def _rows(direction: str, element_size: int, causal: bool) -> _Rows:
@@ -334,7 +353,8 @@ def launch_config(
         if narrow is not None:
             return narrow
     short_call = seqlen is not None and seqlen <= SHORT_N
-    if gluon and (seqlen is None or seqlen >= _GLUON_MIN_N[direction]):
+    min_n = _GLUON_MIN_N_256 if block_d == 256 else _GLUON_MIN_N[direction]
+    if gluon and (seqlen is None or seqlen >= min_n):
         row = _GLUON_2B.get((direction, block_d, causal))
         if row is not None:
             return row

@@ -1,15 +1,15 @@
-"""The D=128 backward for Hopper in Gluon: dK/dV and dQ kernels, each a TMA loader warp
-and two consumer warpgroups.
+"""The D=128 and D=256 backward for Hopper in Gluon: dK/dV and dQ kernels, each a TMA
+loader warp and two consumer warpgroups.
 
 :func:`attn_bwd_dkdv_gluon_kernel` and :func:`attn_bwd_dq_gluon_kernel` compute what
 ``kernels.attn_bwd_dkdv_kernel`` and ``kernels.attn_bwd_dq_kernel`` compute, for the
 calls that ops._gluon_bwd_eligible admits (dense, no attn_mask, no dropout, no softcap,
-bf16/fp16, D = Dv = 128, sm_90, TMA's layout rules) and whose launch row for that role
+bf16/fp16, D = Dv = 128 or 256, sm_90, TMA's layout rules) and whose launch row for that role
 asks for it (LaunchConfig.gluon); either may run beside the other role's pointer
 kernel, and the backward then runs split. Causal (either alignment), sliding windows,
 GQA, any lengths, rows without keys and negative scales are kept. FlashAttention-3's
-roles, written for this project; the consumers of a program never synchronize with
-each other, and a loader reuses a buffer once both consumers released it.
+roles, written for this project; a loader reuses a buffer once both consumers released
+it, and at D = 128 the consumers of a program never synchronize with each other.
 
 dK/dV: a program owns BLOCK_N = 128 keys of one kv head, K and V resident in shared
 memory, and walks the query tiles of each of the GROUP query heads that read them (the
@@ -18,6 +18,12 @@ each query tile's Q, dO, lse and delta into ``STAGES`` buffers. Each consumer ow
 of the keys, its dK and dV accumulators in registers; per query tile it issues
 S^T = K Q^T and dP^T = V dO^T, takes P^T from S^T (the lse), issues dV += P^T dO while
 dP^T finishes, then dS^T = P^T (dP^T - delta) and dK += dS^T Q.
+
+At D = 256 those accumulators would take 256 registers a thread, so a program owns 64
+keys and the consumers split the work differently (:func:`_kv_tile_d256`): each computes
+S^T and dP^T for half of a query tile's rows, the two hand each other their halves of
+P^T and dS^T through shared memory, and each adds 128 columns of the head dim to dK and
+dV over the whole tile.
 
 dQ: a program owns BLOCK_M = 128 query rows, Q, dO, lse and delta resident, and walks
 the band's key tiles, which the loader streams (K and V) into ``STAGES`` buffers. Each
@@ -37,6 +43,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -49,6 +56,7 @@ from .kernels_gluon import _tile_tokens
 LOG2E = gl.constexpr(1.4426950408889634)
 _KEYS = gl.constexpr(64)  # dK/dV: keys per consumer warpgroup (one wgmma M tile of 4 warps)
 _ROWS = gl.constexpr(64)  # dQ: query rows per consumer warpgroup
+_HALF_D = gl.constexpr(128)  # D=256 dK/dV: head-dim columns per consumer warpgroup
 _CONSUMER_REGS = gl.constexpr(240)  # registers per thread: consumers, then the loader
 _LOADER_REGS = gl.constexpr(24)
 
@@ -382,6 +390,204 @@ def _kv_block(
     )  # fmt: skip
 
 
+@gluon.jit
+def _hand_over(buffers, bar, value, WG: gl.constexpr):
+    """This consumer's half of a tile (``value``) into buffer WG of ``buffers``, then
+    one arrival on ``bar``: once both consumers arrived, either may read both halves
+    with wgmma (the stores fenced for the async proxy, the warpgroup's threads joined
+    before its one arrival)."""
+    buffers.index(WG).store(value)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(bar)
+
+
+@gluon.jit
+def _kv_tile_d256(
+    t, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem,
+    p_bar, ds_bar, free_bar, q_ready, do_ready, q_empty, do_empty, start_m, keys, NQ, NK,
+    offset, win_left, win_right, qk_scale, s_layout: gl.constexpr, WG: gl.constexpr,
+    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, HAS_BAND: gl.constexpr,
+):  # fmt: skip
+    """Query tile ``t`` of the walk (rows start_m .. start_m + BLOCK_M - 1, buffer t %
+    STAGES) added to this consumer's half of the head dim of dK and dV (D = 256).
+
+    Both consumers hold all 64 keys; consumer WG takes query rows WG * BLOCK_M / 2 on of
+    the tile: S^T = K Q^T and dP^T = V dO^T for its rows (the full head dim), P^T and
+    dS^T = P^T (dP^T - delta) from them in float32, as the pointer kernel does, and
+    hands both to the other consumer through shared memory (bf16/fp16, the operands'
+    dtype, as the pointer kernel's products take them). Then each adds its 128 columns:
+    dV += P^T dO and dK += dS^T Q over the tile's rows, both halves. The tile's
+    exchange buffers are rewritten only after both consumers' products of the last tile
+    are done (``free_bar``). dV's products run while dP^T finishes and dS^T is formed."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    ROW0: gl.constexpr = WG * HALF_M
+    COL0: gl.constexpr = WG * _HALF_D
+    rows = start_m + ROW0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(0, s_layout))
+    slot = t % STAGES
+    phase = (t // STAGES) & 1
+    q_tile = q_smem.index(slot)
+    do_tile = do_smem.index(slot)
+    mbarrier.wait(q_ready.index(slot), phase)
+    s = warpgroup_mma(
+        k_smem, q_tile.slice(ROW0, HALF_M, dim=0).permute((1, 0)),
+        gl.zeros([_KEYS, HALF_M], gl.float32, s_layout), use_acc=False, is_async=True,
+    )  # fmt: skip
+    mbarrier.wait(do_ready.index(slot), phase)
+    dp = warpgroup_mma(
+        v_smem, do_tile.slice(ROW0, HALF_M, dim=0).permute((1, 0)),
+        gl.zeros([_KEYS, HALF_M], gl.float32, s_layout), use_acc=False, is_async=True,
+    )  # fmt: skip
+    s = warpgroup_mma_wait(1, deps=(s,))
+    lse = lse_smem.index(slot).slice(ROW0, HALF_M).load(gl.SliceLayout(0, s_layout))
+    # A row with no kept key (lse -inf) is shifted by 0: every score of it is masked.
+    lse2 = gl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    s = s * qk_scale
+    if MASKED:
+        keep = (rows[None, :] < NQ) & (keys[:, None] < NK)
+        if HAS_BAND:
+            diag = keys[:, None] - rows[None, :] - offset
+            keep = keep & (diag >= -win_left) & (diag <= win_right)
+        s = gl.where(keep, s, float("-inf"))
+    p = gl.exp2(s - lse2[None, :])
+    dtype: gl.constexpr = q_smem.dtype
+    mbarrier.wait(free_bar, (t & 1) ^ 1, pred=t > 0)
+    _hand_over(pt_smem, p_bar, p.to(dtype), WG)
+    do_cols = do_tile.slice(COL0, _HALF_D, dim=1)
+    q_cols = q_tile.slice(COL0, _HALF_D, dim=1)
+    mbarrier.wait(p_bar, t & 1)
+    dv = warpgroup_mma(pt_smem.index(0), do_cols.slice(0, HALF_M, dim=0), dv, is_async=True)
+    dv = warpgroup_mma(pt_smem.index(1), do_cols.slice(HALF_M, HALF_M, dim=0), dv, is_async=True)
+    dp = warpgroup_mma_wait(2, deps=(dp,))  # dP^T done; dV's two products may still run
+    delta = delta_smem.index(slot).slice(ROW0, HALF_M).load(gl.SliceLayout(0, s_layout))
+    _hand_over(dst_smem, ds_bar, (p * (dp - delta[None, :])).to(dtype), WG)
+    mbarrier.wait(ds_bar, t & 1)
+    dk = warpgroup_mma(dst_smem.index(0), q_cols.slice(0, HALF_M, dim=0), dk, is_async=True)
+    dk = warpgroup_mma(dst_smem.index(1), q_cols.slice(HALF_M, HALF_M, dim=0), dk, is_async=True)
+    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+    mbarrier.arrive(free_bar)
+    mbarrier.arrive(q_empty.index(slot))
+    mbarrier.arrive(do_empty.index(slot))
+    return dk, dv
+
+
+@gluon.jit
+def _kv_consumer_d256(
+    k_all, v_all, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, p_bar, ds_bar,
+    free_bar, kv_bar, q_ready, do_ready, q_empty, do_empty, DK, DV, dk_base, dv_base,
+    stride_dkn, stride_dkd, stride_dvn, stride_dvd, start_n, lo, n_head, n_bulk, n, GROUP,
+    NQ, NK, offset, win_left, win_right, qk_scale, sm_scale,
+    WG: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_BAND: gl.constexpr,
+    MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
+):  # fmt: skip
+    """Columns 128 WG .. 128 WG + 127 of dK and dV for the program's 64 keys (D = 256):
+    every query tile of each of the GROUP query heads, in the loader's order (see
+    :func:`_kv_tile_d256`), then dK (times the scale) and dV stored for keys below NK."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M // 2, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _HALF_D, 16]
+    )
+    keys = start_n + gl.arange(0, _KEYS, layout=gl.SliceLayout(1, s_layout))
+    dk = gl.zeros([_KEYS, _HALF_D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([_KEYS, _HALF_D], gl.float32, layout=acc_layout)
+    mbarrier.wait(kv_bar, 0)
+    base = start_n * 0  # the head's first tile in the walk (a tensor: it is carried)
+    for _ in range(0, GROUP):
+        for seg in gl.static_range(3):
+            s0, s1 = _segment(seg, 0, n_head, n_bulk, n)
+            if _compiled(seg=seg, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL):
+                for i in range(s0, s1):
+                    dk, dv = _kv_tile_d256(
+                        base + i, dk, dv, k_all, v_all, q_smem, do_smem, lse_smem, delta_smem,
+                        pt_smem, dst_smem, p_bar, ds_bar, free_bar, q_ready, do_ready, q_empty,
+                        do_empty, lo + i * BLOCK_M, keys, NQ, NK, offset, win_left, win_right,
+                        qk_scale, s_layout, WG, BLOCK_M, STAGES, seg != 1, HAS_BAND,
+                    )  # fmt: skip
+        base += n
+    okeys = start_n + gl.arange(0, _KEYS, layout=gl.SliceLayout(1, acc_layout))
+    cols = WG * _HALF_D + gl.arange(0, _HALF_D, layout=gl.SliceLayout(0, acc_layout))
+    rows64 = okeys.to(gl.int64)[:, None]
+    inb = okeys[:, None] < NK
+    dk = dk * sm_scale  # d(scale * qk) / d(qk)
+    gl.store(DK + dk_base + rows64 * stride_dkn + cols[None, :] * stride_dkd,
+             dk.to(DK.dtype.element_ty), mask=inb)  # fmt: skip
+    gl.store(DV + dv_base + rows64 * stride_dvn + cols[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=inb)  # fmt: skip
+
+
+@gluon.jit
+def _kv_block_d256(
+    Q, K, V, DO, Lse, Delta, DK, DV, b, hk, start_n, lo, n_head, n_bulk, n,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+    stride_dvd, H, GROUP, NQ, NK, offset, win_left, win_right, qk_scale, sm_scale,
+    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HAS_BAND: gl.constexpr,
+    MASK_HEAD: gl.constexpr, MASK_TAIL: gl.constexpr,
+):  # fmt: skip
+    """One program of the D=256 dK/dV kernel: dK and dV for keys start_n .. start_n +
+    63 of kv head ``hk`` of batch ``b``, the query tiles as :func:`_kv_block`'s dense
+    walk. Two consumers would each need 256 registers a thread for dK and dV of 64 keys
+    at D = 256, so they split the head dim instead and exchange P^T and dS^T
+    (:func:`_kv_tile_d256`); the loader is :func:`_kv_loader`. Shared memory: K and V
+    (64 KiB), STAGES Q and dO tiles (64 KiB each at BLOCK_M = 64), the exchange (16 KiB)."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_KEYS, 256], dtype)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 256], dtype)
+    vec_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M], gl.float32)
+    half_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_KEYS, HALF_M], dtype)
+    k_desc = _rows_desc(K + b * stride_kb + hk * stride_kh, NK, stride_kn, _KEYS, 256)
+    v_desc = _rows_desc(V + b * stride_vb + hk * stride_vh, NK, stride_vn, _KEYS, 256)
+    k_all = gl.allocate_shared_memory(dtype, [_KEYS, 256], kv_layout)
+    v_all = gl.allocate_shared_memory(dtype, [_KEYS, 256], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 256], row_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, 256], row_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_layout)
+    pt_smem = gl.allocate_shared_memory(dtype, [2, _KEYS, HALF_M], half_layout)
+    dst_smem = gl.allocate_shared_memory(dtype, [2, _KEYS, HALF_M], half_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    # The exchange's barriers: P^T and dS^T of a tile written (both halves), and the
+    # last tile's products with them done (one arrival per consumer each).
+    swap = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(3):
+        mbarrier.init(swap.index(i), count=2)
+    q_ready, q_empty = _ring(STAGES)
+    do_ready, do_empty = _ring(STAGES)
+    dk_base = b * stride_dkb + hk * stride_dkh
+    dv_base = b * stride_dvb + hk * stride_dvh
+    gl.warp_specialize(
+        [
+            (_kv_consumer_d256, (k_all, v_all, q_smem, do_smem, lse_smem, delta_smem, pt_smem,
+                                 dst_smem, swap.index(0), swap.index(1), swap.index(2), kv_bar,
+                                 q_ready, do_ready, q_empty, do_empty, DK, DV, dk_base, dv_base,
+                                 stride_dkn, stride_dkd, stride_dvn, stride_dvd, start_n, lo,
+                                 n_head, n_bulk, n, GROUP, NQ, NK, offset, win_left, win_right,
+                                 qk_scale, sm_scale, 0, BLOCK_M, STAGES, HAS_BAND, MASK_HEAD,
+                                 MASK_TAIL)),
+            (_kv_consumer_d256, (k_all, v_all, q_smem, do_smem, lse_smem, delta_smem, pt_smem,
+                                 dst_smem, swap.index(0), swap.index(1), swap.index(2), kv_bar,
+                                 q_ready, do_ready, q_empty, do_empty, DK, DV, dk_base, dv_base,
+                                 stride_dkn, stride_dkd, stride_dvn, stride_dvd, start_n, lo,
+                                 n_head, n_bulk, n, GROUP, NQ, NK, offset, win_left, win_right,
+                                 qk_scale, sm_scale, 1, BLOCK_M, STAGES, HAS_BAND, MASK_HEAD,
+                                 MASK_TAIL)),
+            (_kv_loader, (Q, DO, Lse, Delta, k_desc, v_desc, k_all, v_all, q_smem, do_smem,
+                          lse_smem, delta_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
+                          start_n, lo, n, b, hk, H, GROUP, NQ,
+                          stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom,
+                          None, None, None, None, 0, 0, 0, 0, BLOCK_M, 256, STAGES, False,
+                          False, BLOCK_M)),
+        ],
+        [4, 1],
+        [_CONSUMER_REGS, _LOADER_REGS],
+    )  # fmt: skip
+
+
 @gluon.jit(do_not_specialize=_DYNAMIC)
 def attn_bwd_dkdv_gluon_kernel(
     Q, K, V, Mask, Seed, DO, Lse, Delta, DK, DV, CuQ, CuK,
@@ -405,7 +611,9 @@ def attn_bwd_dkdv_gluon_kernel(
     and 1), as kernels.attn_bwd_dkdv_kernel."""
     gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
     gl.static_assert(VARLEN == 0 and not HAS_SOFTCAP)
-    gl.static_assert(BLOCK_N == 2 * _KEYS and gl.num_warps() == 4)
+    gl.static_assert(gl.num_warps() == 4)
+    # D = 256: 64 keys a program, the consumers split the head dim (_kv_block_d256).
+    gl.static_assert((_KEYS if BLOCK_D == 256 else 2 * _KEYS) == BLOCK_N)
     start_n = gl.program_id(0) * BLOCK_N
     pid_bh = gl.program_id(1).to(gl.int64)
     b = pid_bh // HKV
@@ -414,6 +622,17 @@ def attn_bwd_dkdv_gluon_kernel(
         start_n, NQ, NK, offset, win_left, win_right,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BAND=HAS_BAND,
     )  # fmt: skip
+    if BLOCK_D == 256:
+        _kv_block_d256(
+            Q, K, V, DO, Lse, Delta, DK, DV, b, hk, start_n, lo, (f_lo - lo) // BLOCK_M,
+            (f_hi - lo) // BLOCK_M, (hi - lo + BLOCK_M - 1) // BLOCK_M,
+            stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+            stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+            stride_dkb, stride_dkh, stride_dkn, stride_dkd, stride_dvb, stride_dvh, stride_dvn,
+            stride_dvd, H, GROUP, NQ, NK, offset, win_left, win_right, qk_scale, sm_scale,
+            BLOCK_M, STAGES, HAS_BAND, MASK_HEAD, MASK_TAIL,
+        )  # fmt: skip
+        return
     _kv_block(
         Q, K, V, DO, Lse, Delta, DK, DV, b, hk, start_n, lo, (f_lo - lo) // BLOCK_M,
         (f_hi - lo) // BLOCK_M, (hi - lo + BLOCK_M - 1) // BLOCK_M,

@@ -646,10 +646,11 @@ def _forward(
     return out, lse
 
 
-def _tma_eligible(c: _Setup, varlen: int, *tensors: torch.Tensor) -> bool:
+def _tma_eligible(c: _Setup, varlen: int, *tensors: torch.Tensor, max_d: int = 128) -> bool:
     """Whether a forward may run kernels_tma.attn_fwd_tma_kernel (where its launch row
     asks for TMA loads, LaunchConfig.tma): a dense call with no attn_mask and no dropout,
-    2-byte dtypes, power-of-two head dims up to 128 (the sizes measured), not traced (the kernel builds its tensor
+    2-byte dtypes, power-of-two head dims up to ``max_d`` (128: the forward's sizes
+    measured; the Gluon backward passes 256), not traced (the kernel builds its tensor
     descriptors in global scratch, which the launch allocates: Inductor's launches of
     traced kernels are not known to), on sm_90+ or in the interpreter, and ``tensors``
     laid out as TMA requires: unit stride along the head dim, rows that do not overlap,
@@ -661,7 +662,7 @@ def _tma_eligible(c: _Setup, varlen: int, *tensors: torch.Tensor) -> bool:
     ):  # fmt: skip
         return False
     q = tensors[0]
-    if q.element_size() != 2 or max(meta["BLOCK_D"], meta["BLOCK_DV"]) > 128:
+    if q.element_size() != 2 or max(meta["BLOCK_D"], meta["BLOCK_DV"]) > max_d:
         return False
     if not (interpreting() or (_capability(q.device) or (0,)) >= (9, 0)):
         return False
@@ -692,13 +693,13 @@ def _gluon_eligible(c: _Setup, q: torch.Tensor) -> bool:
 def _gluon_bwd_eligible(c: _Setup, lse: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """Whether a backward's dK/dV or dQ may run kernels_gluon_bwd's kernel (where that
     role's launch row asks for it): ``tensors`` (q, k, v, dout) as
-    :func:`_tma_eligible` admits them for a dense call, D = Dv = 128, no softcap, on
+    :func:`_tma_eligible` admits them for a dense call, D = Dv = 128 or 256, no softcap, on
     sm_90 with Gluon's Hopper API, and lse rows that its 1-D descriptors can start at
     (16-byte aligned: an aligned lse and Nq % 4 == 0; on the H200 Nq = 1025 made the
     kernel fault)."""
     meta, q = c.meta, tensors[0]
     return (
-        _tma_eligible(c, 0, *tensors) and meta["BLOCK_D"] == meta["BLOCK_DV"] == 128
+        _tma_eligible(c, 0, *tensors, max_d=256) and meta["BLOCK_D"] == meta["BLOCK_DV"] in (128, 256)
         and not meta["HAS_SOFTCAP"] and not interpreting() and kernels_gluon_bwd is not None
         and _capability(q.device) == (9, 0) and lse.data_ptr() % 16 == 0
         and q.shape[2] % 4 == 0
@@ -871,7 +872,7 @@ def _bwd_full(
     ragged = varlen > 0
     # The cheap checks first: the full ones read every tensor's strides.
     gluon_ok = (
-        lean and not ragged and esize == 2 and block_d == 128
+        lean and not ragged and esize == 2 and block_d in (128, 256)
         and _gluon_bwd_eligible(c, lse, q, k, v, dout)
     )  # fmt: skip
     kv_cfg, q_cfg = backward_configs(block_d, esize, causal, _capability(q.device),
