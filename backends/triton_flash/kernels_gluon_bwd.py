@@ -99,6 +99,30 @@ def _ring(STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _lse2(lse):
+    """A query tile's lse in base 2; a row with no kept key (lse -inf) is shifted by 0:
+    every score of it is masked."""
+    return gl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+
+
+@gluon.jit
+def _scores_t(
+    s, keys, rows, NQ, NK, offset, win_left, win_right, qk_scale,
+    MASKED: gl.constexpr, HAS_BAND: gl.constexpr,
+):  # fmt: skip
+    """Scores (keys, rows) times the scale; MASKED: -inf for rows past NQ, keys past NK
+    and what lies outside the band (after the scale: a negative scale keeps -inf)."""
+    s = s * qk_scale
+    if MASKED:
+        keep = (rows[None, :] < NQ) & (keys[:, None] < NK)
+        if HAS_BAND:
+            diag = keys[:, None] - rows[None, :] - offset
+            keep = keep & (diag >= -win_left) & (diag <= win_right)
+        s = gl.where(keep, s, float("-inf"))
+    return s
+
+
+@gluon.jit
 def _kv_tile(
     t, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready,
     q_empty, do_empty, start_m, keys, NQ, NK, offset, win_left, win_right, qk_scale, tokens,
@@ -132,16 +156,8 @@ def _kv_tile(
     # The lse and delta are read from shared memory where each is first needed: read
     # before the products, they stay live across them, and the masked loops spilled
     # (sm_90: 23 stores and 35 loads in the causal loop; none now).
-    lse = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout))
-    # A row with no kept key (lse -inf) is shifted by 0: every score of it is masked.
-    lse2 = gl.where(lse == float("-inf"), 0.0, lse * LOG2E)
-    s = s * qk_scale
-    if MASKED:
-        keep = (rows[None, :] < NQ) & (keys[:, None] < NK)
-        if HAS_BAND:
-            diag = keys[:, None] - rows[None, :] - offset
-            keep = keep & (diag >= -win_left) & (diag <= win_right)
-        s = gl.where(keep, s, float("-inf"))
+    lse2 = _lse2(lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)))
+    s = _scores_t(s, keys, rows, NQ, NK, offset, win_left, win_right, qk_scale, MASKED, HAS_BAND)
     if TOKEN:
         s = gl.where(keep_tokens, s, float("-inf"))
     p = gl.exp2(s - lse2[None, :])
@@ -180,6 +196,24 @@ def _head_walk(
         n_full = n * 0
         idx_off = idx_base * 0
     return n_all, n_full, idx_off
+
+
+@gluon.jit
+def _store_dkdv(
+    dk, dv, DK, DV, dk_base, dv_base, stride_dkn, stride_dkd, stride_dvn, stride_dvd, key0,
+    col0, NK, sm_scale, acc_layout: gl.constexpr,
+):  # fmt: skip
+    """A consumer's dK (times the scale: d(scale * qk) / d(qk)) and dV, (_KEYS, C) float32
+    in ``acc_layout``, stored at keys key0 .. key0 + _KEYS - 1 below NK and head-dim
+    columns col0 .. col0 + C - 1."""
+    okeys = key0 + gl.arange(0, _KEYS, layout=gl.SliceLayout(1, acc_layout))
+    cols = col0 + gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, acc_layout))
+    rows64 = okeys.to(gl.int64)[:, None]
+    inb = okeys[:, None] < NK
+    gl.store(DK + dk_base + rows64 * stride_dkn + cols[None, :] * stride_dkd,
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=inb)  # fmt: skip
+    gl.store(DV + dv_base + rows64 * stride_dvn + cols[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=inb)  # fmt: skip
 
 
 @gluon.jit
@@ -239,15 +273,8 @@ def _kv_consumer(
                         BLOCK_M, STAGES, seg != 1 and not SPARSE, HAS_BAND, TOKEN and seg == 2,
                     )  # fmt: skip
         base += n_g
-    okeys = start_n + KEY0 + gl.arange(0, _KEYS, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
-    rows64 = okeys.to(gl.int64)[:, None]
-    inb = okeys[:, None] < NK
-    dk = dk * sm_scale  # d(scale * qk) / d(qk)
-    gl.store(DK + dk_base + rows64 * stride_dkn + cols[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=inb)  # fmt: skip
-    gl.store(DV + dv_base + rows64 * stride_dvn + cols[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=inb)  # fmt: skip
+    _store_dkdv(dk, dv, DK, DV, dk_base, dv_base, stride_dkn, stride_dkd, stride_dvn,
+                stride_dvd, start_n + KEY0, 0, NK, sm_scale, acc_layout)  # fmt: skip
 
 
 @gluon.jit
@@ -439,16 +466,8 @@ def _kv_tile_d256(
         gl.zeros([_KEYS, HALF_M], gl.float32, s_layout), use_acc=False, is_async=True,
     )  # fmt: skip
     s = warpgroup_mma_wait(1, deps=(s,))
-    lse = lse_smem.index(slot).slice(ROW0, HALF_M).load(gl.SliceLayout(0, s_layout))
-    # A row with no kept key (lse -inf) is shifted by 0: every score of it is masked.
-    lse2 = gl.where(lse == float("-inf"), 0.0, lse * LOG2E)
-    s = s * qk_scale
-    if MASKED:
-        keep = (rows[None, :] < NQ) & (keys[:, None] < NK)
-        if HAS_BAND:
-            diag = keys[:, None] - rows[None, :] - offset
-            keep = keep & (diag >= -win_left) & (diag <= win_right)
-        s = gl.where(keep, s, float("-inf"))
+    lse2 = _lse2(lse_smem.index(slot).slice(ROW0, HALF_M).load(gl.SliceLayout(0, s_layout)))
+    s = _scores_t(s, keys, rows, NQ, NK, offset, win_left, win_right, qk_scale, MASKED, HAS_BAND)
     p = gl.exp2(s - lse2[None, :])
     dtype: gl.constexpr = q_smem.dtype
     mbarrier.wait(free_bar, (t & 1) ^ 1, pred=t > 0)
@@ -506,15 +525,8 @@ def _kv_consumer_d256(
                         qk_scale, s_layout, WG, BLOCK_M, STAGES, seg != 1, HAS_BAND,
                     )  # fmt: skip
         base += n
-    okeys = start_n + gl.arange(0, _KEYS, layout=gl.SliceLayout(1, acc_layout))
-    cols = WG * _HALF_D + gl.arange(0, _HALF_D, layout=gl.SliceLayout(0, acc_layout))
-    rows64 = okeys.to(gl.int64)[:, None]
-    inb = okeys[:, None] < NK
-    dk = dk * sm_scale  # d(scale * qk) / d(qk)
-    gl.store(DK + dk_base + rows64 * stride_dkn + cols[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=inb)  # fmt: skip
-    gl.store(DV + dv_base + rows64 * stride_dvn + cols[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=inb)  # fmt: skip
+    _store_dkdv(dk, dv, DK, DV, dk_base, dv_base, stride_dkn, stride_dkd, stride_dvn,
+                stride_dvd, start_n, WG * _HALF_D, NK, sm_scale, acc_layout)  # fmt: skip
 
 
 @gluon.jit
