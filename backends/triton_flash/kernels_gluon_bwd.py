@@ -619,8 +619,8 @@ def attn_bwd_dkdv_gluon_kernel(
     STRIDE_QM: gl.constexpr = 0, STRIDE_DOM: gl.constexpr = 0, VARLEN: gl.constexpr = False,
     STAGES: gl.constexpr = 2,
 ):  # fmt: skip
-    """dK (B, HKV, NK, 128) and dV for BLOCK_N = 128 keys of b * HKV + hkv (grid axes 0
-    and 1), as kernels.attn_bwd_dkdv_kernel."""
+    """dK (B, HKV, NK, D) and dV for BLOCK_N keys of b * HKV + hkv (grid axes 0 and 1),
+    as kernels.attn_bwd_dkdv_kernel: D = 128 over 128 keys a program, D = 256 over 64."""
     gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
     gl.static_assert(VARLEN == 0 and not HAS_SOFTCAP)
     gl.static_assert(gl.num_warps() == 4)
@@ -884,8 +884,8 @@ def attn_bwd_dq_gluon_kernel(
     STRIDE_KN: gl.constexpr = 0, STRIDE_VN: gl.constexpr = 0, VARLEN: gl.constexpr = False,
     STAGES: gl.constexpr = 2, HEAVY_FIRST: gl.constexpr = False,
 ):  # fmt: skip
-    """dQ (B, H, NQ, 128) for BLOCK_M = 128 rows of b * H + h (grid axes 0 and 1; row
-    blocks in common._row_block's order), as kernels.attn_bwd_dq_kernel."""
+    """dQ (B, H, NQ, D), D = 128 or 256, for BLOCK_M = 128 rows of b * H + h (grid axes 0
+    and 1; row blocks in common._row_block's order), as kernels.attn_bwd_dq_kernel."""
     gl.static_assert(EVEN_D and BLOCK_D == BLOCK_DV and MASK_KIND == 0 and not HAS_DROPOUT)
     gl.static_assert(VARLEN == 0 and not HAS_SOFTCAP)
     gl.static_assert(BLOCK_M == 2 * _ROWS and gl.num_warps() == 4)
