@@ -2,14 +2,15 @@
 pointer kernels' backward, the table's and PyTorch's cuDNN and flash kernels, in one
 process.
 
-For each shape (bf16, D = ``--head-dim``: 128, or 256 with its own Gluon rows), causal and not: the backward alone (the forward run
-once, its graph kept) of the pointer kernels (the rows the table gives calls that the
-Gluon kernels cannot serve, forced), of the table's launch and, at each ``--stages``,
-of the Gluon dK/dV kernel, the Gluon dQ kernel (each beside the other role's pointer
-row) and both (the backward then runs split): the time of each in ms and TFLOP/s (2.5 x
-the forward's FLOPs, causal halved), each gradient's largest difference from the
-pointer kernels', and the Triton kernels it launched. The ratios: the pointer kernels'
-time, cuDNN's and flash's over each way's (> 1: the way is faster).
+For each shape (bf16, D = ``--head-dim``: 128, or 256 with its own Gluon rows), causal
+and not: the backward alone (the forward run once, its graph kept) of the pointer
+kernels (the rows the table gives calls that the Gluon kernels cannot serve, forced), of
+the table's launch and, at each ``--stages``, of the Gluon dK/dV kernel, the Gluon dQ
+kernel (each beside the other role's pointer row) and both (the backward then runs
+split): the time of each in ms and TFLOP/s (2.5 x the forward's FLOPs, causal halved),
+each gradient's largest difference from the pointer kernels', and the Triton kernels it
+launched. The ratios: the pointer kernels' time, cuDNN's and flash's over each way's
+(> 1: the way is faster).
 
     python benchmarks/gluon_bwd_probe.py [--shapes "4,16,16,4096;2,32,8,8192"] [--stages 2,3]
     python benchmarks/gluon_bwd_probe.py --head-dim 256 --shapes "4,8,8,4096;1,8,8,16384"

@@ -183,9 +183,10 @@ def test_which_backward_kernels_an_sm90_call_gets(what: str, rows: str, expected
     """The backward's launches on an sm_90 (recorded, not run), by the table or with the
     Gluon rows forced: the table gives the Gluon kernels the dense half-precision D = 128
     calls of 4096 keys or more and D = 256 calls of 512 or more that they can serve, and
-    leaves the rest on the rows they had (D = 128 merged, D = 256 split); under forced rows, calls that the Gluon kernels cannot serve
-    run the pointer kernels on the same tiles, split (Nq not a multiple of 4: a head's
-    lse row would start unaligned for TMA, which faulted on the H200 at Nq = 1025)."""
+    leaves the rest on the rows they had (D = 128 merged, D = 256 split); under forced
+    rows, calls that the Gluon kernels cannot serve run the pointer kernels on the same
+    tiles, split (Nq not a multiple of 4: a head's lse row would start unaligned for
+    TMA, which faulted on the H200 at Nq = 1025)."""
     from attnhub.backends.triton_flash import tuning
 
     launched = _recorded_as_on(monkeypatch, (10, 0) if what == "sm_100" else (9, 0))
