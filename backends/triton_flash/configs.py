@@ -261,8 +261,7 @@ GLUON_BWD_256: dict[str, LaunchConfig] = {
 # The Gluon kernels' rows, for the calls ops._gluon_eligible (forward) and
 # ops._gluon_bwd_eligible (backward) admit: D = Dv = 128 (the backward also 256), 2-byte
 # dtypes, dense, no softcap, sm_90. Keyed by (direction, padded head dim, causal); calls
-# of fewer than _GLUON_MIN_N[direction] keys (at D = 256, _GLUON_MIN_N_256) keep the
-# rows below.
+# of fewer than _GLUON_MIN_N[direction, head dim] keys keep the rows below.
 #
 # Forward (kernels_gluon: a TMA loader warp, two consumer warpgroups of 64 rows each).
 # bf16, B = 16384 / N, H = 16, TFLOP/s at N = 4096 / 16384 / 1024
@@ -290,15 +289,19 @@ GLUON_BWD_256: dict[str, LaunchConfig] = {
 # non-causal / causal: B4 H8 N4096 1.80 / 1.69, B1 H8 N16384 1.84 / 1.70, GQA B8 16/4
 # N2048 1.73 / 1.65, B16 H8 N1024 1.59 / 1.38, B32 H8 N512 1.37 / 1.17 (each also
 # faster than SDPA flash, 1.29-1.67x): the rows take calls from 512 keys
-# (_GLUON_MIN_N_256). The grid: results/grid-d256-h200.md.
+# (_GLUON_MIN_N). The grid: results/grid-d256-h200.md.
 _GLUON_2B: dict[tuple[str, int, bool], LaunchConfig] = {
     **{("fwd", 128, causal): LaunchConfig(128, 128, 4, 2, gluon=True) for causal in (False, True)},
     **{(role, 128, causal): row for role, row in GLUON_BWD.items() for causal in (False, True)},
     **{(role, 256, causal): row for role, row in GLUON_BWD_256.items() for causal in (False, True)},
 }
-_GLUON_MIN_N = {"fwd": SHORT_N + 1, "bwd_kv": 4096, "bwd_q": 4096}
-# D = 256's Gluon backward pays from the shortest calls measured (512 keys).
-_GLUON_MIN_N_256 = 512
+# The fewest keys a row of _GLUON_2B takes, by (direction, padded head dim); D = 256's
+# backward pays from the shortest calls measured (512 keys).
+_GLUON_MIN_N = {
+    ("fwd", 128): SHORT_N + 1,
+    **{(role, 128): 4096 for role in GLUON_BWD},
+    **{(role, 256): 512 for role in GLUON_BWD_256},
+}
 
 
 def _rows(direction: str, element_size: int, causal: bool) -> _Rows:
@@ -353,10 +356,9 @@ def launch_config(
         if narrow is not None:
             return narrow
     short_call = seqlen is not None and seqlen <= SHORT_N
-    min_n = _GLUON_MIN_N_256 if block_d == 256 else _GLUON_MIN_N[direction]
-    if gluon and (seqlen is None or seqlen >= min_n):
+    if gluon:
         row = _GLUON_2B.get((direction, block_d, causal))
-        if row is not None:
+        if row is not None and (seqlen is None or seqlen >= _GLUON_MIN_N[direction, block_d]):
             return row
     if lean and element_size == 2:
         entry = _LEAN_2B.get((direction, block_d, causal, short_call))
