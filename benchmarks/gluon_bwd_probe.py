@@ -10,7 +10,8 @@ kernel (each beside the other role's pointer row) and both (the backward then ru
 split): the time of each in ms and TFLOP/s (2.5 x the forward's FLOPs, causal halved),
 each gradient's largest difference from the pointer kernels', and the Triton kernels it
 launched. The ratios: the pointer kernels' time, cuDNN's and flash's over each way's
-(> 1: the way is faster).
+(> 1: the way is faster). ``--kernel-times``: each way's kernels' device time a call
+(torch.profiler), to see which kernel a way's time goes to.
 
     python benchmarks/gluon_bwd_probe.py [--shapes "4,16,16,4096;2,32,8,8192"] [--stages 2,3]
     python benchmarks/gluon_bwd_probe.py --head-dim 256 --shapes "4,8,8,4096;1,8,8,16384"
@@ -55,12 +56,33 @@ def _backward(forward: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, .
     return step, grads, launched
 
 
+def kernel_us(step: Callable[[], object], iters: int) -> dict[str, float]:
+    """Device microseconds a call of each kernel that ``step`` launches (its name as
+    the profiler reports it: Triton kernels by their function's name), from
+    torch.profiler's CUDA activity over ``iters`` calls after one warm call; the
+    largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    times = {
+        e.key: e.device_time_total / iters for e in prof.key_averages() if e.device_time_total > 0
+    }
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="4,16,16,4096;2,32,8,8192", help="B,Hq,Hkv,N;...")
     parser.add_argument("--stages", default="2")
     parser.add_argument("--head-dim", type=int, choices=(128, 256), default=128)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="also each way's kernels' device time (torch.profiler)")  # fmt: skip
     args = parser.parse_args()
     torch.manual_seed(0)
     d = args.head_dim
@@ -118,6 +140,10 @@ def main() -> None:
                                   if o in times and o != name)  # fmt: skip
                 print(f"  {name:22s} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TF/s  {ratios}  "
                       f"max|diff| vs pointer: {diffs}  {' '.join(kernels)}")  # fmt: skip
+            if args.kernel_times:
+                for name, (step, _, _) in ways.items():
+                    shares = ", ".join(f"{k[:40]} {us:.0f}" for k, us in kernel_us(step, 5).items())
+                    print(f"    {name}: device us a call: {shares}")
 
 
 if __name__ == "__main__":
