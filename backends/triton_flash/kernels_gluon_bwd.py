@@ -736,10 +736,8 @@ def _q_consumer(
     dq = gl.zeros([_ROWS, HEAD_D], gl.float32, layout=acc_layout)
     if n > 0:
         mbarrier.wait(q_bar, 0)
-        lse = lse_all.slice(ROW0, _ROWS, dim=0).load(row_slice)
+        lse2 = _lse2(lse_all.slice(ROW0, _ROWS, dim=0).load(row_slice))
         delta = delta_all.slice(ROW0, _ROWS, dim=0).load(row_slice)
-        # A row with no kept key (lse -inf) is shifted by 0: every score of it is masked.
-        lse2 = gl.where(lse == float("-inf"), 0.0, lse * LOG2E)
         for seg in gl.static_range(3):
             s0, s1 = _segment(seg, 0, n_head, n_bulk, n)
             if _compiled(seg=seg, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL):
