@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from block_sparse_probe import kernel_us  # this folder's: scripts run with it on sys.path
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attnhub.backends.triton_flash import ops, tuning
@@ -54,25 +55,6 @@ def _backward(forward: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, .
     finally:
         ops._launcher = launcher
     return step, grads, launched
-
-
-def kernel_us(step: Callable[[], object], iters: int) -> dict[str, float]:
-    """Device microseconds a call of each kernel that ``step`` launches (its name as
-    the profiler reports it: Triton kernels by their function's name), from
-    torch.profiler's CUDA activity over ``iters`` calls after one warm call; the
-    largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    times = {
-        e.key: e.device_time_total / iters for e in prof.key_averages() if e.device_time_total > 0
-    }
-    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 def main() -> None:
