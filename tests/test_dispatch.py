@@ -1367,3 +1367,38 @@ def test_selection_and_policy_arguments_are_checked_where_they_are_given():
     with pytest.raises(TypeError, match="aliases must be a bool"):
         attnhub.patch(aliases=2)  # type: ignore[arg-type]
     assert not attnhub.patching.is_patched()
+
+
+def test_stats_count_every_call_of_every_thread_while_read():
+    """Each decided call counts through its backend's counter (call_stats.counter): no
+    count is lost between threads calling at once, reading stats() meanwhile neither
+    changes nor breaks them, and a count outlives the cache entries it was made by."""
+    q = torch.randn(1, 1, 4, 8)
+    attnhub.attention(q, q, q, backend="torch_sdpa")  # decided before the threads start
+    attnhub.reset_stats()
+    errors: list[BaseException] = []
+    start = threading.Barrier(5)
+
+    def work() -> None:
+        try:
+            start.wait()
+            for _ in range(500):
+                attnhub.attention(q, q, q, backend="torch_sdpa")
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    start.wait()
+    seen = [attnhub.stats().get("torch_sdpa", 0) for _ in range(50)]
+    for t in threads:
+        t.join()
+    assert not errors
+    assert seen == sorted(seen) and all(0 <= n <= 2000 for n in seen)
+    assert attnhub.stats() == {"torch_sdpa": 2000}
+    api.clear_call_cache()  # the entries go; the counts stay, and count on
+    attnhub.attention(q, q, q, backend="torch_sdpa")
+    assert attnhub.stats() == {"torch_sdpa": 2001}
+    attnhub.reset_stats()
+    assert attnhub.stats() == {}
