@@ -185,6 +185,35 @@ def _bool_mask_on_cuda(request: AttentionRequest) -> bool:
     )
 
 
+def _off_square_causal_backward_on_cuda(request: AttentionRequest) -> list[str]:
+    """Top-left causal with Nq != Nk and a backward, on CUDA: declined where PyTorch's
+    kernel would take it as ``is_causal``.
+
+    Seen on an H100 (torch 2.11, bf16; benchmarks/patch_fuzz.py, archived as
+    results/archive/patch-fuzz-h100-2026-12-07-9af4ac9.txt): a patched call whose causal
+    bool mask was read as top-left causal (B3 H2, Nq 16, Nk 64, D 64, the query in (B, N,
+    H, D) storage) went to SDPA as ``is_causal=True``; its output matched the float64
+    reference, its dQ, dK and dV were 0.7-0.9 from it, where stock SDPA given the same
+    mask as a bool attn_mask was within 0.012. Which of PyTorch's kernels (the
+    memory-efficient one takes top-left causal off the square; flash and cuDNN are not
+    offered it) and which shapes are affected is not isolated
+    (benchmarks/sdpa_causal_probe.py asks each kernel), so every such call with a
+    backward goes elsewhere. Training calls are square; decoding and chunked prefill
+    align bottom-right."""
+    if (
+        request.device_type == "cuda"
+        and request.needs_grad
+        and request.causal
+        and request.alignment == "top_left"
+        and not request.same_seqlen
+    ):
+        return [
+            "on CUDA, top-left causal with Nq != Nk and a backward: PyTorch's kernel gave "
+            "gradients 0.7-0.9 from the reference (benchmarks/patch_fuzz.py, H100)"
+        ]
+    return []
+
+
 def _open_rows_without_keys(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the mask with its key-less rows made all-visible, those rows as a (.., Nq, 1) bool).
 
@@ -348,6 +377,8 @@ class TorchSDPA(Backend):
                 "on CUDA, a bool mask with a backward: PyTorch's kernel gave gradients "
                 "77x outside the contract's tolerance on the H200 (attnhub demo)"
             ]
+        if _uses_is_causal(request):
+            return _off_square_causal_backward_on_cuda(request)
         return []
 
     def memory_class(self, request: AttentionRequest) -> str:
@@ -615,6 +646,9 @@ class TorchSDPAEfficient(_PinnedSDPA):
     value_head_dim = True
     dropout = True
     _check = "can_use_efficient_attention"
+
+    def extra_reasons(self, request: AttentionRequest) -> list[str]:
+        return _off_square_causal_backward_on_cuda(request) + super().extra_reasons(request)
 
     def _op_call(self, request, params):  # type: ignore[no-untyped-def]
         # The backward reads the lse: asked for exactly when the call needs gradients.

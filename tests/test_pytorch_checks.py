@@ -141,6 +141,34 @@ def test_on_cuda_torch_sdpa_declines_a_bool_mask_with_a_backward():
         assert sdpa.extra_reasons(dataclasses.replace(request, needs_grad=True)) == []  # CPU
 
 
+@pytest.mark.parametrize("name", ["torch_sdpa", "torch_sdpa_efficient"])
+def test_on_cuda_top_left_causal_off_the_square_with_a_backward_is_declined(name):
+    """A patched call whose causal bool mask was read as top-left causal (Nq 16, Nk 64)
+    reached SDPA as is_causal=True and got gradients 0.7-0.9 from the reference on an
+    H100 (benchmarks/patch_fuzz.py): such calls with a backward go elsewhere; square,
+    bottom-right, forward-only and CPU calls are still served."""
+    backend = get_registry().get(name)
+    q = torch.empty(3, 2, 16, 64, device="meta", dtype=torch.bfloat16)
+    long_q = torch.empty(3, 2, 80, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(3, 2, 64, 64, device="meta", dtype=torch.bfloat16)
+    for query, options, declined in (
+        (q, {"causal": True}, True),  # Nq < Nk
+        (long_q, {"causal": True}, True),  # Nq > Nk
+        (k, {"causal": True}, False),  # square: the alignments coincide
+        (q, {"causal": True, "alignment": "bottom_right"}, False),
+        (q, {}, False),
+    ):
+        request, _ = _request(query, k, k, None, **options)
+        cuda = dataclasses.replace(request, device_type="cuda", capability=(9, 0))
+        assert backend.extra_reasons(cuda) == []  # no backward: served
+        training = dataclasses.replace(cuda, needs_grad=True)
+        reasons = backend.extra_reasons(training)
+        assert bool(reasons) == declined, (options, reasons)
+        if declined:
+            assert "top-left causal with Nq != Nk and a backward" in reasons[0]
+        assert backend.extra_reasons(dataclasses.replace(request, needs_grad=True)) == []  # CPU
+
+
 # --- on the GPU -----------------------------------------------------------------------
 
 
@@ -284,3 +312,34 @@ def test_a_mask_made_in_inference_mode_is_served_and_never_reused_stale():
     ref, _ = _float64(q, k, v, mask.clone(), causal=True)
     torch.testing.assert_close(second.double(), ref.detach(), atol=1e-5, rtol=1e-5)
     assert not torch.equal(first, second)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize(("nq", "nk"), [(16, 64), (80, 64)])
+def test_gpu_a_patched_top_left_causal_mask_off_the_square_keeps_its_gradients(nq, nk, strided):
+    """benchmarks/patch_fuzz.py's case on an H100: the causal bool mask read as top-left
+    causal reached SDPA as is_causal=True, and the patched gradients were 0.7-0.9 from
+    the float64 reference where stock's (the bool mask as given) were within 0.012."""
+    torch.manual_seed(0)
+    q = torch.randn(3, 2, nq, 64, device="cuda", dtype=torch.bfloat16)
+    if strided:  # (B, N, H, D) storage, as a model's projection leaves it
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    k, v = (torch.randn(3, 2, nk, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.ones(nq, nk, dtype=torch.bool, device="cuda").tril()[None, None]
+    weight = torch.linspace(-1, 1, q.numel(), device="cuda").view(3, 2, nq, 64)
+    want_out, leaves = _float64(q, k, v, causal=True)
+    want = [want_out.detach(), *torch.autograd.grad(want_out, leaves, weight.double())]
+
+    def run(function):  # type: ignore[no-untyped-def]
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = function(*inputs, attn_mask=mask)
+        grads = torch.autograd.grad(out, inputs, weight.to(out.dtype))
+        return [(got.double() - ref).abs().max().item() for got, ref in zip((out, *grads), want)]
+
+    stock = run(torch.nn.functional.scaled_dot_product_attention)
+    with attnhub.patch():
+        patched = run(torch.nn.functional.scaled_dot_product_attention)
+    for name, mine, theirs in zip(("out", "dq", "dk", "dv"), patched, stock):
+        assert mine <= max(3 * theirs, 2e-2), (name, patched, stock, attnhub.stats())

@@ -286,6 +286,9 @@ _ROTATING: tuple[tuple[int, dict[str, Any]], ...] = (
     # Key padding, as a padded batch's (B, 1, 1, Nk) mask (one kept run per entry).
     (2, {"mask": "keys"}),
     (1, {"mask": "keys", "causal": True, "alignment": "bottom_right", "backward": True}),
+    # Top-left causal off the square (Nq < Nk) with a backward, the inputs strided: the
+    # call PyTorch's CUDA kernel got wrong as is_causal (benchmarks/patch_fuzz.py).
+    (1, {"backward": True, "causal": True, "strided": True}),
 )
 
 
