@@ -20,6 +20,13 @@ where that is wrong (on the CPU, ``is_causal`` with ``scale <= 0`` is NaN in PyT
 kernel): they are sampled without such scales.
 
     python benchmarks/patch_fuzz.py [--device cuda] [--seed 0] [--cases 500]
+    TRITON_INTERPRET=1 python benchmarks/patch_fuzz.py --backend triton_flash --cases 100
+
+``--backend``: the patch's ``backend=`` (calls no named backend can serve go to
+PyTorch's own function, as the patch does). On the GPU each new call signature
+compiles Triton kernels and is timed by autotune on its first call (a few hundred cases
+in 400 s); ``ATTNHUB_AUTOTUNE=0`` skips the timing (then the table and the cost model
+rank, as under tracing).
 """
 
 from __future__ import annotations
@@ -129,12 +136,12 @@ def _error(got: torch.Tensor, want: torch.Tensor, rows: torch.Tensor) -> float:
 
 
 def problems(
-    tensors: tuple[torch.Tensor, ...], kwargs: dict[str, Any], grad: bool
+    tensors: tuple[torch.Tensor, ...], kwargs: dict[str, Any], grad: bool, backend: Any = None
 ) -> tuple[list[str], dict[str, int]]:
     """What the patched call got wrong (empty: nothing), and what served it."""
     stock = _run(ORIGINAL, tensors, kwargs, grad)
     attnhub.reset_stats()
-    with attnhub.patch():
+    with attnhub.patch(backend=backend):
         patched = _run(F.scaled_dot_product_attention, tensors, kwargs, grad)
     served = attnhub.stats()
     return _compare(tensors, kwargs, grad, stock, patched), served
@@ -175,6 +182,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cases", type=int, default=500)
+    parser.add_argument("--backend", default=None, help="the patch's backend= (default: any)")
     args = parser.parse_args()
     failures = 0
     served: dict[str, int] = {}
@@ -182,7 +190,7 @@ def main() -> None:
         rng = random.Random(args.seed * 1_000_003 + i)
         tensors, kwargs, grad = sample(rng, args.device)
         torch.manual_seed(i)
-        found, by = problems(tensors, kwargs, grad)
+        found, by = problems(tensors, kwargs, grad, args.backend)
         for name, n in by.items():
             served[name] = served.get(name, 0) + n
         if (i + 1) % 50 == 0:
