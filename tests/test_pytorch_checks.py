@@ -131,14 +131,19 @@ def test_on_cuda_torch_sdpa_declines_a_bool_mask_with_a_backward():
         (None, q, {"causal": True}, False),
     ):
         request, _ = _request(q, keys, keys, mask, **options)
-        cuda = dataclasses.replace(request, device_type="cuda", capability=(9, 0))
-        assert sdpa.extra_reasons(cuda) == []  # no backward: served
-        training = dataclasses.replace(cuda, needs_grad=True)
-        reasons = sdpa.extra_reasons(training)
-        assert bool(reasons) == declined, (options, reasons)
-        if declined:
-            assert "bool mask with a backward" in reasons[0]
-        assert sdpa.extra_reasons(dataclasses.replace(request, needs_grad=True)) == []  # CPU
+        _check_declined_with_a_backward(sdpa, request, declined, "bool mask with a backward")
+
+
+def _check_declined_with_a_backward(backend, request, declined, why):  # type: ignore[no-untyped-def]
+    """``backend`` serves ``request`` on CUDA without a backward, declines it with one
+    (saying ``why``) exactly where ``declined``, and serves it on the CPU either way."""
+    cuda = dataclasses.replace(request, device_type="cuda", capability=(9, 0))
+    assert backend.extra_reasons(cuda) == []  # no backward: served
+    reasons = backend.extra_reasons(dataclasses.replace(cuda, needs_grad=True))
+    assert bool(reasons) == declined, (request.describe(), reasons)
+    if declined:
+        assert why in reasons[0]
+    assert backend.extra_reasons(dataclasses.replace(request, needs_grad=True)) == []  # CPU
 
 
 @pytest.mark.parametrize("name", ["torch_sdpa", "torch_sdpa_efficient"])
@@ -159,14 +164,8 @@ def test_on_cuda_top_left_causal_off_the_square_with_a_backward_is_declined(name
         (q, {}, False),
     ):
         request, _ = _request(query, k, k, None, **options)
-        cuda = dataclasses.replace(request, device_type="cuda", capability=(9, 0))
-        assert backend.extra_reasons(cuda) == []  # no backward: served
-        training = dataclasses.replace(cuda, needs_grad=True)
-        reasons = backend.extra_reasons(training)
-        assert bool(reasons) == declined, (options, reasons)
-        if declined:
-            assert "top-left causal with Nq != Nk and a backward" in reasons[0]
-        assert backend.extra_reasons(dataclasses.replace(request, needs_grad=True)) == []  # CPU
+        why = "top-left causal with Nq != Nk and a backward"
+        _check_declined_with_a_backward(backend, request, declined, why)
 
 
 # --- on the GPU -----------------------------------------------------------------------
