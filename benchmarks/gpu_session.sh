@@ -46,6 +46,11 @@
 #               backward, cuDNN and SDPA flash beside them
 #   BLOCKSPARSE_S block-sparse.json/md: `attnhub bench --block-sparse --no-grid` (Flex beside it)
 #   TMA_S       tma-sweep.json/log: benchmarks/tma_sweep.py (TMA_ARGS, e.g. --head-dims 128)
+#   FUZZ_S      patch-fuzz-N.txt: benchmarks/patch_fuzz.py --device cuda, FUZZ_PROCS processes
+#               at once (default 3; seeds 1..N, FUZZ_ARGS e.g. --cases 400), each cut at FUZZ_S
+#               (FUZZ_DEVICE: another device than cuda)
+#   CAUSALPROBE_S sdpa-causal-probe.txt: benchmarks/sdpa_causal_probe.py (PyTorch's kernels
+#               with is_causal off the square: output and gradients against float64)
 #   SWEEP_S     sweep.json/log: benchmarks/triton_flash_gpu.py's launch-config sweep (B4 H8,
 #               causal and not; SWEEP_DIMS head dims, default 256; SWEEP_SEQLENS, default
 #               4096), SDPA flash and cuDNN timed beside it
@@ -155,6 +160,15 @@ grep "fwd_bwd" "$OUT/block-sparse.md" 2>/dev/null
 step "${TMA_S:-0}" tma-sweep python3 benchmarks/tma_sweep.py "$OUT/tma-sweep.json" ${TMA_ARGS:-} \
     > "$OUT/tma-sweep.log" 2>&1
 grep -c '"kernel"' "$OUT/tma-sweep.log" 2>/dev/null; grep -m5 error "$OUT/tma-sweep.log" 2>/dev/null | cut -c1-300
+# Each process under its own timeout (a signal to the step's shell would not reach them;
+# on the dev CPU one of three once ran on past its SIGINT: -k 10 kills a straggler).
+step "$((${FUZZ_S:-0} > 0 ? ${FUZZ_S:-0} + 30 : 0))" patch-fuzz bash -c "for s in \$(seq ${FUZZ_PROCS:-3}); do \
+    timeout -s INT -k 10 ${FUZZ_S:-0} python3 benchmarks/patch_fuzz.py --device ${FUZZ_DEVICE:-cuda} --seed \$s \
+    ${FUZZ_ARGS:-} > $OUT/patch-fuzz-\$s.txt 2>&1 & done; wait"
+grep -hE "^[a-z0-9]+-B|^seed" "$OUT"/patch-fuzz-*.txt 2>/dev/null | cut -c1-400
+step "${CAUSALPROBE_S:-0}" causal-probe python3 benchmarks/sdpa_causal_probe.py \
+    > "$OUT/sdpa-causal-probe.txt" 2>&1
+grep -v Warning "$OUT/sdpa-causal-probe.txt" 2>/dev/null | tail -70
 step "${SWEEP_S:-0}" sweep python3 benchmarks/triton_flash_gpu.py "$OUT/sweep.json" --only sweep \
     --sweep-head-dims "${SWEEP_DIMS:-256}" --sweep-seqlens "${SWEEP_SEQLENS:-4096}" > "$OUT/sweep.log" 2>&1
 grep -c "^sweep" "$OUT/sweep.log" 2>/dev/null
