@@ -46,6 +46,36 @@ _HALF = frozenset({torch.float16, torch.bfloat16})
 # checks, a few us a call), or dispatch it again when the runner is reached from
 # attnhub.attention outside a patched call.
 _SDPA = torch._C._nn.scaled_dot_product_attention
+_MATH = torch._scaled_dot_product_attention_math
+
+
+def _math_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """SDPA's math kernel, called as SDPA is (see _float_mask_backward_on_cpu)."""
+    return _MATH(query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale,
+                 enable_gqa=enable_gqa)[0]  # fmt: skip
+
+
+def _float_mask_backward_on_cpu(request: AttentionRequest) -> bool:
+    """A CPU call with a float mask and a backward: served by SDPA's math kernel.
+
+    PyTorch's CPU flash kernel (which SDPA picks for a 2-D or 4-D mask; every backend is
+    handed a 4-D one) stores one log-sum-exp per row, and its backward recomputes the
+    weights as exp(s - lse). A row whose every key a model's additive mask hides with
+    torch.finfo(dtype).min has scores of about -3.4e38, where the lse loses the row's
+    log(Nk): the forward's weights are 1 / Nk, the backward's 1, and the gradients were
+    3-9 from the float64 reference (tests/test_builtin_backends.py). The math kernel
+    differentiates its softmax's own output. It holds the (B, H, Nq, Nk) weights: a
+    quadratic memory class (memory_class)."""
+    return request.device_type == "cpu" and request.mask == "float" and request.needs_grad
 
 
 def _combined_mask(
@@ -390,7 +420,9 @@ class TorchSDPA(Backend):
         builds_mask = (
             request.causal and (request.alignment == "bottom_right" or request.mask != "none")
         ) or _may_leave_rows_without_keys(request)
-        if builds_mask and not _mask_within_inputs(request):
+        if (builds_mask and not _mask_within_inputs(request)) or _float_mask_backward_on_cpu(
+            request
+        ):
             return "quadratic"
         return self.memory
 
@@ -418,7 +450,7 @@ class TorchSDPA(Backend):
             static["is_causal"] = True
         if request.heads_q != request.heads_kv:
             static["enable_gqa"] = True
-        sdpa = _SDPA
+        sdpa = _math_sdpa if _float_mask_backward_on_cpu(request) else _SDPA
         if request.mask == "float":
             return lambda query, key, value, attn_mask: sdpa(
                 query, key, value, attn_mask=attn_mask.to(query.dtype), **static
@@ -434,7 +466,16 @@ class TorchSDPA(Backend):
         if cached is None:
             cached = _built_masks.put(query, key, attn_mask, params, _sdpa_arguments(query, key, attn_mask, params))  # fmt: skip
         attn_mask, is_causal, empty_rows = cached
-        out = _SDPA(
+        sdpa = _SDPA
+        if (
+            query.device.type == "cpu"
+            and attn_mask is not None
+            and attn_mask.dtype != torch.bool
+            and torch.is_grad_enabled()
+            and any(t.requires_grad for t in (query, key, value, attn_mask))
+        ):
+            sdpa = _math_sdpa  # see _float_mask_backward_on_cpu
+        out = sdpa(
             query, key, value, attn_mask=attn_mask, dropout_p=params.dropout_p,
             is_causal=is_causal, scale=params.scale,
             # A branch: with symbolic head counts (torch.compile(dynamic=True)) the

@@ -54,7 +54,7 @@ def test_gpu_sampled_patched_call(call: SdpaCall) -> None:
 
 def test_the_draws_cover_every_kind_of_call_and_repeat() -> None:
     kinds = collections.Counter(c.mask for c in _CPU)
-    assert set(kinds) == {"none", "random", "float", "float_inf", "causal", "window", "padding", "padding_causal"}  # fmt: skip
+    assert set(kinds) == {"none", "random", "float", "float_inf", "float_min", "causal", "window", "padding", "padding_causal"}  # fmt: skip
     for flag in ("is_causal", "enable_gqa", "strided", "grad"):
         assert any(getattr(c, flag) for c in _CPU), flag
     assert {len(c.mask_shape) for c in _CPU if c.mask != "none"} == {2, 3, 4}

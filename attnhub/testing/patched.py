@@ -41,7 +41,8 @@ class SdpaCall:
     tensors (seeded by ``seed``) on a device.
 
     ``mask``: "none", "random" (bool, kept with probability ``keep``), "float",
-    "float_inf" (0 or -inf), or one of the structured bool masks ("causal", "window",
+    "float_inf" (0 or -inf), "float_min" (0 or the dtype's most negative number, as
+    Hugging Face's additive masks hide a key; kept with probability ``keep``), or one of the structured bool masks ("causal", "window",
     "padding", "padding_causal"), aligned top-left (``offset`` 0) or bottom-right
     (``offset`` Nk - Nq), ``width`` keys wide for a window. ``mask_shape``: the
     mask's shape (rank 2 to 4, broadcasting over what it leaves at 1).
@@ -114,9 +115,10 @@ class SdpaCall:
             return torch.rand(self.mask_shape, generator=gen) < self.keep
         if self.mask == "float":
             return torch.randn(self.mask_shape, generator=gen).to(self.dtype)
-        if self.mask == "float_inf":
-            hidden = torch.rand(self.mask_shape, generator=gen) < 0.5
-            return torch.zeros(self.mask_shape).masked_fill(hidden, float("-inf")).to(self.dtype)
+        if self.mask in ("float_inf", "float_min"):
+            hidden = torch.rand(self.mask_shape, generator=gen) >= self.keep
+            fill = float("-inf") if self.mask == "float_inf" else torch.finfo(self.dtype).min
+            return torch.zeros(self.mask_shape, dtype=self.dtype).masked_fill(hidden, fill)
         i, j = torch.arange(self.Nq)[:, None], torch.arange(self.Nk)[None, :]
         if self.mask == "causal":
             return (j <= i + self.offset).expand(self.mask_shape)
@@ -151,7 +153,16 @@ def sample_sdpa_calls(device: torch.device | str, count: int, seed: int = 0) -> 
             "D": d, "Dv": d if rng.random() < 0.8 else rng.choice([16, 64]),
         }  # fmt: skip
         mask = rng.choice(
-            ["none", "none", "random", "structured", "structured", "float", "float_inf"]
+            [
+                "none",
+                "none",
+                "random",
+                "structured",
+                "structured",
+                "float",
+                "float_inf",
+                "float_min",
+            ]
         )
         if mask == "structured":
             mask = rng.choice(_STRUCTURED)
