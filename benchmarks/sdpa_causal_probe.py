@@ -33,6 +33,10 @@ def _grads(q, k, v, weight, **kwargs):  # type: ignore[no-untyped-def]
     return [out.detach(), *torch.autograd.grad(out, inputs, weight.to(out.dtype))]
 
 
+def _differences(got: list[torch.Tensor], want: list[torch.Tensor]) -> str:
+    return " ".join(f"{(g.double() - r).abs().max().item():.3g}" for g, r in zip(got, want))
+
+
 def main() -> None:
     torch.manual_seed(0)
     print(
@@ -56,15 +60,12 @@ def main() -> None:
                         else:
                             with sdpa_kernel([way]):
                                 got = _grads(q, k, v, weight, is_causal=True)
-                        diffs = " ".join(f"{(g.double() - r).abs().max().item():.3g}" for g, r in zip(got, ref))  # fmt: skip
+                        diffs = _differences(got, ref)
                     except RuntimeError as exc:
                         diffs = "refused: " + str(exc).splitlines()[0][:90]
                     print(f"    is_causal {name:10s} {diffs}")
                 got = _grads(q, k, v, weight, attn_mask=keep)
-                diffs = " ".join(
-                    f"{(g.double() - r).abs().max().item():.3g}" for g, r in zip(got, ref)
-                )
-                print(f"    bool mask  picked     {diffs}")
+                print(f"    bool mask  picked     {_differences(got, ref)}")
 
 
 if __name__ == "__main__":
