@@ -51,6 +51,9 @@
 #               (FUZZ_DEVICE: another device than cuda)
 #   CAUSALPROBE_S sdpa-causal-probe.txt: benchmarks/sdpa_causal_probe.py (PyTorch's kernels
 #               with is_causal off the square: output and gradients against float64)
+#   FLOATMASK_S float-mask-probe.txt: benchmarks/float_mask_probe.py (a float mask with
+#               finfo.min padding rows, fwd and fwd+bwd: triton_flash, SDPA, Flex; errors
+#               against float64 and times; FLOATMASK_ARGS e.g. --dtype fp16)
 #   SWEEP_S     sweep.json/log: benchmarks/triton_flash_gpu.py's launch-config sweep (B4 H8,
 #               causal and not; SWEEP_DIMS head dims, default 256; SWEEP_SEQLENS, default
 #               4096), SDPA flash and cuDNN timed beside it
@@ -169,6 +172,9 @@ grep -hE "^[a-z0-9]+-B|^seed" "$OUT"/patch-fuzz-*.txt 2>/dev/null | cut -c1-400
 step "${CAUSALPROBE_S:-0}" causal-probe python3 benchmarks/sdpa_causal_probe.py \
     > "$OUT/sdpa-causal-probe.txt" 2>&1
 grep -v Warning "$OUT/sdpa-causal-probe.txt" 2>/dev/null | tail -70
+step "${FLOATMASK_S:-0}" float-mask-probe python3 benchmarks/float_mask_probe.py ${FLOATMASK_ARGS:-} \
+    > "$OUT/float-mask-probe.txt" 2>&1
+grep -v Warning "$OUT/float-mask-probe.txt" 2>/dev/null | tail -30
 step "${SWEEP_S:-0}" sweep python3 benchmarks/triton_flash_gpu.py "$OUT/sweep.json" --only sweep \
     --sweep-head-dims "${SWEEP_DIMS:-256}" --sweep-seqlens "${SWEEP_SEQLENS:-4096}" > "$OUT/sweep.log" 2>&1
 grep -c "^sweep" "$OUT/sweep.log" 2>/dev/null

@@ -528,10 +528,9 @@ def test_torch_sdpa_masks_built_in_inference_mode_are_not_reused_with_a_backward
 # (|lse| ~ 3.4e38) and its backward, recomputing P = exp(s - lse), takes every weight as
 # 1 instead of 1 / Nk: gradients 3-9 from the reference here. PyTorch's CPU flash kernel
 # (a 2-D or 4-D mask; a 3-D one goes to its math kernel) did so, and torch_sdpa now sends
-# such CPU calls to the math kernel; triton_flash still does: its fix (the row maximum
-# stored beside the lse, the backward recomputing exp(s - max) / l) touches every
-# triton_flash kernel that writes or reads the lse and waits for a GPU session.
-_HIDDEN_ROW_XFAIL = pytest.mark.xfail(strict=True, reason="the backward's P from an lse that lost log(Nk)")  # fmt: skip
+# such CPU calls to the math kernel. triton_flash did too: its forward now stores, for a
+# row whose max sits at its clamp (common._bias_log2), the count of tied keys in the
+# lse's place (common.TIES_BASE_BITS), and its backward weighs each 1 / count.
 
 
 _NEEDS_INTERPRETER = pytest.mark.skipif(
@@ -551,13 +550,13 @@ _NEEDS_CUDA = [
         pytest.param(
             "triton_flash",
             "cpu",
-            marks=[_HIDDEN_ROW_XFAIL, pytest.mark.interpreter, _NEEDS_INTERPRETER],
+            marks=[pytest.mark.interpreter, _NEEDS_INTERPRETER],
         ),
         # On CUDA, not yet run (2026-12-07): PyTorch's kernels may lose the lse as
         # triton_flash does; the first GPU run says which.
         pytest.param("torch_sdpa", "cuda", marks=_NEEDS_CUDA),
         pytest.param("torch_sdpa_efficient", "cuda", marks=_NEEDS_CUDA),
-        pytest.param("triton_flash", "cuda", marks=[_HIDDEN_ROW_XFAIL, *_NEEDS_CUDA]),
+        pytest.param("triton_flash", "cuda", marks=_NEEDS_CUDA),
     ],
 )
 def test_a_row_hidden_by_the_most_negative_float_keeps_its_gradients(name, device):

@@ -124,6 +124,30 @@ def test_partial_blocks_causal_layout(dtype: torch.dtype) -> None:
     _check(BlockSparseLayout.causal(170, 64), dtype, 1, 2, 2, 170, 170, 32)
 
 
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float16,
+     pytest.param(torch.bfloat16, marks=[gpu, requires_cuda])],  # not in the interpreter
+    ids=SHORT.get,
+)  # fmt: skip
+def test_rows_hidden_by_the_most_negative_float_keep_their_gradients(dtype: torch.dtype) -> None:
+    """A float mask of finfo.min on whole rows (a model's padding rows): every kept key
+    of such a row ties at the kernels' clamp, and its weights are 1 / (keys it sees) in
+    the forward and the backward alike (the backward took each as 1 when the row's lse
+    was all it had). Under a causal layout row i sees i + 1 keys: counts of 1 to 80."""
+    torch.manual_seed(6)
+    b, h, n, d = 1, 2, 150, 32
+    q, k, v, dout = (torch.randn(b, h, n, d, dtype=dtype, device=DEVICE) for _ in range(4))
+    mask = torch.randn(b, 1, n, n, dtype=dtype, device=DEVICE)
+    mask[..., :80, :] = torch.finfo(dtype).min
+    layout = BlockSparseLayout.causal(n, 64)
+    got = _run(layout, q, k, v, dout, mask, scale=d**-0.5, causal=True)
+    r64 = _ref(layout, q, k, v, dout, torch.float64, mask, causal=True)
+    rlp = _ref(layout, q, k, v, dout, dtype, mask, causal=True)
+    for i, name in ((0, "out"), (2, "dq"), (3, "dk"), (4, "dv")):
+        assert_matches_reference(got[i], rlp[i], r64[i], name)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
 def test_partial_blocks_sliding_window(dtype: torch.dtype) -> None:
     torch.manual_seed(5)
