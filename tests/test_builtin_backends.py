@@ -521,16 +521,22 @@ def test_torch_sdpa_masks_built_in_inference_mode_are_not_reused_with_a_backward
         torch.testing.assert_close(got.grad, want.grad)
 
 
-# A row whose every key is hidden by a float mask of the most negative float32 (as a
-# model's additive mask hides padding: torch.finfo(dtype).min): its scores all round to
-# that value, so the forward's softmax over it is uniform (the float64 reference's too),
-# but a kernel that stores one log-sum-exp per row loses the row's log(Nk) in it
-# (|lse| ~ 3.4e38) and its backward, recomputing P = exp(s - lse), takes every weight as
-# 1 instead of 1 / Nk: gradients 3-9 from the reference here. PyTorch's CPU flash kernel
-# (a 2-D or 4-D mask; a 3-D one goes to its math kernel) did so, and torch_sdpa now sends
-# such CPU calls to the math kernel. triton_flash did too: its forward now stores, for a
-# row whose max sits at its clamp (common._bias_log2), the count of tied keys in the
-# lse's place (common.TIES_BASE_BITS), and its backward weighs each 1 / count.
+# A row whose every key a float mask hides with one large negative value (a model's
+# padding: torch.finfo(dtype).min, or the -1e9 and -1e4 of hand-written masks): its
+# scores all round to about that value, so the forward's softmax over it is uniform (the
+# float64 reference's too), but a kernel that stores one float32 log-sum-exp per row
+# loses the row's log(Nk) in it (|lse| ~ 1e9 or 3.4e38) and its backward, recomputing
+# P = exp(s - lse), took every weight as 1 instead of 1 / Nk: gradients 3-24 from the
+# reference here. PyTorch's CPU flash kernel (a 2-D or 4-D mask; a 3-D one goes to its
+# math kernel) did so at finfo.min, and torch_sdpa sends such CPU calls to the math
+# kernel. triton_flash did so at each: a float mask's calls now keep the row's max and
+# log2 of its sum apart (ops._keeps_row_stats).
+_HIDE_WITH = {
+    "finfo_min": torch.finfo(torch.float32).min,
+    "-1e9": -1e9,
+    "-1e4": -1e4,
+    "-1e30": -1e30,
+}
 
 
 _NEEDS_INTERPRETER = pytest.mark.skipif(
@@ -559,13 +565,14 @@ _NEEDS_CUDA = [
         pytest.param("triton_flash", "cuda", marks=_NEEDS_CUDA),
     ],
 )
-def test_a_row_hidden_by_the_most_negative_float_keeps_its_gradients(name, device):
+@pytest.mark.parametrize("hide", list(_HIDE_WITH))
+def test_a_row_hidden_by_a_large_negative_float_keeps_its_gradients(name, device, hide):
     torch.manual_seed(0)
-    q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16)
-    mask = torch.randn(1, 1, 8, 16)
-    mask[..., :3, :] = torch.finfo(torch.float32).min
+    q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    mask = torch.randn(1, 1, 8, 64)
+    mask[..., :3, :] = _HIDE_WITH[hide]
     weight = torch.randn(1, 2, 8, 16)
-    case = Case(dtype=torch.float32, B=1, Hq=2, Hkv=2, Nq=8, Nk=16, D=16, Dv=16, mask="float")
+    case = Case(dtype=torch.float32, B=1, Hq=2, Hkv=2, Nq=8, Nk=64, D=16, Dv=16, mask="float")
 
     def run(function, dtype):  # type: ignore[no-untyped-def]
         leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]

@@ -122,27 +122,31 @@ def test_a_forward_plan_hands_its_launch_the_calls_tensors(plans_on_the_cpu, mas
         return named
 
     def call(x: dict[str, Any]) -> dict[str, Any]:
-        out, lse = ops._fwd_impl(x["q"], x["k"], x["v"], x["mask"], None, *_SCALARS)
-        return {"out": out, "lse": lse}
+        out, lse, stats = ops._fwd_impl(x["q"], x["k"], x["v"], x["mask"], None, *_SCALARS)
+        return {"out": out, "lse": lse, "stats": stats}
 
     _check_replay(call, inputs)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "float_mask"])
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["no_dlse", "dlse"])
 @pytest.mark.parametrize("merged", [False, True], ids=["split", "merged"])
 def test_a_backward_plan_hands_its_launches_the_calls_tensors(plans_on_the_cpu, with_dlse: bool,
-                                                              merged: bool) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+                                                              merged: bool, masked: bool) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
     from attnhub.backends.triton_flash import tuning
 
     def inputs() -> dict[str, Any]:
         named = _dense()
-        out, lse = ops._fwd_impl(named["q"], named["k"], named["v"], None, None, *_SCALARS)
-        named.update(out=out, lse=lse, dout=torch.randn_like(out))
+        named["mask"] = torch.randn(2, 1, 48, 56) if masked else None
+        out, lse, stats = ops._fwd_impl(named["q"], named["k"], named["v"], named["mask"], None,
+                                        *_SCALARS)  # fmt: skip
+        # What the backward reads per row: a float mask's row stats, else the lse.
+        named.update(out=out, lse=stats if masked else lse, dout=torch.randn_like(out))
         named["dlse"] = torch.randn_like(lse) if with_dlse else None
         return named
 
     def call(x: dict[str, Any]) -> dict[str, Any]:
-        dq, dk, dv = ops._bwd_impl(x["dout"], x["q"], x["k"], x["v"], None, None, x["out"],
+        dq, dk, dv = ops._bwd_impl(x["dout"], x["q"], x["k"], x["v"], x["mask"], None, x["out"],
                                    x["lse"], x["dlse"], *_SCALARS)  # fmt: skip
         return {"dq": dq, "dk": dk, "dv": dv}
 
@@ -158,13 +162,13 @@ def test_key_range_plans_hand_their_launches_each_calls_ranges(plans_on_the_cpu)
     def inputs() -> dict[str, Any]:
         named = _dense()
         named["ranges"] = torch.tensor(next(ranges), dtype=torch.int32)
-        out, lse = ops._forward(named["q"], named["k"], named["v"], None, None, _SCALARS,
-                                True, None, key_ranges=named["ranges"])  # fmt: skip
+        out, lse, _ = ops._forward(named["q"], named["k"], named["v"], None, None, _SCALARS,
+                                   True, None, key_ranges=named["ranges"])  # fmt: skip
         named.update(out=out, lse=lse, dout=torch.randn_like(out))
         return named
 
     def forward(x: dict[str, Any]) -> dict[str, Any]:
-        out, lse = key_ranges._fwd(x["q"], x["k"], x["v"], None, None, x["ranges"], *scalars)
+        out, lse, _ = key_ranges._fwd(x["q"], x["k"], x["v"], None, None, x["ranges"], *scalars)
         return {"out": out, "lse": lse}
 
     def backward(x: dict[str, Any]) -> dict[str, Any]:
@@ -201,13 +205,15 @@ def test_block_sparse_plans_hand_their_launches_each_calls_layout(
         named["scalars"] = (*layout.block_size, *bs_ops._facts[layout], False, False, -1, -1,
                             0.0, 0.25, 0.0)  # fmt: skip
         named["layout"] = layout  # alive while its tensors are in use
-        out, lse = bs_ops._fwd_impl(named["q"], named["k"], named["v"], None, None, index,
-                                    *named["scalars"])  # fmt: skip
+        out, lse, _ = bs_ops._fwd_impl(named["q"], named["k"], named["v"], None, None, index,
+                                       *named["scalars"])  # fmt: skip
         named.update(out=out, lse=lse, dout=torch.randn_like(out))
         return named
 
     def forward(x: dict[str, Any]) -> dict[str, Any]:
-        out, lse = bs_ops._fwd_impl(x["q"], x["k"], x["v"], None, None, x["index"], *x["scalars"])
+        out, lse, _ = bs_ops._fwd_impl(
+            x["q"], x["k"], x["v"], None, None, x["index"], *x["scalars"]
+        )
         return {"out": out, "lse": lse}
 
     def backward(x: dict[str, Any]) -> dict[str, Any]:

@@ -636,7 +636,7 @@ def test_double_backward_raises_instead_of_dropping_the_attention_terms() -> Non
             torch.autograd.grad(grads[0].pow(2).sum() + v.sum(), wrt, retain_graph=True)
     seed, scalars = ops.call_scalars(q, False, False, None, None, None, 0.0)
     index = ops.layout_tensors(layout, q.device)
-    op_out, _ = torch.ops.attnhub.triton_blocksparse_fwd(
+    op_out, _, _ = torch.ops.attnhub.triton_blocksparse_fwd(
         q, k, v, None, seed, index, *layout.block_size, *ops._facts[layout], *scalars
     )
     (dq,) = torch.autograd.grad(op_out.sum(), q, create_graph=True)

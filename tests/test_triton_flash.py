@@ -262,8 +262,8 @@ def test_a_float_mask_beyond_the_log2_range_is_clamped_not_overflowed() -> None:
     of equal scores gives the mean of the values (as torch_reference); one beyond
     +2.36e38 overflowed to +inf and made its row NaN. Clamped now: outputs and
     gradients as the reference's (a row whose keys tie at the clamp weighs each 1/N in
-    the backward too); such a row's lse reads between 2.36e38 and 3.4e38 in magnitude
-    (it holds the count of tied keys, docs/contract.md)."""
+    the backward too: its row stats keep log2(N) beside the max); such a row's lse is
+    -FP32_MAX / log2(e) (docs/contract.md)."""
     import attnhub
 
     torch.manual_seed(0)
@@ -289,8 +289,8 @@ def test_a_float_mask_beyond_the_log2_range_is_clamped_not_overflowed() -> None:
     torch.testing.assert_close(out[..., 0, :], v.mean(2).expand_as(out[..., 0, :]))
     torch.testing.assert_close(out[..., 3, :], v[:, :, 5:].mean(2).expand_as(out[..., 3, :]))
     torch.testing.assert_close(lse[..., (1, 2, 4)], ref_lse[..., (1, 2, 4)])
-    assert ((lse[..., 0] <= -2.36e38) & (lse[..., 0] > -3.41e38)).all(), lse[..., 0]
-    assert ((lse[..., 3] >= 2.36e38) & (lse[..., 3] < 3.41e38)).all(), lse[..., 3]
+    torch.testing.assert_close(lse[..., 0], torch.full_like(lse[..., 0], -2.3586574e38))
+    torch.testing.assert_close(lse[..., 3], torch.full_like(lse[..., 3], 2.3586574e38))
     for got, expected in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, expected)
 
@@ -611,16 +611,21 @@ def test_opcheck_forward_and_backward() -> None:
     mask = torch.randn(20, 24, device=DEVICE)
     args = (q, k, v, mask, None, True, True, 5, ops.NO_WINDOW, 3.0, 0.25, 0.0)
     torch.library.opcheck(torch.ops.attnhub.triton_flash_fwd.default, args)
-    out, lse = torch.ops.attnhub.triton_flash_fwd(*args)
+    out, lse, stats = torch.ops.attnhub.triton_flash_fwd(*args)
+    # A float mask's call: the backward reads the row stats in the lse's place.
+    assert stats.shape == lse.shape and stats.dtype == torch.int64
+    torch.testing.assert_close(ops.lse_of_row_stats(stats), lse, rtol=0, atol=0)
     bargs = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), mask, None,
-             out.detach(), lse.detach(), None, *args[5:])  # fmt: skip
+             out.detach(), stats, None, *args[5:])  # fmt: skip
     torch.library.opcheck(torch.ops.attnhub.triton_flash_bwd.default, bargs)
 
 
-def test_eager_calls_skip_the_op_and_traced_calls_see_it() -> None:
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "hidden_rows"])
+def test_eager_calls_skip_the_op_and_traced_calls_see_it(masked: bool) -> None:
     """Plain eager calls run the implementations directly (DirectAttention); a dispatch
     mode (as used by tracers, profilers and FLOP counters) sees the registered ops, and
-    both give the same outputs and gradients."""
+    both give the same outputs and gradients: with a float mask whose rows -1e9 hides
+    too, whose backward reads the row stats (the op carries them as a third output)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Seen(TorchDispatchMode):
@@ -634,38 +639,57 @@ def test_eager_calls_skip_the_op_and_traced_calls_see_it() -> None:
 
     torch.manual_seed(7)
     q, k, v = (torch.randn(1, 2, 20, 16, device=DEVICE) for _ in range(3))
-    assert ops.direct(q, k, v, None)
+    mask = None
+    if masked:
+        mask = torch.randn(20, 20, device=DEVICE)
+        mask[:4] = -1e9
+    assert ops.direct(q, k, v, mask)
     grads = []
     seen = Seen()
     for mode in (None, seen):
         qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
         if mode is None:
-            out, lse = ops.flash_attention(qs, ks, vs, causal=True)
-            out.sum().backward()
+            out, lse = ops.flash_attention(qs, ks, vs, mask, causal=True)
+            out.backward(torch.ones_like(out) + torch.arange(16, device=DEVICE))
         else:
             with mode:
-                assert not ops.direct(q, k, v, None)
-                out, lse = ops.flash_attention(qs, ks, vs, causal=True)
-                out.sum().backward()
+                assert not ops.direct(q, k, v, mask)
+                out, lse = ops.flash_attention(qs, ks, vs, mask, causal=True)
+                out.backward(torch.ones_like(out) + torch.arange(16, device=DEVICE))
         grads.append((out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad))
     assert "attnhub.triton_flash_fwd" in seen.ops and "attnhub.triton_flash_bwd" in seen.ops
     for direct, through_op in zip(*grads):
         assert torch.equal(direct, through_op)
+    if masked:
+        # A hidden row weighs its keys 1 / (keys it sees) in the backward too, as
+        # PyTorch's float32 math kernel (reference_attention computes in float64, where
+        # -1e9 + q.k keeps q.k: another softmax).
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        causal = torch.ones(20, 20, dtype=torch.bool, device=DEVICE).tril()
+        r = torch._scaled_dot_product_attention_math(
+            qr, kr, vr, mask.masked_fill(~causal, float("-inf"))
+        )[0]
+        r.backward(torch.ones_like(r) + torch.arange(16, device=DEVICE))
+        for got, ref in zip(grads[0][2:], (qr.grad, kr.grad, vr.grad)):
+            assert (got - ref).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "float_mask"])
 @pytest.mark.parametrize("with_out", [True, False], ids=["out_and_lse", "lse_only"])
-def test_lse_gradient(with_out: bool) -> None:
+def test_lse_gradient(with_out: bool, masked: bool) -> None:
     """A loss on the returned lse differentiates through it (d lse / d s = P), with or
-    without one on the output (then no output gradient reaches the backward at all)."""
+    without one on the output (then no output gradient reaches the backward at all);
+    with a float mask too (whose call keeps row stats, from which the lse is derived)."""
     case = Case("lse_grad", 1, 2, 2, 30, 40, 16, causal=True, bottom_right=True)
     torch.manual_seed(6)
     q, k, v, _ = _inputs(case, torch.float32)
+    mask = torch.randn(30, 40, device=DEVICE) if masked else None
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
-    out, lse = ops.flash_attention(qs, ks, vs, causal=True, bottom_right=True, scale=0.25)
+    out, lse = ops.flash_attention(qs, ks, vs, mask, causal=True, bottom_right=True, scale=0.25)
     (lse.sum() + (out.sum() if with_out else 0.0)).backward()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     params = AttentionParams(causal=True, alignment="bottom_right", scale=0.25)
-    r, rl = reference_attention(q64, k64, v64, None, params)
+    r, rl = reference_attention(q64, k64, v64, None if mask is None else mask.double(), params)
     (rl.double().sum() + (r.sum() if with_out else 0.0)).backward()
     for x, ref in ((qs.grad, q64.grad), (ks.grad, k64.grad), (vs.grad, v64.grad)):
         if ref is None:  # lse does not depend on v: the reference leaves no gradient

@@ -279,7 +279,7 @@ def bs_fwd_kernel(
         Out, Lse, acc, l_i, m_i, b, h, pid_bh * NQ, offs_m, offs_dv,
         stride_ob, stride_oh, stride_om, stride_od, NQ, HEAD_DV, dropout_p,
         EVEN_D=EVEN_D, HAS_DROPOUT=HAS_DROPOUT, STORE_LSE=True,
-        CLAMPED=MASK_KIND == 2,
+        ROW_STATS=MASK_KIND == 2,
     )  # fmt: skip
 
 
@@ -319,7 +319,7 @@ def bs_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q, do, lse2, ties, delta = _dq_operands(
+    q, do, lse2, log2l, delta = _dq_operands(
         Q, DO, Lse, Delta, b, h, pid_bh * NQ, offs_m, offs_d, offs_dv,
         stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
         NQ, HEAD_D, HEAD_DV, EVEN_D=EVEN_D, MASK_KIND=MASK_KIND,
@@ -355,7 +355,7 @@ def bs_bwd_dq_kernel(
             start_n = tl.load(FullIdx + idx_off + j // (BK // BLOCK_N)) * BK
             start_n += (j % (BK // BLOCK_N)) * BLOCK_N
             dq = _bwd_q_step(
-                dq, q, do, lse2, ties, delta, k_base + start_n.to(tl.int64) * stride_kn,
+                dq, q, do, lse2, log2l, delta, k_base + start_n.to(tl.int64) * stride_kn,
                 v_base + start_n.to(tl.int64) * stride_vn, k_base, mask_rows, drop_rows, seed,
                 start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn, NQ, NK, HEAD_D, HEAD_DV,
                 offset, win_left, win_right, qk_scale, sm_scale, softcap, dropout_p, MASKED=False,
@@ -369,7 +369,7 @@ def bs_bwd_dq_kernel(
             v_ptrs = v_base + start_n.to(tl.int64) * stride_vn
             if (start_n >= f_lo) & (start_n + BK <= f_hi):
                 dq = _bwd_q_inner(
-                    dq, q, do, lse2, ties, delta, k_ptrs, v_ptrs, mask_rows, drop_rows, seed, start_n,
+                    dq, q, do, lse2, log2l, delta, k_ptrs, v_ptrs, mask_rows, drop_rows, seed, start_n,
                     start_n + BK, offs_m, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, stride_mn,
                     NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right, qk_scale, sm_scale,
                     softcap, dropout_p, BLOCK_N=BLOCK_N, MASKED=False, EVEN_D=EVEN_D,
@@ -378,7 +378,7 @@ def bs_bwd_dq_kernel(
                 )  # fmt: skip
             elif (start_n < hi) & (start_n + BK > lo):
                 dq = _bwd_q_inner(
-                    dq, q, do, lse2, ties, delta, k_ptrs, v_ptrs, mask_rows, drop_rows, seed, start_n,
+                    dq, q, do, lse2, log2l, delta, k_ptrs, v_ptrs, mask_rows, drop_rows, seed, start_n,
                     start_n + BK, offs_m, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, stride_mn,
                     NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right, qk_scale, sm_scale,
                     softcap, dropout_p, BLOCK_N=BLOCK_N, MASKED=True, EVEN_D=EVEN_D,
@@ -401,7 +401,7 @@ def bs_bwd_dq_kernel(
                 start_n = tl.load(PartIdx + idx_off + i) * BK + sub
                 tile = tl.load(PartTile + idx_off + i).to(tl.int64)
                 dq = _bwd_q_step(
-                    dq, q, do, lse2, ties, delta, k_base + start_n.to(tl.int64) * stride_kn,
+                    dq, q, do, lse2, log2l, delta, k_base + start_n.to(tl.int64) * stride_kn,
                     v_base + start_n.to(tl.int64) * stride_vn,
                     Tiles + tile * (BQ * BK) + sub + tile_local, mask_rows, drop_rows, seed,
                     start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn, NQ, NK, HEAD_D, HEAD_DV,
@@ -418,7 +418,7 @@ def bs_bwd_dq_kernel(
                     start_n = block_n + sub
                     if (start_n < hi) & (start_n + BLOCK_N > lo):
                         dq = _bwd_q_step(
-                            dq, q, do, lse2, ties, delta, k_base + start_n.to(tl.int64) * stride_kn,
+                            dq, q, do, lse2, log2l, delta, k_base + start_n.to(tl.int64) * stride_kn,
                             v_base + start_n.to(tl.int64) * stride_vn,
                             Tiles + tile * (BQ * BK) + sub + tile_local, mask_rows, drop_rows, seed,
                             start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn, NQ, NK, HEAD_D,

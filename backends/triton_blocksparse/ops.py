@@ -33,6 +33,7 @@ from attnhub.backends.triton_flash.ops import (
     _gluon_bwd_eligible,
     _gluon_eligible,
     _grad_outputs,
+    _keeps_row_stats,
     _launch_kernel_of_row,
     _lookup,
     _plan_key,
@@ -41,6 +42,7 @@ from attnhub.backends.triton_flash.ops import (
     _row_strides,
     _setup,
     _tma_eligible,
+    _with_lse,
     backward_plan_key,
     call_scalars,
     cdiv,
@@ -331,19 +333,32 @@ def _fwd_impl(
     softcap: float,
     scale: float,
     dropout_p: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward over the kept blocks; shapes and conventions as triton_flash's op."""
-    scalars = (bq, bk, has_partial, heavy_rows, heavy_cols, long_rows, long_cols, causal,
-               bottom_right, window_left, window_right, softcap, scale, dropout_p)  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward over the kept blocks: (out, lse, row stats or an empty tensor), shapes
+    and conventions as triton_flash's op."""
+    out, lse, stats = _fwd_rows(q, k, v, mask, seed, index, bq, bk, has_partial, heavy_rows,
+                                heavy_cols, long_rows, long_cols, causal, bottom_right,
+                                window_left, window_right, softcap, scale, dropout_p)  # fmt: skip
+    if stats is None:
+        stats = torch.empty((0,), dtype=torch.int64, device=q.device)
+    return out, lse, stats
+
+
+def _fwd_rows(q, k, v, mask, seed, index, *scalars):  # type: ignore[no-untyped-def]
+    """:func:`_fwd_impl`'s (out, lse, stats), stats None where the backward reads the
+    lse itself (triton_flash.ops._fwd_rows); DirectAttention's forward."""
+    (bq, bk, has_partial, heavy_rows, _heavy_cols, long_rows, _long_cols, causal, bottom_right,
+     window_left, window_right, softcap, scale, dropout_p) = scalars  # fmt: skip
     key = None
     if not is_wrap_triton_enabled():
         key = _plan_key("bs_fwd", q, k, v, mask, seed, scalars, _index_key(index))
     plan, key = _lookup(key)
     if plan is not None:
-        return plan(q, k, v, mask, seed, index)  # type: ignore[no-any-return]
-    out, lse, empty = _forward_outputs(q, k, v)
+        return plan(q, k, v, mask, seed, index)
+    row_stats = _keeps_row_stats(mask)
+    out, lse, empty = _forward_outputs(q, k, v, True, row_stats)
     if empty:
-        return out, lse
+        return _with_lse(out, lse, row_stats)
     b, hq, nq, d = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
     c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
@@ -368,7 +383,7 @@ def _fwd_impl(
     )  # fmt: skip
     if key is not None and record and record[0] is not None:
         _remember(key, _Plan(record, (out, lse), None))
-    return out, lse
+    return _with_lse(out, lse, row_stats)
 
 
 def _bwd_impl(
@@ -481,11 +496,11 @@ class _Plan:
         return [torch.empty(s, dtype=t, device=self.device) for s, t in self.outputs]
 
     def __call__(self, q, k, v, mask, seed, index):  # type: ignore[no-untyped-def]
-        """The forward: (out, lse)."""
-        out, lse = self._allocate()
+        """The forward: (out, lse, stats) as _fwd_rows's."""
+        out, rows = self._allocate()
         self.launches[0](q, k, v, q if mask is None else mask, q if seed is None else seed,
-                         out, lse, *index[_BY_ROW], index[_TILES], index[_ROW_ORDER])  # fmt: skip
-        return out, lse
+                         out, rows, *index[_BY_ROW], index[_TILES], index[_ROW_ORDER])  # fmt: skip
+        return _with_lse(out, rows, rows.dtype == torch.int64)
 
     def backward(self, dout, q, k, v, mask, seed, index, out, lse, dlse):  # type: ignore[no-untyped-def]
         """(dq, dk, dv)."""
@@ -509,13 +524,13 @@ _N_SCALARS = 14
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     q, k, v, mask, seed, index, *scalars = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, mask, seed, out, lse, *index)
+    out, lse, stats = output
+    ctx.save_for_backward(q, k, v, mask, seed, out, stats if stats.numel() else lse, *index)
     ctx.scalars = scalars
     ctx.tuning = tuning.current()
 
 
-def _backward(ctx, dout, dlse):  # type: ignore[no-untyped-def]
+def _backward(ctx, dout, dlse, dstats):  # type: ignore[no-untyped-def]
     q, k, v, mask, seed, out, lse, *index = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
@@ -555,5 +570,6 @@ def block_sparse_attention(
     extra: Any = layout_tensors(layout, q.device)
     scalars = (*layout.block_size, *_facts[layout], *call)
     if direct(q, k, v, mask):  # plain eager: skip the op's dispatch (see triton_flash.ops)
-        return DirectAttention.apply(_fwd_impl, _bwd_impl, (extra,), q, k, v, mask, seed, *scalars)
-    return triton_blocksparse_fwd(q, k, v, mask, seed, extra, *scalars)
+        return DirectAttention.apply(_fwd_rows, _bwd_impl, (extra,), q, k, v, mask, seed, *scalars)  # type: ignore[no-any-return]
+    out, lse, _ = triton_blocksparse_fwd(q, k, v, mask, seed, extra, *scalars)
+    return out, lse

@@ -35,19 +35,6 @@ LN2 = tl.constexpr(0.6931471805599453)  # ln(2): natural lse = log2-domain lse *
 
 
 FP32_MAX = tl.constexpr(3.4028234663852886e38)  # float32's largest finite value
-# The natural lse of a row at +-FP32_MAX in log2 units (float32(FP32_MAX / LOG2E) is
-# 2.3586574e38; a little below it, so that every such row is caught).
-LSE_AT_FP32_MAX = tl.constexpr(2.358e38)
-# Rows whose every kept key ties at the clamp (a float mask's finfo.min on a whole row):
-# their row max is exactly +-FP32_MAX, where no float32 bits are left for log2(l), so
-# their lse cannot tell the backward that each tied key weighs 1 / l. Such rows store
-# instead the float32 whose bits are TIES_BASE_BITS + l (l, the count of tied keys, is
-# exact: each adds exp2(0) = 1); it reads from 2.36e38 (float32 2.36e38's bits: above
-# every other row's |lse|, at most float32(FP32_MAX * ln 2) = 2.3586574e38) to 3.4e38
-# for up to MAX_TIES keys (more saturate there), and _load_lse2 decodes l from it.
-TIES_BASE_BITS = tl.constexpr(2133953522)
-LSE_TIES_BASE = tl.constexpr(2.36e38)
-MAX_TIES = tl.constexpr(5141517)  # FP32_MAX's bits - TIES_BASE_BITS
 
 
 # Triton's interpreter runs these kernels (TRITON_INTERPRET=1 when this module is
@@ -438,47 +425,40 @@ def _fwd_inner(
 
 
 @triton.jit
-def _load_lse2(lse_ptrs, rows, NQ, CHECK: tl.constexpr, CLAMPED: tl.constexpr):
-    """(lse2, ties) of rows ``rows``: the lse in log2 units, and log2 of the number of
-    keys that tie at a float mask's clamp (0 elsewhere): a row's weights are
-    exp2(s - lse2 - ties) (:func:`_weights`). Rows with no kept key (lse = -inf) get
-    lse2 = 0, so that exp2(-inf - 0) = 0 gives them zero weights and zero gradients
-    instead of NaN.
-
-    CLAMPED (a float mask, whose entries _scores clamps): an lse at +-FP32_MAX / LOG2E
-    (a row whose scores sit at the clamp) comes back as exactly +-FP32_MAX, its forward
-    value: lse * LOG2E may round to below FP32_MAX, and a clamped score minus it then
-    gave exp2(2e31) = inf. An lse from LSE_TIES_BASE on holds the count of tied keys
-    (see TIES_BASE_BITS), whose log2 is ``ties``. (Other calls skip both: no score of
-    theirs is clamped; their ``ties`` is 0 and unused.)"""
+def _load_lse2(lse_ptrs, rows, NQ, CHECK: tl.constexpr, ROW_STATS: tl.constexpr):
+    """(lse2, log2l) of rows ``rows``, whose weights are exp2(s - lse2 - log2l)
+    (:func:`_weights`). Without ROW_STATS, lse2 is the stored lse in log2 units (log2l is
+    0 and unused). ROW_STATS (a float mask's call; ops._keeps_row_stats): the stored
+    int64 holds the row's max m (log2 units, low 32 bits) and log2 of its sum l (high
+    32 bits); lse2 is m, exact where m + log2(l) in one float32 would lose log2(l)'s
+    bits. Rows with no kept key (lse, or m, -inf) get lse2 = 0, so that exp2(-inf - 0)
+    = 0 gives them zero weights and zero gradients instead of NaN."""
     if CHECK:
-        lse = tl.load(lse_ptrs, mask=rows < NQ, other=0.0)
+        stored = tl.load(lse_ptrs, mask=rows < NQ, other=0)
     else:
-        lse = tl.load(lse_ptrs)
-    lse2 = lse * LOG2E
-    ties = tl.zeros_like(lse)
-    if CLAMPED:
-        mag = tl.abs(lse)
-        lse2 = tl.where(mag >= LSE_AT_FP32_MAX, tl.where(lse > 0, FP32_MAX, -FP32_MAX), lse2)
-        tied = (mag >= LSE_TIES_BASE) & (mag < float("inf"))
-        count = mag.to(tl.int32, bitcast=True) - TIES_BASE_BITS
-        ties = tl.where(tied, tl.log2(tl.maximum(count, 1).to(tl.float32)), 0.0)
-    return tl.where(lse == float("-inf"), 0.0, lse2), ties
+        stored = tl.load(lse_ptrs)
+    if ROW_STATS:
+        lse2 = stored.to(tl.int32).to(tl.float32, bitcast=True)
+        log2l = (stored >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        lse2 = stored * LOG2E
+        log2l = lse2  # unused
+    return tl.where(lse2 == float("-inf"), 0.0, lse2), log2l
 
 
 @triton.jit
-def _weights(s, lse2, ties, ROWS_FIRST: tl.constexpr, CLAMPED: tl.constexpr):
+def _weights(s, lse2, log2l, ROWS_FIRST: tl.constexpr, ROW_STATS: tl.constexpr):
     """The backward's softmax weights exp2(s - lse2) of a (rows, keys) tile (ROWS_FIRST)
-    or a (keys, rows) one; CLAMPED: less the rows' ``ties`` (see :func:`_load_lse2`),
-    subtracted after s - lse2, which is exactly 0 for a key tied at the clamp."""
+    or a (keys, rows) one; ROW_STATS: exp2((s - m) - log2l), lse2 being the rows' max m
+    (see :func:`_load_lse2`): s - m is exact near the max, as in the forward."""
     if ROWS_FIRST:
         x = s - lse2[:, None]
-        if CLAMPED:
-            x = x - ties[:, None]
+        if ROW_STATS:
+            x = x - log2l[:, None]
     else:
         x = s - lse2[None, :]
-        if CLAMPED:
-            x = x - ties[None, :]
+        if ROW_STATS:
+            x = x - log2l[None, :]
     return tl.exp2(x)
 
 
@@ -498,7 +478,7 @@ def _bwd_kv_step(
     offs_m = start_m + offs_m0
     q = _load_rows(q_ptrs, offs_m, NQ, offs_d, HEAD_D, CHECK_ROWS=MASKED, CHECK_COLS=not EVEN_D)
     do = _load_rows(do_ptrs, offs_m, NQ, offs_dv, HEAD_DV, CHECK_ROWS=MASKED, CHECK_COLS=not EVEN_D)
-    lse2, ties = _load_lse2(lse_ptrs, offs_m, NQ, CHECK=MASKED, CLAMPED=MASK_KIND == 2)
+    lse2, log2l = _load_lse2(lse_ptrs, offs_m, NQ, CHECK=MASKED, ROW_STATS=MASK_KIND == 2)
     if MASKED:
         delta = tl.load(delta_ptrs, mask=offs_m < NQ, other=0.0)
     else:
@@ -512,7 +492,7 @@ def _bwd_kv_step(
     )  # fmt: skip
     if HAS_TILE:
         sT = tl.where(tl.load(tile_ptrs) != 0, sT, float("-inf"))
-    pT = _weights(sT, lse2, ties, ROWS_FIRST=False, CLAMPED=MASK_KIND == 2)
+    pT = _weights(sT, lse2, log2l, ROWS_FIRST=False, ROW_STATS=MASK_KIND == 2)
     dpT = _row_dots(v, do, INPUT_PRECISION=INPUT_PRECISION)
     if HAS_DROPOUT:
         rnd = tl.rand(seed, drop_base + offs_m[None, :].to(tl.int64) * NK + offs_n[:, None])
@@ -560,7 +540,7 @@ def _bwd_kv_inner(
 
 @triton.jit
 def _bwd_q_step(
-    dq, q, do, lse2, ties, delta, k_ptrs, v_ptrs, tile_ptrs, mask_rows, drop_rows, seed,
+    dq, q, do, lse2, log2l, delta, k_ptrs, v_ptrs, tile_ptrs, mask_rows, drop_rows, seed,
     start_n, offs_m, offs_n0, offs_d, offs_dv, stride_mn,
     NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
     qk_scale, sm_scale, softcap, dropout_p,
@@ -581,7 +561,7 @@ def _bwd_q_step(
     )  # fmt: skip
     if HAS_TILE:
         s = tl.where(tl.load(tile_ptrs) != 0, s, float("-inf"))
-    p = _weights(s, lse2, ties, ROWS_FIRST=True, CLAMPED=MASK_KIND == 2)
+    p = _weights(s, lse2, log2l, ROWS_FIRST=True, ROW_STATS=MASK_KIND == 2)
     dp = _row_dots(do, v, INPUT_PRECISION=INPUT_PRECISION)
     if HAS_DROPOUT:
         rnd = tl.rand(seed, drop_rows[:, None] + offs_n[None, :])
@@ -595,7 +575,7 @@ def _bwd_q_step(
 
 @triton.jit
 def _bwd_q_inner(
-    dq, q, do, lse2, ties, delta, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
+    dq, q, do, lse2, log2l, delta, k_ptrs, v_ptrs, mask_rows, drop_rows, seed,
     start, end, offs_m, offs_n0, offs_d, offs_dv,
     stride_kn, stride_vn, stride_mn,
     NQ, NK, HEAD_D, HEAD_DV, offset, win_left, win_right,
@@ -607,7 +587,7 @@ def _bwd_q_inner(
     # k_ptrs/v_ptrs point at key row `start`; advanced by BLOCK_N rows per step.
     for start_n in range(start, end, BLOCK_N):
         dq = _bwd_q_step(
-            dq, q, do, lse2, ties, delta, k_ptrs, v_ptrs, k_ptrs, mask_rows, drop_rows, seed, start_n,
+            dq, q, do, lse2, log2l, delta, k_ptrs, v_ptrs, k_ptrs, mask_rows, drop_rows, seed, start_n,
             offs_m, offs_n0, offs_d, offs_dv, stride_mn, NQ, NK, HEAD_D, HEAD_DV, offset, win_left,
             win_right, qk_scale, sm_scale, softcap, dropout_p, MASKED=MASKED, EVEN_D=EVEN_D,
             HAS_BAND=HAS_BAND, HAS_SOFTCAP=HAS_SOFTCAP, MASK_KIND=MASK_KIND,
@@ -680,20 +660,21 @@ def _fwd_finish(
     Out, Lse, acc, l_i, m_i, b, h, lse_row, offs_m, offs_dv,
     stride_ob, stride_oh, stride_om, stride_od, NQ, HEAD_DV, dropout_p,
     EVEN_D: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_LSE: tl.constexpr,
-    CLAMPED: tl.constexpr = False,
+    ROW_STATS: tl.constexpr = False,
 ):  # fmt: skip
     """The forward's epilogue: Out = acc / l and the natural-log lse of rows ``offs_m``
     (at ``Lse + lse_row + offs_m``: ``lse_row`` is where (b, h)'s row 0 sits in the lse,
     glossary); rows with no kept key (l_i == 0) get output 0 and lse -inf, never 0/0.
-    CLAMPED (a float mask): a row whose max sits at the clamp stores its count of tied
-    keys instead (TIES_BASE_BITS)."""
+    ROW_STATS (a float mask's call): the row stats instead, int64 (see _load_lse2):
+    m_i (-inf for a row with no kept key) and log2(l) (0 there)."""
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
-    if CLAMPED:
-        count = tl.minimum(l_safe, MAX_TIES).to(tl.int32)
-        tied = (count + TIES_BASE_BITS).to(tl.float32, bitcast=True)
-        lse = tl.where(tl.abs(m_i) == FP32_MAX, tl.where(m_i > 0, tied, -tied), lse)
+    if ROW_STATS:
+        low = m_i.to(tl.uint32, bitcast=True).to(tl.int64)  # zero-extended
+        high = tl.log2(l_safe).to(tl.int32, bitcast=True).to(tl.int64) << 32
+        lse = high | low
+    else:
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     if HAS_DROPOUT:
         l_safe = l_safe * (1.0 - dropout_p)  # kept weights are scaled by 1 / (1 - p)
     out = acc / l_safe[:, None]
@@ -718,17 +699,17 @@ def _dq_operands(
     stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
     NQ, HEAD_D, HEAD_DV, EVEN_D: tl.constexpr, MASK_KIND: tl.constexpr,
 ):  # fmt: skip
-    """(q, do, lse2, ties, delta) of rows ``offs_m`` of (b, h), resident in a dQ program
-    (lse and delta at ``lse_row + offs_m``; lse2 and ties as :func:`_load_lse2`'s)."""
+    """(q, do, lse2, log2l, delta) of rows ``offs_m`` of (b, h), resident in a dQ program
+    (lse and delta at ``lse_row + offs_m``; lse2 and log2l as :func:`_load_lse2`'s)."""
     rows = offs_m.to(tl.int64)[:, None]
     q = _load_rows(Q + b * stride_qb + h * stride_qh + rows * stride_qm + offs_d[None, :] * stride_qd,
                    offs_m, NQ, offs_d, HEAD_D, CHECK_ROWS=True, CHECK_COLS=not EVEN_D)  # fmt: skip
     do = _load_rows(DO + b * stride_dob + h * stride_doh + rows * stride_dom + offs_dv[None, :] * stride_dod,
                     offs_m, NQ, offs_dv, HEAD_DV, CHECK_ROWS=True, CHECK_COLS=not EVEN_D)  # fmt: skip
-    lse2, ties = _load_lse2(Lse + lse_row + offs_m, offs_m, NQ, CHECK=True,
-                            CLAMPED=MASK_KIND == 2)  # fmt: skip
+    lse2, log2l = _load_lse2(Lse + lse_row + offs_m, offs_m, NQ, CHECK=True,
+                             ROW_STATS=MASK_KIND == 2)  # fmt: skip
     delta = tl.load(Delta + lse_row + offs_m, mask=offs_m < NQ, other=0.0)
-    return q, do, lse2, ties, delta
+    return q, do, lse2, log2l, delta
 
 
 @triton.jit

@@ -259,7 +259,7 @@ def attn_fwd_kernel(
         Out, Lse, acc, l_i, m_i, b, h, lse_row, offs_m, offs_dv,
         stride_ob, stride_oh, stride_om, stride_od, nq, HEAD_DV, dropout_p,
         EVEN_D=EVEN_D, HAS_DROPOUT=HAS_DROPOUT, STORE_LSE=STORE_LSE,
-        CLAMPED=MASK_KIND == 2,
+        ROW_STATS=MASK_KIND == 2,
     )  # fmt: skip
 
 
@@ -477,7 +477,7 @@ def _bwd_dq_program(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q, do, lse2, ties, delta = _dq_operands(
+    q, do, lse2, log2l, delta = _dq_operands(
         Q, DO, Lse, Delta, b, h, _lse_row(pid_bh, h, NQ, q0, VARLEN=VARLEN), offs_m, offs_d,
         offs_dv, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
         stride_dod, nq, HEAD_D, HEAD_DV, EVEN_D=EVEN_D, MASK_KIND=MASK_KIND,
@@ -501,7 +501,7 @@ def _bwd_dq_program(
         if _compiled(seg=seg, MASK_HEAD=MASK_HEAD, MASK_TAIL=MASK_TAIL):
             s0_64 = s0.to(tl.int64)
             dq = _bwd_q_inner(
-                dq, q, do, lse2, ties, delta, k_base + s0_64 * stride_kn, v_base + s0_64 * stride_vn,
+                dq, q, do, lse2, log2l, delta, k_base + s0_64 * stride_kn, v_base + s0_64 * stride_vn,
                 mask_rows, drop_rows, seed, s0, s1, offs_m, offs_n0, offs_d, offs_dv,
                 stride_kn, stride_vn, stride_mn, nq, nk, HEAD_D, HEAD_DV, offset, win_left, win_right,
                 qk_scale, sm_scale, softcap, dropout_p,

@@ -85,7 +85,7 @@ def ranges_of(
 
 
 def _fwd(q, k, v, mask, seed, ranges, *scalars, store_lse=True):  # type: ignore[no-untyped-def]
-    """(out, lse or None): the forward in key-range mode."""
+    """(out, lse or None, None): the forward in key-range mode (no mask: no row stats)."""
     key = _plan_key("fwd_ranges", q, k, v, None, None, scalars, store_lse, _aligned(ranges))
     plan, key = _lookup(key)
     if plan is not None:

@@ -145,6 +145,38 @@ def _mask_view(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor
     return mask, strides, 2
 
 
+# A call with a float mask (MASK_KIND 2) keeps, for its backward, two float32 numbers a
+# query row in place of the lse: the row's max m of the scores in log2 units and
+# log2 of its sum l, packed in one int64 (m's bits low, log2(l)'s high; the kernels'
+# _fwd_finish and _load_lse2). Such a mask can put a row's max far from 0 (a row that
+# -1e9 or finfo.min hides: m about -1.4e9, or -FP32_MAX at the kernels' clamp), where
+# the float32 lse m + log2(l) keeps few or none of log2(l)'s bits: weights recomputed
+# from it came out up to l times too large (gradients 17 where the reference has 0.13,
+# fp32, a row hidden by -1e9 over 64 keys). The public lse is derived from the stats.
+_LN2 = math.log(2.0)
+
+
+def _keeps_row_stats(mask: torch.Tensor | None) -> bool:
+    """Whether a call with this mask keeps row stats instead of an lse (a float mask)."""
+    return mask is not None and mask.dtype != torch.bool
+
+
+def lse_of_row_stats(stats: torch.Tensor) -> torch.Tensor:
+    """The float32 natural-log lse, (m + log2 l) * ln 2, of packed row stats (int64,
+    any shape): the value the kernels store as the lse of a call without a float mask
+    (-inf for a row with no kept key, whose stats are m = -inf, log2 l = 0)."""
+    pair = stats.view(torch.float32).unflatten(-1, (-1, 2))
+    return (pair[..., 0] + pair[..., 1]) * _LN2
+
+
+def _with_lse(out: torch.Tensor, rows: torch.Tensor | None, row_stats: bool):  # type: ignore[no-untyped-def]
+    """(out, lse, stats) of a forward whose kernel wrote ``rows``: the lse itself (stats
+    None), or packed row stats (``row_stats``) and the lse derived from them."""
+    if row_stats and rows is not None:
+        return out, lse_of_row_stats(rows), rows
+    return out, rows, None
+
+
 _TILE_SLACK = 1024  # at least twice any BLOCK_M or BLOCK_N (configs.py: at most 128)
 
 
@@ -373,22 +405,32 @@ def _heavy_first(causal: bool, block_d: int) -> bool:
 
 
 def _forward_outputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store_lse: bool = True
-) -> tuple[torch.Tensor, Any, bool]:
-    """(out, lse, empty): the forward's outputs, already final (``empty``) where there is
-    nothing to launch: no rows, or no keys (zeros and an lse of -inf). Without
-    ``store_lse``, lse is None (nothing allocated for it)."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store_lse: bool = True,
+    row_stats: bool = False,
+) -> tuple[torch.Tensor, Any, bool]:  # fmt: skip
+    """(out, rows, empty): the forward's outputs, already final (``empty``) where there
+    is nothing to launch: no rows, or no keys (zeros and an lse of -inf). ``rows`` is
+    the lse (B, Hq, Nq) float32, or with ``row_stats`` the packed row stats (B, Hq, Nq)
+    int64 (see _keeps_row_stats); without ``store_lse``, None (nothing allocated)."""
     b, hq, nq, _ = q.shape
     out = torch.empty((b, hq, nq, v.shape[-1]), device=q.device, dtype=q.dtype)
-    lse = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32) if store_lse else None
+    rows = None
+    if store_lse:
+        rows = torch.empty((b, hq, nq), device=q.device,
+                           dtype=torch.int64 if row_stats else torch.float32)  # fmt: skip
     if b * hq * nq == 0:
-        return out, lse, True
+        return out, rows, True
     if k.shape[2] == 0:
         out.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
-        return out, lse, True
-    return out, lse, False
+        if rows is not None:
+            pair = rows.view(torch.float32).unflatten(-1, (-1, 2)) if row_stats else None
+            if pair is None:
+                rows.fill_(float("-inf"))
+            else:
+                pair[..., 0].fill_(float("-inf"))  # m
+                pair[..., 1].fill_(0.0)  # log2(l) of l = 1, as the kernels store it
+        return out, rows, True
+    return out, rows, False
 
 
 def _grad_outputs(
@@ -555,30 +597,31 @@ def clear_plans() -> None:
 class _ForwardPlan:
     """A forward call's outputs' shapes and its cached launch (see _PLANS)."""
 
-    __slots__ = ("device", "dtype", "launch", "lse_shape", "out_shape")
+    __slots__ = ("device", "dtype", "launch", "lse_shape", "out_shape", "rows_dtype")
 
-    def __init__(self, launch: CachedLaunch, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    def __init__(self, launch: CachedLaunch, out: torch.Tensor, rows: torch.Tensor | None) -> None:
         self.launch, self.out_shape, self.dtype, self.device = (
             launch,
             out.shape,
             out.dtype,
             out.device,
         )
-        self.lse_shape = None if lse is None else lse.shape
+        self.lse_shape = None if rows is None else rows.shape
+        self.rows_dtype = None if rows is None else rows.dtype
 
     def __call__(self, q, k, v, mask, seed, key_ranges=None):  # type: ignore[no-untyped-def]
-        """``key_ranges``: this call's ranges where the plan is a key-range call's (its
-        CuK slot; the plan holds no earlier call's ranges)."""
+        """(out, lse, stats) as :func:`_forward`'s. ``key_ranges``: this call's ranges
+        where the plan is a key-range call's (its CuK slot; the plan holds no earlier
+        call's ranges)."""
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         m, s = q if mask is None else mask, q if seed is None else seed
         cu_k = q if key_ranges is None else key_ranges
         if self.lse_shape is None:
-            lse = None
             self.launch(q, k, v, m, s, out, q, q, cu_k)
-        else:
-            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-            self.launch(q, k, v, m, s, out, lse, q, cu_k)
-        return out, lse
+            return out, None, None
+        rows = torch.empty(self.lse_shape, dtype=self.rows_dtype, device=self.device)
+        self.launch(q, k, v, m, s, out, rows, q, cu_k)
+        return _with_lse(out, rows, self.rows_dtype == torch.int64)
 
 
 def _forward(
@@ -592,23 +635,26 @@ def _forward(
     key: tuple | None,
     packed: Packed | None = None,
     key_ranges: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The forward's full path (see :func:`_fwd_impl`); records a plan under ``key``
-    where it is given and the launch returned a compiled kernel. ``packed``: q, k, v
-    are :meth:`Packed.view` views; out is then (Tq, Hq, Dv) and lse (Hq, Tq).
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The forward's full path (see :func:`_fwd_rows`): (out, lse, stats), stats the
+    packed row stats of a float mask's call (see _keeps_row_stats), else None; lse and
+    stats None without ``store_lse``. Records a plan under ``key`` where it is given
+    and the launch returned a compiled kernel. ``packed``: q, k, v are
+    :meth:`Packed.view` views; out is then (Tq, Hq, Dv) and lse (Hq, Tq).
     ``key_ranges``: int32 (B, 2), the keys each batch entry sees (glossary, "Key
     ranges"; no mask then)."""
     causal, bottom_right, window_left, window_right, softcap, scale, dropout_p = scalars
     b, hq, nq, d = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    row_stats = _keeps_row_stats(mask)
     if packed is None:
-        out, lse, empty = _forward_outputs(q, k, v, store_lse)
+        out, lse, empty = _forward_outputs(q, k, v, store_lse, row_stats)
         out_view, rows = out, nq
     else:
         out, lse, empty = packed.outputs(q, k, v, store_lse)
         out_view, rows = packed.view(out), packed.max_q
     if empty:
-        return out, lse
+        return _with_lse(out, lse, row_stats)
     c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
                scale, dropout_p, packed)  # fmt: skip
     varlen = _varlen(packed, key_ranges)
@@ -643,7 +689,7 @@ def _forward(
     if key is not None and _is_compiled(compiled):
         launch = CachedLaunch(kernel, compiled, grid, args, meta, tensors=9)
         _remember(key, _ForwardPlan(launch, out, lse))
-    return out, lse
+    return _with_lse(out, lse, row_stats)
 
 
 def _tma_eligible(c: _Setup, varlen: int, *tensors: torch.Tensor, max_d: int = 128) -> bool:
@@ -748,19 +794,30 @@ def _fwd_impl(
     softcap: float,
     scale: float,
     dropout_p: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward. q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), mask None or
     broadcastable to (B, Hq, Nq, Nk), seed None or int64 (1,) on q's device.
     Window sides: -1 = unbounded; softcap 0 = none. Returns out (B, Hq, Nq, Dv) in q's
-    dtype and lse (B, Hq, Nq) float32 (natural log, -inf for rows with no key).
-    Eager calls on CUDA reuse a cached launch plan (see _PLANS)."""
-    scalars = (causal, bottom_right, window_left, window_right, softcap, scale, dropout_p)
+    dtype, lse (B, Hq, Nq) float32 (natural log, -inf for rows with no key) and the
+    row stats the backward reads in the lse's place (B, Hq, Nq) int64 where the mask is
+    a float one (see _keeps_row_stats), else an empty int64 tensor (an op's outputs
+    are tensors, and may not alias each other)."""
+    out, lse, stats = _fwd_rows(q, k, v, mask, seed, causal, bottom_right, window_left,
+                                window_right, softcap, scale, dropout_p)  # fmt: skip
+    if stats is None:
+        stats = torch.empty((0,), dtype=torch.int64, device=q.device)
+    return out, lse, stats  # type: ignore[return-value]
+
+
+def _fwd_rows(q, k, v, mask, seed, *scalars):  # type: ignore[no-untyped-def]
+    """:func:`_fwd_impl`'s (out, lse, stats), stats None where the backward reads the
+    lse itself; DirectAttention's forward. Eager calls on CUDA reuse a cached launch
+    plan (see _PLANS)."""
     key = None if is_wrap_triton_enabled() else _plan_key("fwd", q, k, v, mask, seed, scalars, True)
     plan, key = _lookup(key)
     if plan is not None:
-        return plan(q, k, v, mask, seed)  # type: ignore[no-any-return]
-    out, lse = _forward(q, k, v, mask, seed, scalars, True, key)
-    return out, lse  # type: ignore[return-value]
+        return plan(q, k, v, mask, seed)
+    return _forward(q, k, v, mask, seed, scalars, True, key)
 
 
 def _fwd_no_grad(
@@ -772,13 +829,13 @@ def _fwd_no_grad(
     scalars: tuple,
     store_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """An eager call on plain tensors that records no gradient: the forward without an
-    autograd node, and without an lse unless ``store_lse``."""
+    """An eager call on plain tensors that records no gradient: (out, lse), the forward
+    without an autograd node, and without an lse unless ``store_lse``."""
     plan, key = _lookup(_plan_key("fwd", q, k, v, mask, seed, scalars, store_lse))
     if plan is not None:
-        return plan(q, k, v, mask, seed)  # type: ignore[no-any-return]
+        return plan(q, k, v, mask, seed)[:2]  # type: ignore[no-any-return]
     with set_wrap_triton_enabled(False):
-        return _forward(q, k, v, mask, seed, scalars, store_lse, key)
+        return _forward(q, k, v, mask, seed, scalars, store_lse, key)[:2]
 
 
 def _bwd_impl(
@@ -799,8 +856,10 @@ def _bwd_impl(
     scale: float,
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward: (dq, dk, dv) shaped like (q, k, v). ``dlse`` (B, Hq, Nq) is the
-    gradient reaching the returned lse, or None. Deterministic: no atomics.
+    """Backward: (dq, dk, dv) shaped like (q, k, v). ``lse``: what the kernels read per
+    query row, the forward's lse or, for a float mask's call, its row stats (see
+    _keeps_row_stats). ``dlse`` (B, Hq, Nq) is the gradient reaching the returned lse,
+    or None. Deterministic: no atomics.
 
     After the preprocess (delta), dK/dV and dQ run as two launches or as one merged
     launch, as :func:`configs.backward_launch` decides (a table by head dim;
@@ -1003,13 +1062,13 @@ _SCALARS = (
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     q, k, v, mask, seed, *scalars = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, mask, seed, out, lse)
+    out, lse, stats = output
+    ctx.save_for_backward(q, k, v, mask, seed, out, stats if stats.numel() else lse)
     ctx.scalars = scalars
     ctx.tuning = tuning.current()
 
 
-def _backward(ctx, dout, dlse):  # type: ignore[no-untyped-def]
+def _backward(ctx, dout, dlse, dstats):  # type: ignore[no-untyped-def]
     q, k, v, mask, seed, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
@@ -1091,10 +1150,12 @@ class DirectAttention(torch.autograd.Function):
     """An op's forward and backward implementations run as an autograd.Function.
 
     ``apply(fwd_impl, bwd_impl, extra, q, k, v, mask, seed, *scalars)`` computes
-    ``fwd_impl(q, k, v, mask, seed, *extra, *scalars) -> (out, lse)``; the backward calls
-    ``bwd_impl(dout, q, k, v, mask, seed, *extra, out, lse, dlse, *scalars)``, as the
-    op's registered autograd does. ``extra`` holds what is neither a differentiable
-    input nor a scalar (the block-sparse index tensors).
+    ``fwd_impl(q, k, v, mask, seed, *extra, *scalars) -> (out, lse, stats)`` and returns
+    (out, lse); the backward calls ``bwd_impl(dout, q, k, v, mask, seed, *extra, out,
+    rows, dlse, *scalars)``, rows the stats where there are some (a float mask's call:
+    see _keeps_row_stats), else the lse, as the op's registered autograd does.
+    ``extra`` holds what is neither a differentiable input nor a scalar (the
+    block-sparse index tensors).
     """
 
     @staticmethod
@@ -1102,23 +1163,23 @@ class DirectAttention(torch.autograd.Function):
         # Launch the raw kernels: wrap_triton would route them through its tracing
         # machinery, which only torch.compile needs.
         with set_wrap_triton_enabled(False):
-            out, lse = fwd_impl(q, k, v, mask, seed, *extra, *scalars)
+            out, lse, stats = fwd_impl(q, k, v, mask, seed, *extra, *scalars)
         # An output that gets no gradient (lse, usually) arrives as None instead of a
         # tensor of zeros: no fill and no subtraction in the backward.
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, mask, seed, out, lse)
+        ctx.save_for_backward(q, k, v, mask, seed, out, lse if stats is None else stats)
         ctx.impl = (bwd_impl, extra, scalars)
         ctx.tuning = tuning.current()  # the backward's too (tuning.restored)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):  # type: ignore[no-untyped-def]
-        q, k, v, mask, seed, out, lse = ctx.saved_tensors
+        q, k, v, mask, seed, out, rows = ctx.saved_tensors
         bwd_impl, extra, scalars = ctx.impl
         if dout is None:
             dout = torch.zeros_like(out)
         with set_wrap_triton_enabled(False), tuning.restored(ctx.tuning):
-            grads = bwd_impl(dout, q, k, v, mask, seed, *extra, out, lse, dlse, *scalars)
+            grads = bwd_impl(dout, q, k, v, mask, seed, *extra, out, rows, dlse, *scalars)
         dq, dk, dv = once_differentiable(grads, dout, dlse, q, k, v, mask)
         return (None, None, None, dq, dk, dv, None, None) + (None,) * len(scalars)
 
@@ -1170,7 +1231,7 @@ def apply_direct(
     through :class:`DirectAttention` (the lse kept for the backward)."""
     if _records_no_gradient(q, k, v):
         with set_wrap_triton_enabled(False):
-            return fwd_impl(q, k, v, None, None, *extra, *scalars, store_lse=return_lse)  # type: ignore[no-any-return]
+            return fwd_impl(q, k, v, None, None, *extra, *scalars, store_lse=return_lse)[:2]  # type: ignore[no-any-return]
     return DirectAttention.apply(fwd_impl, bwd_impl, extra, q, k, v, None, None, *scalars)  # type: ignore[no-any-return]
 
 
@@ -1199,7 +1260,7 @@ def flash_attention(
     if direct(q, k, v, mask):
         if _records_no_gradient(q, k, v):
             return _fwd_no_grad(q, k, v, mask, seed, scalars, return_lse)
-        out, lse = DirectAttention.apply(_fwd_impl, _bwd_impl, (), q, k, v, mask, seed, *scalars)
+        out, lse = DirectAttention.apply(_fwd_rows, _bwd_impl, (), q, k, v, mask, seed, *scalars)
     else:
-        out, lse = triton_flash_fwd(q, k, v, mask, seed, *scalars)
+        out, lse, _ = triton_flash_fwd(q, k, v, mask, seed, *scalars)
     return out, (lse if return_lse else None)

@@ -18,7 +18,8 @@ from .ops import Packed, _bwd_full, _forward, apply_direct, call_scalars
 
 
 def _fwd(q, k, v, mask, seed, packed, *scalars, store_lse=True):  # type: ignore[no-untyped-def]
-    """(out (Tq, Hq, Dv), lse (Hq, Tq) or None): the forward on packed tensors."""
+    """(out (Tq, Hq, Dv), lse (Hq, Tq) or None, None): the forward on packed tensors
+    (no mask: no row stats)."""
     views = (packed.view(t) for t in (q, k, v))
     return _forward(*views, None, None, scalars, store_lse, None, packed)
 
