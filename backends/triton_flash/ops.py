@@ -422,13 +422,12 @@ def _forward_outputs(
         return out, rows, True
     if k.shape[2] == 0:
         out.zero_()
-        if rows is not None:
-            pair = rows.view(torch.float32).unflatten(-1, (-1, 2)) if row_stats else None
-            if pair is None:
-                rows.fill_(float("-inf"))
-            else:
-                pair[..., 0].fill_(float("-inf"))  # m
-                pair[..., 1].fill_(0.0)  # log2(l) of l = 1, as the kernels store it
+        if rows is not None and row_stats:
+            pair = rows.view(torch.float32).unflatten(-1, (-1, 2))
+            pair[..., 0].fill_(float("-inf"))  # m
+            pair[..., 1].fill_(0.0)  # log2(l) of l = 1, as the kernels store it
+        elif rows is not None:
+            rows.fill_(float("-inf"))
         return out, rows, True
     return out, rows, False
 
