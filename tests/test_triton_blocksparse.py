@@ -132,9 +132,10 @@ def test_partial_blocks_causal_layout(dtype: torch.dtype) -> None:
 )  # fmt: skip
 def test_rows_hidden_by_the_most_negative_float_keep_their_gradients(dtype: torch.dtype) -> None:
     """A float mask of finfo.min on whole rows (a model's padding rows): every kept key
-    of such a row ties at the kernels' clamp, and its weights are 1 / (keys it sees) in
-    the forward and the backward alike (the backward took each as 1 when the row's lse
-    was all it had). Under a causal layout row i sees i + 1 keys: counts of 1 to 80."""
+    of such a row ties (at the kernels' clamp for fp32 and bf16; at -65504 in fp16), and
+    its weights are 1 / (keys it sees) in the forward and the backward alike (the
+    backward took each as 1 when the row's lse was all it had: fp32 failed, fp16 kept
+    enough bits). Under a causal layout row i sees i + 1 keys: counts of 1 to 80."""
     torch.manual_seed(6)
     b, h, n, d = 1, 2, 150, 32
     q, k, v, dout = (torch.randn(b, h, n, d, dtype=dtype, device=DEVICE) for _ in range(4))
