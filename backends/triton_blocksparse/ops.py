@@ -49,7 +49,9 @@ from attnhub.backends.triton_flash.ops import (
     direct,
     interpreting,
     is_wrap_triton_enabled,
+    op_outputs,
     raise_double_backward,
+    saved_rows,
 )
 from attnhub.block_sparse import BlockSparseLayout, _compress
 
@@ -336,12 +338,9 @@ def _fwd_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward over the kept blocks: (out, lse, row stats or an empty tensor), shapes
     and conventions as triton_flash's op."""
-    out, lse, stats = _fwd_rows(q, k, v, mask, seed, index, bq, bk, has_partial, heavy_rows,
-                                heavy_cols, long_rows, long_cols, causal, bottom_right,
-                                window_left, window_right, softcap, scale, dropout_p)  # fmt: skip
-    if stats is None:
-        stats = torch.empty((0,), dtype=torch.int64, device=q.device)
-    return out, lse, stats
+    return op_outputs(*_fwd_rows(q, k, v, mask, seed, index, bq, bk, has_partial, heavy_rows,
+                                 heavy_cols, long_rows, long_cols, causal, bottom_right,
+                                 window_left, window_right, softcap, scale, dropout_p))  # type: ignore[no-any-return]  # fmt: skip
 
 
 def _fwd_rows(q, k, v, mask, seed, index, *scalars):  # type: ignore[no-untyped-def]
@@ -525,7 +524,7 @@ _N_SCALARS = 14
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     q, k, v, mask, seed, index, *scalars = inputs
     out, lse, stats = output
-    ctx.save_for_backward(q, k, v, mask, seed, out, stats if stats.numel() else lse, *index)
+    ctx.save_for_backward(q, k, v, mask, seed, out, saved_rows(lse, stats), *index)
     ctx.scalars = scalars
     ctx.tuning = tuning.current()
 

@@ -177,6 +177,21 @@ def _with_lse(out: torch.Tensor, rows: torch.Tensor | None, row_stats: bool):  #
     return out, rows, None
 
 
+def op_outputs(out: torch.Tensor, lse: torch.Tensor, stats: torch.Tensor | None):  # type: ignore[no-untyped-def]
+    """A forward op's (out, lse, stats): stats None becomes an empty int64 tensor (an
+    op's outputs are tensors, and may not alias each other). :func:`saved_rows` reads
+    it back."""
+    if stats is None:
+        stats = torch.empty((0,), dtype=torch.int64, device=out.device)
+    return out, lse, stats
+
+
+def saved_rows(lse: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """What a forward op's backward reads per query row, from its outputs
+    (:func:`op_outputs`): the row stats where there are some, else the lse."""
+    return stats if stats.numel() else lse
+
+
 _TILE_SLACK = 1024  # at least twice any BLOCK_M or BLOCK_N (configs.py: at most 128)
 
 
@@ -620,7 +635,9 @@ class _ForwardPlan:
             return out, None, None
         rows = torch.empty(self.lse_shape, dtype=self.rows_dtype, device=self.device)
         self.launch(q, k, v, m, s, out, rows, q, cu_k)
-        return _with_lse(out, rows, self.rows_dtype == torch.int64)
+        if self.rows_dtype is torch.int64:
+            return out, lse_of_row_stats(rows), rows
+        return out, rows, None
 
 
 def _forward(
@@ -801,11 +818,8 @@ def _fwd_impl(
     row stats the backward reads in the lse's place (B, Hq, Nq) int64 where the mask is
     a float one (see _keeps_row_stats), else an empty int64 tensor (an op's outputs
     are tensors, and may not alias each other)."""
-    out, lse, stats = _fwd_rows(q, k, v, mask, seed, causal, bottom_right, window_left,
-                                window_right, softcap, scale, dropout_p)  # fmt: skip
-    if stats is None:
-        stats = torch.empty((0,), dtype=torch.int64, device=q.device)
-    return out, lse, stats  # type: ignore[return-value]
+    return op_outputs(*_fwd_rows(q, k, v, mask, seed, causal, bottom_right, window_left,
+                                 window_right, softcap, scale, dropout_p))  # type: ignore[no-any-return]  # fmt: skip
 
 
 def _fwd_rows(q, k, v, mask, seed, *scalars):  # type: ignore[no-untyped-def]
@@ -1062,7 +1076,7 @@ _SCALARS = (
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     q, k, v, mask, seed, *scalars = inputs
     out, lse, stats = output
-    ctx.save_for_backward(q, k, v, mask, seed, out, stats if stats.numel() else lse)
+    ctx.save_for_backward(q, k, v, mask, seed, out, saved_rows(lse, stats))
     ctx.scalars = scalars
     ctx.tuning = tuning.current()
 
