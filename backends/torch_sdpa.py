@@ -215,6 +215,21 @@ def _bool_mask_on_cuda(request: AttentionRequest) -> bool:
     )
 
 
+def _float_mask_backward_on_cuda(request: AttentionRequest) -> bool:
+    """A CUDA call with a float mask and a backward: declined.
+
+    PyTorch's CUDA kernels that take a float mask keep one float32 log-sum-exp per row
+    and recompute the weights from it in the backward, as its CPU flash kernel does (see
+    _float_mask_backward_on_cpu). A row whose every key the mask hides with a large
+    finite value loses log(Nk) in it: on an H100 (torch 2.11, float32, 8 x 64, the
+    hidden-row test of tests/test_builtin_backends.py) rows hidden by -1e9, -1e30 or
+    finfo.min gave dQ 20 where the float64 reference gives 0.3, and -1e4 dQ 1.4x the
+    tolerance. Which rows a mask hides is in its values, which dispatch does not read:
+    every such call goes elsewhere (triton_flash keeps each row's max and sum apart;
+    torch_reference where the mask needs a gradient)."""
+    return request.device_type == "cuda" and request.mask == "float" and request.needs_grad
+
+
 def _off_square_causal_backward_on_cuda(request: AttentionRequest) -> list[str]:
     """Top-left causal with Nq != Nk and a backward, on CUDA: declined where PyTorch's
     kernel would take it as ``is_causal``.
@@ -244,16 +259,29 @@ def _off_square_causal_backward_on_cuda(request: AttentionRequest) -> list[str]:
     return []
 
 
+# A float mask's finite entries beyond +-2**127 are clamped there on CUDA. PyTorch's
+# kernels take scores to log2 units (times log2(e) = 1.44) before exp2: a row whose
+# every key a model's padding mask hides with finfo.min (-3.4e38; bfloat16's -3.39e38)
+# overflowed to -inf, read as fully masked, and gave zeros (seen on an H100, torch
+# 2.11, float32) where the contract gives the mean of the values. 2**127 times log2(e)
+# stays finite with room for the scores added to it; clamped, such a row's keys tie, as
+# they do at finfo.min (triton_flash clamps at FP32_MAX / log2(e) likewise).
+_MASK_BOUND = 2.0**127
+
+
 def _open_rows_without_keys(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the mask with its key-less rows made all-visible, those rows as a (.., Nq, 1) bool).
 
     ``mask`` is bool (True = kept) or float (-inf = masked), 4-D, broadcastable to the
-    scores; the returned row mask broadcasts against the output (B, H, Nq, Dv).
+    scores; the returned row mask broadcasts against the output (B, H, Nq, Dv). A float
+    mask's finite entries also come back clamped to +-_MASK_BOUND (infinities kept).
     """
     kept = mask if mask.dtype == torch.bool else mask != float("-inf")
     empty = ~kept.any(dim=-1, keepdim=True)
     if mask.dtype == torch.bool:
         return mask | empty, empty
+    if torch.finfo(mask.dtype).max > _MASK_BOUND:  # float16 holds no such entry
+        mask = torch.where(mask.isinf(), mask, mask.clamp(-_MASK_BOUND, _MASK_BOUND))
     return mask.masked_fill(empty, 0.0), empty
 
 
@@ -406,6 +434,12 @@ class TorchSDPA(Backend):
             return [
                 "on CUDA, a bool mask with a backward: PyTorch's kernel gave gradients "
                 "77x outside the contract's tolerance on the H200 (attnhub demo)"
+            ]
+        if _float_mask_backward_on_cuda(request):
+            return [
+                "on CUDA, a float mask with a backward: PyTorch's kernels keep one float32 "
+                "lse per row, and rows the mask hides with a large finite value (-1e9, "
+                "finfo.min) got gradients 20 from the reference (H100)"
             ]
         if _uses_is_causal(request):
             return _off_square_causal_backward_on_cuda(request)

@@ -530,7 +530,9 @@ def test_torch_sdpa_masks_built_in_inference_mode_are_not_reused_with_a_backward
 # reference here. PyTorch's CPU flash kernel (a 2-D or 4-D mask; a 3-D one goes to its
 # math kernel) did so at finfo.min, and torch_sdpa sends such CPU calls to the math
 # kernel. triton_flash did so at each: a float mask's calls now keep the row's max and
-# log2 of its sum apart (ops._keeps_row_stats).
+# log2 of its sum apart (ops._keeps_row_stats). PyTorch's CUDA kernels did so at each
+# (H100, 2026-12-07: dQ 20 from the reference at -1e9): torch_sdpa declines a float
+# mask with a backward on CUDA (test_pytorch_checks.py), and the flex plugin too.
 _HIDE_WITH = {
     "finfo_min": torch.finfo(torch.float32).min,
     "-1e9": -1e9,
@@ -558,10 +560,6 @@ _NEEDS_CUDA = [
             "cpu",
             marks=[pytest.mark.interpreter, _NEEDS_INTERPRETER],
         ),
-        # On CUDA, not yet run (2026-12-07): PyTorch's kernels may lose the lse as
-        # triton_flash does; the first GPU run says which.
-        pytest.param("torch_sdpa", "cuda", marks=_NEEDS_CUDA),
-        pytest.param("torch_sdpa_efficient", "cuda", marks=_NEEDS_CUDA),
         pytest.param("triton_flash", "cuda", marks=_NEEDS_CUDA),
     ],
 )
@@ -584,3 +582,31 @@ def test_a_row_hidden_by_a_large_negative_float_keeps_its_gradients(name, device
     got = run(lambda *a: attnhub.attention(*a, backend=name), torch.float32)
     found = [compare(n, x, r_lp, r64) for n, x, r_lp, r64 in zip(("out", "dq", "dk", "dv"), got, plain, want)]  # fmt: skip
     assert not any(found), found
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hide", [*_HIDE_WITH, "dtype_min", "-2e38"])
+@pytest.mark.parametrize("name", ["torch_sdpa", "triton_flash", "flex_attention"])
+def test_gpu_a_row_hidden_by_a_large_negative_float_gets_the_mean_of_the_values(name, hide, dtype):
+    """Forward only, on CUDA (every float-mask backend serves it; with a backward only
+    triton_flash does). PyTorch's kernels and FlexAttention's take scores to log2 units
+    before exp2, where finfo.min overflowed to -inf: such rows read as fully masked and
+    gave zeros (H100, 2026-12-07) where the contract gives the mean of the values; their
+    masks' entries are now clamped at 2**127 (torch_sdpa._MASK_BOUND)."""
+    if name not in attnhub.list_backends():
+        pytest.skip(f"{name} is not installed")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 64, device="cuda", dtype=dtype) for n in (40, 96, 96))
+    mask = torch.randn(2, 1, 40, 96, device="cuda")
+    low = {"dtype_min": torch.finfo(dtype).min, "-2e38": -2e38}.get(hide) or _HIDE_WITH[hide]
+    mask[0, :, :7] = low  # whole rows
+    mask[1, :, :, 50:] = low  # keys, as padding hides them
+    mask[1, :, 30:] = low
+    mask = mask.to(dtype)
+    with torch.no_grad():
+        got = attnhub.attention(q, k, v, mask, scale=0.3, backend=name)
+    want, _ = reference_attention(q.double(), k.double(), v.double(), mask.double(), _params())
+    plain, _ = reference_attention(q, k, v, mask, _params())
+    assert compare("out", got, plain, want) is None

@@ -115,23 +115,26 @@ def test_on_cuda_torch_sdpa_serves_masks_and_rows_without_keys():
         assert not torch_sdpa._may_leave_rows_without_keys(request)  # the CPU gives zeros
 
 
-def test_on_cuda_torch_sdpa_declines_a_bool_mask_with_a_backward():
+def test_on_cuda_torch_sdpa_declines_a_mask_with_a_backward():
     """The H200 demo's causal key-padding step, served by torch_sdpa with a bool mask,
-    gave gradients far outside the tolerance: such calls with a backward go elsewhere;
-    the same call without one, and a float mask with one, are still served."""
+    gave gradients far outside the tolerance, and a float mask's rows hidden by -1e9 or
+    finfo.min got dQ 20 from the reference on an H100: such calls with a backward go
+    elsewhere; the same calls without one, and causal without a mask, are served."""
     q = torch.empty(2, 4, 64, 64, device="meta", dtype=torch.float16)
     k = torch.empty(2, 4, 32, 64, device="meta", dtype=torch.float16)
     sdpa = get_registry().get("torch_sdpa")
     bool_mask = torch.empty(2, 1, 1, 64, device="meta", dtype=torch.bool)
     float_mask = torch.empty(2, 1, 64, 64, device="meta", dtype=torch.float16)
-    for mask, keys, options, declined in (
-        (bool_mask, q, {"causal": True}, True),
-        (None, k, {"causal": True, "alignment": "bottom_right"}, True),  # a built bool mask
-        (float_mask, q, {}, False),
-        (None, q, {"causal": True}, False),
+    for mask, keys, options, why in (
+        (bool_mask, q, {"causal": True}, "bool mask with a backward"),
+        # a built bool mask
+        (None, k, {"causal": True, "alignment": "bottom_right"}, "bool mask with a backward"),
+        (float_mask, q, {}, "float mask with a backward"),
+        (float_mask, q, {"causal": True}, "float mask with a backward"),
+        (None, q, {"causal": True}, None),
     ):
         request, _ = _request(q, keys, keys, mask, **options)
-        _check_declined_with_a_backward(sdpa, request, declined, "bool mask with a backward")
+        _check_declined_with_a_backward(sdpa, request, why is not None, why)
 
 
 def _check_declined_with_a_backward(backend, request, declined, why):  # type: ignore[no-untyped-def]
@@ -228,7 +231,7 @@ def test_gpu_explain_quotes_pytorch_for_a_kernel_it_rejects():
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["bool", "float", "causal+bool", "bottom_right"])
-def test_gpu_torch_sdpa_gives_zeros_and_finite_grads_on_rows_without_keys(dtype, kind):
+def test_gpu_torch_sdpa_gives_zeros_on_rows_without_keys(dtype, kind):
     torch.manual_seed(0)
     b, h, nq, nk, d = 2, 4, 96, 80 if kind == "bottom_right" else 96, 64
     q = torch.randn(b, h, nq, d, device="cuda", dtype=dtype, requires_grad=True)
@@ -245,28 +248,20 @@ def test_gpu_torch_sdpa_gives_zeros_and_finite_grads_on_rows_without_keys(dtype,
             options["causal"] = True
     else:
         options = {"causal": True, "alignment": "bottom_right"}
-    ref, leaves = _float64(q, k, v, mask, **options)
-    if kind != "float":
-        # A bool mask reaches PyTorch's kernel (given, or built for bottom-right causal
-        # with Nq > Nk): served without a backward, declined with one (_bool_mask_on_cuda).
-        with torch.no_grad():
-            out = attnhub.attention(q, k, v, attn_mask=mask, backend="torch_sdpa", **options)
-        torch.testing.assert_close(out.double(), ref.detach(), atol=2e-2, rtol=2e-2)
-        with pytest.raises(NoBackendError, match="torch_sdpa"):
-            attnhub.attention(q, k, v, attn_mask=mask, backend="torch_sdpa", **options)
-        (sdpa,) = [c for c in attnhub.explain(q, k, v, attn_mask=mask, **options).candidates
-                   if c.name == "torch_sdpa"]  # fmt: skip
-        assert any("bool mask with a backward" in r for r in sdpa.reasons), sdpa.reasons
-        return
-    out = attnhub.attention(q, k, v, attn_mask=mask, backend="torch_sdpa", **options)
-    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    ref, _ = _float64(q, k, v, mask, **options)
+    # The mask reaches PyTorch's kernel (given, or a bool one built for bottom-right
+    # causal with Nq > Nk): served without a backward, its key-less rows mended; declined
+    # with one (_bool_mask_on_cuda, _float_mask_backward_on_cuda).
+    with torch.no_grad():
+        out = attnhub.attention(q, k, v, attn_mask=mask, backend="torch_sdpa", **options)
+    torch.testing.assert_close(out.double(), ref.detach(), atol=2e-2, rtol=2e-2)
     assert torch.isfinite(out).all()
-    grad = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), grad)
-    want = torch.autograd.grad(ref, leaves, grad.double())
-    for g, w in zip(got, want):
-        assert torch.isfinite(g).all()
-        torch.testing.assert_close(g.double(), w, atol=5e-2, rtol=5e-2)
+    with pytest.raises(NoBackendError, match="torch_sdpa"):
+        attnhub.attention(q, k, v, attn_mask=mask, backend="torch_sdpa", **options)
+    (sdpa,) = [c for c in attnhub.explain(q, k, v, attn_mask=mask, **options).candidates
+               if c.name == "torch_sdpa"]  # fmt: skip
+    why = "float mask with a backward" if kind == "float" else "bool mask with a backward"
+    assert any(why in r for r in sdpa.reasons), sdpa.reasons
 
 
 def test_a_mask_built_for_a_call_is_built_once_per_mask_tensor_and_version(monkeypatch):

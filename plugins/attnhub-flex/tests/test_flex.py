@@ -164,3 +164,32 @@ def test_compiled_cpu_calls_do_not_take_flex(options: dict) -> None:
     ):
         torch.testing.assert_close(g, w.float(), atol=2e-5, rtol=2e-5)
     torch._dynamo.reset()
+
+
+def test_a_float_mask_with_a_backward_on_cuda_is_declined() -> None:
+    """On an H100 FlexAttention's backward gave a padding mask's rows hidden by
+    finfo.min dQ 0.13 from the float64 reference (one float32 lse per row): such calls
+    go elsewhere; without a backward, with a bool mask, and off CUDA (no backward there
+    at all) the reason is not given."""
+    import dataclasses
+
+    from attnhub.validation import build_request, make_params
+
+    flex = attnhub.get_registry().get("flex_attention")
+    q = torch.empty(2, 4, 64, 64, device="meta", dtype=torch.bfloat16)
+    why = "a float mask with a backward on CUDA"
+    for mask_dtype, declined in (
+        (torch.bfloat16, True),
+        (torch.float32, True),
+        (torch.bool, False),
+    ):
+        mask = torch.empty(2, 1, 64, 64, device="meta", dtype=mask_dtype)
+        params = make_params(q, key=q, causal=False, alignment="top_left", window=None,
+                             softcap=None, scale=None, dropout_p=0.0, block_sparse=None,
+                             return_lse=False)  # fmt: skip
+        request = dataclasses.replace(
+            build_request(q, q, q, mask, params), device_type="cuda", capability=(9, 0)
+        )
+        assert not any(why in r for r in flex.extra_reasons(request))
+        reasons = flex.extra_reasons(dataclasses.replace(request, needs_grad=True))
+        assert any(why in r for r in reasons) == declined, reasons

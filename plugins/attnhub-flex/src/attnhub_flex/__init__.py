@@ -20,7 +20,8 @@ masks). It is built once per (layout, Nq, Nk, causal, alignment, window) and cac
 Grouped-query attention is ``enable_gqa=True``; the log-sum-exp comes from the kernel
 (natural log, -inf on rows with no key). Not offered, and declared so: dropout
 (FlexAttention has none, pytorch/pytorch#141784), a gradient for a float mask, and
-float64.
+float64; nor, on CUDA, a float mask with a backward (its rows hidden by a large finite
+value lose their weights in the backward: ``FlexAttention.extra_reasons``).
 
 How it runs: on CUDA through ``torch.compile(flex_attention, dynamic=False)``, the
 fused Triton kernel (memory linear in N). Each new shape compiles once; the dynamo
@@ -51,6 +52,14 @@ __all__ = ["FlexAttention", "attnhub_register_backends"]
 
 # Above the number of distinct shapes a benchmark or a model's run sees.
 _DYNAMO_CACHE_LIMIT = 256
+
+# A float mask's finite entries beyond +-2**127 are clamped there (below float64). The
+# compiled kernel takes scores to log2 units (times log2(e)) before exp2: a row whose
+# every key a padding mask hides with finfo.min (-3.4e38) overflowed to -inf, read as
+# fully masked, and gave zeros where the contract gives the mean of the values (H100,
+# bf16, benchmarks/float_mask_probe.py: the output 0.08 from the float64 reference).
+# Clamped, such a row's keys tie as they do at finfo.min.
+_MASK_BOUND = 2.0**127
 
 
 def _flex_module() -> Any:
@@ -131,7 +140,10 @@ def _mods(
                 score = cap * torch.tanh(score / cap)
             if fm is not None:
                 assert fsizes is not None
-                score = score + fm[_index(fsizes, b, h, q, k)].to(score.dtype)
+                bias = fm[_index(fsizes, b, h, q, k)].to(score.dtype)
+                # Clamped (see _MASK_BOUND), infinities kept.
+                bias = torch.where(bias.isinf(), bias, bias.clamp(-_MASK_BOUND, _MASK_BOUND))
+                score = score + bias
             return score
 
     return mask_mod, score_mod
@@ -415,15 +427,17 @@ class FlexAttention(Backend):
         if request.device_type == "cpu" and request.needs_grad:
             # FlexAttention's own words: "FlexAttention does not support backward on CPU".
             return ["FlexAttention has no backward on CPU"]
-        if request.device_type == "cuda" and request.needs_grad and request.mask_rounded:
-            # Seen on the H200 (torch 2.11; the kit's float32-mask backward case, fp16
-            # and bf16, D=64): Inductor finds no forward configuration within shared
-            # memory ("No valid triton configs", 245760 bytes of 232448) when the
-            # captured mask is float32 and the query half precision. Forward only, it
-            # compiles and is exact (D=128).
+        if request.device_type == "cuda" and request.needs_grad and request.mask == "float":
+            # The backward recomputes the weights from one float32 lse per row, which
+            # loses log(Nk) beside a large hiding value (-1e9, finfo.min), as PyTorch's
+            # CUDA kernels' did (dQ 20 from the reference at -1e9, H100). Dispatch does
+            # not read the mask's values, so every such call goes elsewhere (also the
+            # float32 mask with a half-precision query, for which Inductor found no
+            # backward configuration in shared memory on the H200).
             return [
-                "a float32 mask with a half-precision query and a backward on CUDA: "
-                "the compiled kernel has no configuration that fits in shared memory"
+                "a float mask with a backward on CUDA: the backward recomputes weights "
+                "from one float32 lse per row, which rows hidden by a large finite value "
+                "(-1e9, finfo.min) lose"
             ]
         if request.device_type == "cuda" and request.head_dim & (request.head_dim - 1):
             # The compiled kernel pads D to a power of two in recent releases only.
