@@ -137,6 +137,29 @@ def test_on_cuda_torch_sdpa_declines_a_mask_with_a_backward():
         _check_declined_with_a_backward(sdpa, request, why is not None, why)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_float_mask_handed_to_cuda_kernels_keeps_its_infinities_and_clamps_the_rest(dtype):
+    """What torch_sdpa hands PyTorch's CUDA kernels for a float mask: key-less rows
+    (all -inf) opened to 0 and reported; other entries as given, except finite ones
+    beyond +-2**127, which PyTorch's kernels overflowed in log2 units (finfo.min rows
+    read as fully masked on an H100), clamped there; float16 holds none."""
+    low, high = torch.finfo(dtype).min, torch.finfo(dtype).max
+    inf = float("inf")
+    mask = torch.tensor(
+        [[0.5, -1e4, -inf, inf, low, high], [-inf] * 6, [low] * 6], dtype=dtype
+    ).view(1, 1, 3, 6)
+    opened, empty = torch_sdpa._open_rows_without_keys(mask)
+    assert empty.view(-1).tolist() == [False, True, False]
+    bound = min(2.0**127, high)
+    want = torch.tensor(
+        [[0.5, -1e4, -inf, inf, -bound, bound], [0.0] * 6, [-bound] * 6], dtype=dtype
+    ).view(1, 1, 3, 6)
+    assert opened.dtype == dtype
+    assert torch.equal(opened, want)
+    # The cached tensor is a new one: the caller's mask is untouched.
+    assert mask[0, 0, 2, 0] == low
+
+
 def _check_declined_with_a_backward(backend, request, declined, why):  # type: ignore[no-untyped-def]
     """``backend`` serves ``request`` on CUDA without a backward, declines it with one
     (saying ``why``) exactly where ``declined``, and serves it on the CPU either way."""
