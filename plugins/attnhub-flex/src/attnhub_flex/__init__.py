@@ -53,12 +53,12 @@ __all__ = ["FlexAttention", "attnhub_register_backends"]
 # Above the number of distinct shapes a benchmark or a model's run sees.
 _DYNAMO_CACHE_LIMIT = 256
 
-# A float mask's finite entries beyond +-2**127 are clamped there (below float64). The
-# compiled kernel takes scores to log2 units (times log2(e)) before exp2: a row whose
-# every key a padding mask hides with finfo.min (-3.4e38) overflowed to -inf, read as
-# fully masked, and gave zeros where the contract gives the mean of the values (H100,
-# bf16, benchmarks/float_mask_probe.py: the output 0.08 from the float64 reference).
-# Clamped, such a row's keys tie as they do at finfo.min.
+# A float mask's finite entries beyond +-2**127 are clamped there. The compiled kernel
+# takes scores to log2 units (times log2(e)) before exp2: a row whose every key a
+# padding mask hides with finfo.min (-3.4e38) overflowed to -inf, read as fully
+# masked, and gave zeros where the contract gives the mean of the values (H100, bf16,
+# benchmarks/float_mask_probe.py: the output 0.08 from the float64 reference). Clamped,
+# such a row's keys tie as they do at finfo.min.
 _MASK_BOUND = 2.0**127
 
 
@@ -429,8 +429,9 @@ class FlexAttention(Backend):
             return ["FlexAttention has no backward on CPU"]
         if request.device_type == "cuda" and request.needs_grad and request.mask == "float":
             # The backward recomputes the weights from one float32 lse per row, which
-            # loses log(Nk) beside a large hiding value (-1e9, finfo.min), as PyTorch's
-            # CUDA kernels' did (dQ 20 from the reference at -1e9, H100). Dispatch does
+            # loses log(Nk) beside a large hiding value (-1e9, finfo.min): on an H100
+            # (benchmarks/float_mask_probe.py, bf16) padding rows hidden by -1e9 gave
+            # FlexAttention's compiled kernel dQ 1e8 from the reference. Dispatch does
             # not read the mask's values, so every such call goes elsewhere (also the
             # float32 mask with a half-precision query, for which Inductor found no
             # backward configuration in shared memory on the H200).
