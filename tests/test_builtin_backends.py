@@ -584,22 +584,17 @@ def test_a_row_hidden_by_a_large_negative_float_keeps_its_gradients(name, device
     assert not any(found), found
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hide", [*_HIDE_WITH, "dtype_min", "-2e38"])
-@pytest.mark.parametrize("name", ["torch_sdpa", "triton_flash", "flex_attention"])
-def test_gpu_a_row_hidden_by_a_large_negative_float_gets_the_mean_of_the_values(name, hide, dtype):
-    """Forward only, on CUDA (every float-mask backend serves it; with a backward only
-    triton_flash does). PyTorch's kernels and FlexAttention's take scores to log2 units
-    before exp2, where finfo.min overflowed to -inf: such rows read as fully masked and
-    gave zeros (H100, 2026-12-07) where the contract gives the mean of the values; their
-    masks' entries are now clamped at 2**127 (torch_sdpa._MASK_BOUND)."""
+_HIDE_FORWARD = [*_HIDE_WITH, "dtype_min", "-2e38"]
+
+
+def _check_hidden_rows_forward(name: str, device: str, hide: str, dtype: torch.dtype) -> None:
+    """A float mask hiding whole rows and keys with ``hide``: ``name``'s output against
+    the float64 reference (forward only)."""
     if name not in attnhub.list_backends():
         pytest.skip(f"{name} is not installed")
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 2, n, 64, device="cuda", dtype=dtype) for n in (40, 96, 96))
-    mask = torch.randn(2, 1, 40, 96, device="cuda")
+    q, k, v = (torch.randn(2, 2, n, 64, device=device, dtype=dtype) for n in (40, 96, 96))
+    mask = torch.randn(2, 1, 40, 96, device=device)
     low = {"dtype_min": torch.finfo(dtype).min, "-2e38": -2e38}.get(hide) or _HIDE_WITH[hide]
     mask[0, :, :7] = low  # whole rows
     mask[1, :, :, 50:] = low  # keys, as padding hides them
@@ -610,3 +605,36 @@ def test_gpu_a_row_hidden_by_a_large_negative_float_gets_the_mean_of_the_values(
     want, _ = reference_attention(q.double(), k.double(), v.double(), mask.double(), _params())
     plain, _ = reference_attention(q, k, v, mask, _params())
     assert compare("out", got, plain, want) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hide", _HIDE_FORWARD)
+@pytest.mark.parametrize("name", ["torch_sdpa", "triton_flash", "flex_attention"])
+def test_gpu_a_row_hidden_by_a_large_negative_float_gets_the_mean_of_the_values(name, hide, dtype):
+    """Forward only, on CUDA (every float-mask backend serves it; with a backward only
+    triton_flash does). PyTorch's kernels and FlexAttention's take scores to log2 units
+    before exp2, where finfo.min overflowed to -inf: such rows read as fully masked and
+    gave zeros (H100, 2026-12-07) where the contract gives the mean of the values; their
+    masks' entries are now clamped at 2**127 (torch_sdpa._MASK_BOUND)."""
+    _check_hidden_rows_forward(name, "cuda", hide, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hide", _HIDE_FORWARD)
+@pytest.mark.parametrize(
+    "name",
+    [
+        "torch_sdpa",
+        "torch_reference",
+        "flex_attention",
+        pytest.param("triton_flash", marks=[pytest.mark.interpreter, _NEEDS_INTERPRETER]),
+    ],
+)
+def test_a_row_hidden_by_a_large_negative_float_gets_the_mean_of_the_values(name, hide, dtype):
+    """The same on the CPU, float16 too (where -1e9 and beyond round to -inf: such rows
+    have no key and give zeros, as the reference's do)."""
+    if name == "triton_flash" and dtype == torch.bfloat16:
+        pytest.skip("triton_flash declines bfloat16 in Triton's CPU interpreter")
+    _check_hidden_rows_forward(name, "cpu", hide, dtype)
