@@ -167,10 +167,10 @@ def test_compiled_cpu_calls_do_not_take_flex(options: dict) -> None:
 
 
 def test_a_float_mask_with_a_backward_on_cuda_is_declined() -> None:
-    """On an H100 FlexAttention's backward gave a padding mask's rows hidden by
-    finfo.min dQ 0.13 from the float64 reference (one float32 lse per row): such calls
-    go elsewhere; without a backward, with a bool mask, and off CUDA (no backward there
-    at all) the reason is not given."""
+    """On an H100 FlexAttention's backward gave a padding mask's rows hidden by -1e9
+    dQ 1e8 from the float64 reference (one float32 lse per row;
+    benchmarks/float_mask_probe.py): such calls go elsewhere, whatever the mask's dtype;
+    without a backward, or with a bool mask, the reason is not given."""
     import dataclasses
 
     from attnhub.validation import build_request, make_params
