@@ -35,6 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from attnhub.backend import FLOAT_DTYPES, Backend, Runner
 from attnhub.mask_rows import known_row_keys
+from attnhub.mask_values import clamp_beyond_log2_range
 from attnhub.request import AttentionParams, AttentionRequest
 
 from .torch_reference import keep_mask
@@ -259,30 +260,19 @@ def _off_square_causal_backward_on_cuda(request: AttentionRequest) -> list[str]:
     return []
 
 
-# A float mask's finite entries beyond +-2**127 are clamped there on CUDA. PyTorch's
-# kernels take scores to log2 units (times log2(e) = 1.44) before exp2: a row whose
-# every key a model's padding mask hides with finfo.min (-3.4e38; bfloat16's -3.39e38)
-# overflowed to -inf, read as fully masked, and gave zeros (seen on an H100, torch
-# 2.11, float32) where the contract gives the mean of the values. 2**127 times log2(e)
-# stays finite with room for the scores added to it; clamped, such a row's keys tie, as
-# they do at finfo.min (triton_flash clamps at FP32_MAX / log2(e) likewise).
-_MASK_BOUND = 2.0**127
-
-
 def _open_rows_without_keys(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the mask with its key-less rows made all-visible, those rows as a (.., Nq, 1) bool).
 
     ``mask`` is bool (True = kept) or float (-inf = masked), 4-D, broadcastable to the
     scores; the returned row mask broadcasts against the output (B, H, Nq, Dv). A float
-    mask's finite entries also come back clamped to +-_MASK_BOUND (infinities kept).
+    mask's finite entries also come back clamped to +-2**127, where PyTorch's kernels
+    overflowed them (:mod:`attnhub.mask_values`).
     """
     kept = mask if mask.dtype == torch.bool else mask != float("-inf")
     empty = ~kept.any(dim=-1, keepdim=True)
     if mask.dtype == torch.bool:
         return mask | empty, empty
-    if torch.finfo(mask.dtype).max > _MASK_BOUND:  # float16 holds no such entry
-        mask = torch.where(mask.isinf(), mask, mask.clamp(-_MASK_BOUND, _MASK_BOUND))
-    return mask.masked_fill(empty, 0.0), empty
+    return clamp_beyond_log2_range(mask).masked_fill(empty, 0.0), empty
 
 
 def _mask_within_inputs(request: AttentionRequest) -> bool:

@@ -617,7 +617,7 @@ def test_gpu_a_row_hidden_by_a_large_negative_float_gets_the_mean_of_the_values(
     triton_flash does). PyTorch's kernels and FlexAttention's take scores to log2 units
     before exp2, where finfo.min overflowed to -inf: such rows read as fully masked and
     gave zeros (H100, 2026-12-07) where the contract gives the mean of the values; their
-    masks' entries are now clamped at 2**127 (torch_sdpa._MASK_BOUND)."""
+    masks' entries are now clamped at 2**127 (attnhub.mask_values)."""
     _check_hidden_rows_forward(name, "cuda", hide, dtype)
 
 

@@ -26,6 +26,7 @@ RUNTIME_LAYERS: tuple[frozenset[str], ...] = (
             "timing",
             "mkl_vml",
             "argcheck",
+            "mask_values",
         }
     ),
     frozenset({"backend", "block_sparse", "mask_rows"}),

@@ -161,12 +161,18 @@ def _keeps_row_stats(mask: torch.Tensor | None) -> bool:
     return mask is not None and mask.dtype != torch.bool
 
 
+def _row_stats_halves(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, log2 l): float32 views of packed row stats' two halves (int64, any shape)."""
+    pair = stats.view(torch.float32).unflatten(-1, (-1, 2))
+    return pair[..., 0], pair[..., 1]
+
+
 def lse_of_row_stats(stats: torch.Tensor) -> torch.Tensor:
     """The float32 natural-log lse, (m + log2 l) * ln 2, of packed row stats (int64,
     any shape): the value the kernels store as the lse of a call without a float mask
     (-inf for a row with no kept key, whose stats are m = -inf, log2 l = 0)."""
-    pair = stats.view(torch.float32).unflatten(-1, (-1, 2))
-    return (pair[..., 0] + pair[..., 1]) * _LN2
+    m, log2l = _row_stats_halves(stats)
+    return (m + log2l) * _LN2
 
 
 def _with_lse(out: torch.Tensor, rows: torch.Tensor | None, row_stats: bool):  # type: ignore[no-untyped-def]
@@ -438,9 +444,9 @@ def _forward_outputs(
     if k.shape[2] == 0:
         out.zero_()
         if rows is not None and row_stats:
-            pair = rows.view(torch.float32).unflatten(-1, (-1, 2))
-            pair[..., 0].fill_(float("-inf"))  # m
-            pair[..., 1].fill_(0.0)  # log2(l) of l = 1, as the kernels store it
+            m, log2l = _row_stats_halves(rows)
+            m.fill_(float("-inf"))
+            log2l.fill_(0.0)  # l = 1, as the kernels store it
         elif rows is not None:
             rows.fill_(float("-inf"))
         return out, rows, True
@@ -611,16 +617,18 @@ def clear_plans() -> None:
 class _ForwardPlan:
     """A forward call's outputs' shapes and its cached launch (see _PLANS)."""
 
-    __slots__ = ("device", "dtype", "launch", "lse_shape", "out_shape", "rows_dtype")
+    __slots__ = ("device", "dtype", "launch", "out_shape", "rows_dtype", "rows_shape")
 
     def __init__(self, launch: CachedLaunch, out: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """``rows``: what the kernel wrote per query row (the lse, or a float mask's
+        row stats), None without one."""
         self.launch, self.out_shape, self.dtype, self.device = (
             launch,
             out.shape,
             out.dtype,
             out.device,
         )
-        self.lse_shape = None if rows is None else rows.shape
+        self.rows_shape = None if rows is None else rows.shape
         self.rows_dtype = None if rows is None else rows.dtype
 
     def __call__(self, q, k, v, mask, seed, key_ranges=None):  # type: ignore[no-untyped-def]
@@ -630,14 +638,12 @@ class _ForwardPlan:
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         m, s = q if mask is None else mask, q if seed is None else seed
         cu_k = q if key_ranges is None else key_ranges
-        if self.lse_shape is None:
+        if self.rows_shape is None:
             self.launch(q, k, v, m, s, out, q, q, cu_k)
             return out, None, None
-        rows = torch.empty(self.lse_shape, dtype=self.rows_dtype, device=self.device)
+        rows = torch.empty(self.rows_shape, dtype=self.rows_dtype, device=self.device)
         self.launch(q, k, v, m, s, out, rows, q, cu_k)
-        if self.rows_dtype is torch.int64:
-            return out, lse_of_row_stats(rows), rows
-        return out, rows, None
+        return _with_lse(out, rows, self.rows_dtype is torch.int64)
 
 
 def _forward(

@@ -46,20 +46,13 @@ from typing import Any
 import torch
 
 from attnhub import AttentionParams, AttentionRequest, Backend, hookimpl
+from attnhub.mask_values import clamp_beyond_log2_range
 from attnhub.registry import BackendRegistry
 
 __all__ = ["FlexAttention", "attnhub_register_backends"]
 
 # Above the number of distinct shapes a benchmark or a model's run sees.
 _DYNAMO_CACHE_LIMIT = 256
-
-# A float mask's finite entries beyond +-2**127 are clamped there. The compiled kernel
-# takes scores to log2 units (times log2(e)) before exp2: a row whose every key a
-# padding mask hides with finfo.min (-3.4e38) overflowed to -inf, read as fully
-# masked, and gave zeros where the contract gives the mean of the values (H100, bf16,
-# benchmarks/float_mask_probe.py: the output 0.08 from the float64 reference). Clamped,
-# such a row's keys tie as they do at finfo.min.
-_MASK_BOUND = 2.0**127
 
 
 def _flex_module() -> Any:
@@ -140,10 +133,10 @@ def _mods(
                 score = cap * torch.tanh(score / cap)
             if fm is not None:
                 assert fsizes is not None
-                bias = fm[_index(fsizes, b, h, q, k)].to(score.dtype)
-                # Clamped (see _MASK_BOUND), infinities kept.
-                bias = torch.where(bias.isinf(), bias, bias.clamp(-_MASK_BOUND, _MASK_BOUND))
-                score = score + bias
+                # Clamped where the kernel's log2 units would overflow (finfo.min rows).
+                score = score + clamp_beyond_log2_range(
+                    fm[_index(fsizes, b, h, q, k)].to(score.dtype)
+                )
             return score
 
     return mask_mod, score_mod
