@@ -9,9 +9,10 @@ backward on CUDA: forward only), stock F.scaled_dot_product_attention (PyTorch p
 and FlexAttention compiled with a score_mod that adds the mask. For each: the largest
 error of the output and of dQ, dK, dV against the float64 reference (the output
 gradient is random on every row, padding rows included), then the forward's and the
-forward + backward's time in ms (CUDA events), each also as a multiple of triton_flash's.
+forward + backward's time in ms (CUDA events), each also as a multiple of triton_flash's;
+with ``--kernels``, also the CUDA kernels each way's forward launches and their time.
 Usage: python benchmarks/float_mask_probe.py [--shapes "B,H,N,D;..."] [--dtype bf16]
-[--hide=-1e9]
+[--hide=-1e9] [--kernels]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from block_sparse_probe import kernel_us  # this folder's: scripts run with it on sys.path
 
 import attnhub
 from attnhub.timing import event_ms
@@ -77,7 +79,7 @@ def _errors(fn: Callable, q, k, v, g, want) -> tuple[str, bool]:  # type: ignore
     ), True
 
 
-def probe(b: int, h: int, n: int, d: int, dtype: torch.dtype, hide: str) -> None:
+def probe(b: int, h: int, n: int, d: int, dtype: torch.dtype, hide: str, kernels: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     q, k, v, g = (torch.randn(b, h, n, d, generator=gen).to("cuda", dtype) for _ in range(4))
     low = torch.finfo(dtype).min if hide == "min" else float(hide)
@@ -103,6 +105,11 @@ def probe(b: int, h: int, n: int, d: int, dtype: torch.dtype, hide: str) -> None
             step = event_ms(lambda fn=fn, x=x: torch.autograd.grad(fn(*x), x, g), 30, warmup=5)
         times[name] = (fwd, step)
         print(f"  {name:22s} {errors}")
+        if kernels:
+            with torch.no_grad():
+                launched = kernel_us(lambda fn=fn, x=x: fn(*x))
+            for kernel, us in launched.items():
+                print(f"      {us:9.1f} us  {kernel[:100]}")
     base = times.get("triton_flash")
     for name, (fwd, step) in times.items():
         text = f"  {name:22s} fwd {fwd:8.3f}"
@@ -122,11 +129,14 @@ def main() -> None:
     parser.add_argument(
         "--hide", default="min", help="the hiding value: min (finfo.min) or a number"
     )
+    parser.add_argument(
+        "--kernels", action="store_true", help="list each way's forward kernels (profiler)"
+    )
     args = parser.parse_args()
     for shape in args.shapes.split(";"):
         b, h, n, d = (int(x) for x in shape.split(","))
         for hide in args.hide.split(","):
-            probe(b, h, n, d, _DTYPES[args.dtype], hide)
+            probe(b, h, n, d, _DTYPES[args.dtype], hide, args.kernels)
 
 
 if __name__ == "__main__":

@@ -132,7 +132,8 @@ def test_partial_blocks_causal_layout(dtype: torch.dtype) -> None:
 )  # fmt: skip
 def test_rows_hidden_by_the_most_negative_float_keep_their_gradients(dtype: torch.dtype) -> None:
     """A float mask of finfo.min on whole rows (a model's padding rows): every kept key
-    of such a row ties (at the kernels' clamp for fp32 and bf16; at -65504 in fp16), and
+    of such a row ties (finfo.min plus a score rounds to finfo.min in float32 for fp32
+    and bf16; fp16's -65504 leaves the scores' differences), and
     its weights are 1 / (keys it sees) in the forward and the backward alike (the
     backward took each as 1 when the row's lse was all it had: fp32 failed, fp16 kept
     enough bits). Under a causal layout row i sees i + 1 keys: counts of 1 to 80."""

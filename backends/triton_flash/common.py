@@ -227,22 +227,6 @@ def _row_stride(runtime, PACKED: tl.constexpr):
 
 
 @triton.jit
-def _bias_log2(bias):
-    """A float mask's entries as float32 score terms in log2 units (``bias * log2 e``).
-
-    In log2 units a finite float mask beyond FP32_MAX / LOG2E (2.36e38 either way:
-    finfo.min padding masks of float32 and bfloat16) overflowed to +-inf: a row whose
-    every key carried -finfo.min read as fully masked (zeros) where the contract's
-    softmax of equal scores is the mean of the values, and one past +2.36e38 made its
-    row NaN. Such entries are clamped to +-FP32_MAX; +-inf and NaN stay what they are
-    (|NaN| < inf is false)."""
-    bias = bias.to(tl.float32)
-    bias2 = bias * LOG2E
-    clamp = (tl.abs(bias2) > FP32_MAX) & (tl.abs(bias) < float("inf"))
-    return tl.where(clamp, tl.where(bias2 > 0, FP32_MAX, -FP32_MAX), bias2)
-
-
-@triton.jit
 def _scores(
     qk, offs_m, offs_n, NQ, NK, offset, win_left, win_right,
     mask_rows, stride_mn, qk_scale, sm_scale, softcap,
@@ -250,8 +234,18 @@ def _scores(
     MASK_KIND: tl.constexpr, ROWS_FIRST: tl.constexpr, UNSCALED: tl.constexpr,
     FAST_TANH: tl.constexpr,
 ):  # fmt: skip
-    """Final scores in log2 units from raw q.k products, in the contract's order:
-    scale, softcap, + float mask, masked -> -inf. Returns (s, tanh) (tanh for backward).
+    """Final scores from raw q.k products, in the contract's order: scale, softcap,
+    + float mask, masked -> -inf. Returns (s, tanh) (tanh for backward).
+
+    Units: log2 (``s * log2 e``), but natural with a float mask (MASK_KIND 2), where
+    the softmax steps take them so (``NATURAL`` in :func:`_softmax_update` and
+    :func:`_weights`). A float mask's finite entries reach +-FP32_MAX (finfo.min
+    padding masks: -3.4e38), beyond what log2 units hold (FP32_MAX / log2 e): each
+    entry would need a clamp in the key loop (nine instructions a score, sm_90 SASS:
+    the D=64 forward's loop 1,337 instructions a tile against 991 with a bool mask).
+    In natural units the mask adds in as it is, and the exponent's difference s - m is
+    taken before it is scaled by log2 e: a difference that overflows is -inf, a weight
+    of 0, as the exact one rounds to.
 
     ROWS_FIRST: qk is (rows, keys); otherwise (keys, rows) as in the dK/dV kernel.
     UNSCALED (only without softcap and float mask): s is the masked raw product, and the
@@ -281,11 +275,16 @@ def _scores(
         # its scores near +-softcap have no float32 value in log2 units.
         ratio = tl.minimum(tl.maximum(sm_scale / softcap, -FP32_MAX), FP32_MAX)
         t = _tanh(qk * ratio, FAST_TANH)
-        s = t * tl.minimum(softcap * LOG2E, FP32_MAX)
+        if MASK_KIND == 2:
+            s = t * softcap
+        else:
+            s = t * tl.minimum(softcap * LOG2E, FP32_MAX)
     else:
         t = qk  # unused
         if UNSCALED:
             s = qk
+        elif MASK_KIND == 2:
+            s = qk * sm_scale
         else:
             s = qk * qk_scale
     if MASK_KIND != 0:
@@ -306,7 +305,7 @@ def _scores(
             allowed = tl.load(mptrs, mask=inb, other=0) != 0
             s = tl.where(allowed, s, float("-inf"))
         else:
-            s = s + _bias_log2(tl.load(mptrs, mask=inb, other=0.0))
+            s = s + tl.load(mptrs, mask=inb, other=0.0).to(tl.float32)
     if MASKED:
         keep = (cols < NK) & (rows < NQ)
         if HAS_BAND:
@@ -318,12 +317,14 @@ def _scores(
 
 @triton.jit
 def _softmax_update(
-    s, l_i, m_i, acc, qk_scale, MAY_BE_EMPTY: tl.constexpr, FOLD_SCALE: tl.constexpr
+    s, l_i, m_i, acc, qk_scale, MAY_BE_EMPTY: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    NATURAL: tl.constexpr = False,
 ):  # fmt: skip
     """The online softmax's step for one tile of scores ``s`` (log2 units; raw products
-    where FOLD_SCALE, see :func:`_fwd_step`): the tile's weights p, the rescaled row
-    sums and accumulator, and the new row max. MAY_BE_EMPTY: a row may have no kept
-    key so far (masked scores)."""
+    where FOLD_SCALE, see :func:`_fwd_step`; natural units where NATURAL, a float
+    mask's, see :func:`_scores`): the tile's weights p, the rescaled row sums and
+    accumulator, and the new row max (in the scores' units). MAY_BE_EMPTY: a row may
+    have no kept key so far (masked scores)."""
     if FOLD_SCALE:
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     else:
@@ -334,10 +335,14 @@ def _softmax_update(
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    alpha = tl.exp2(m_i - m_use)
-    if FOLD_SCALE:
+    if NATURAL:
+        alpha = tl.exp2((m_i - m_use) * LOG2E)
+        p = tl.exp2((s - m_use[:, None]) * LOG2E)
+    elif FOLD_SCALE:
+        alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s * qk_scale - m_use[:, None])
     else:
+        alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -387,7 +392,7 @@ def _fwd_step(
         s = tl.where(tl.load(tile_ptrs) != 0, s, float("-inf"))
     p, l_i, acc, m_new = _softmax_update(
         s, l_i, m_i, acc, qk_scale, MAY_BE_EMPTY=MASKED or MASK_KIND != 0 or HAS_TILE,
-        FOLD_SCALE=FOLD_SCALE,
+        FOLD_SCALE=FOLD_SCALE, NATURAL=MASK_KIND == 2,
     )  # fmt: skip
     if HAS_DROPOUT:
         # The softmax sum uses every weight; only the output sees the dropped ones.
@@ -426,13 +431,13 @@ def _fwd_inner(
 
 @triton.jit
 def _load_lse2(lse_ptrs, rows, NQ, CHECK: tl.constexpr, ROW_STATS: tl.constexpr):
-    """(lse2, log2l) of rows ``rows``, whose weights are exp2(s - lse2 - log2l)
-    (:func:`_weights`). Without ROW_STATS, lse2 is the stored lse in log2 units (log2l is
-    0 and unused). ROW_STATS (a float mask's call; ops._keeps_row_stats): the stored
-    int64 holds the row's max m (log2 units, low 32 bits) and log2 of its sum l (high
-    32 bits); lse2 is m, exact where m + log2(l) in one float32 would lose log2(l)'s
-    bits. Rows with no kept key (lse, or m, -inf) get lse2 = 0, so that exp2(-inf - 0)
-    = 0 gives them zero weights and zero gradients instead of NaN."""
+    """(lse2, log2l) of rows ``rows``, whose weights :func:`_weights` computes. Without
+    ROW_STATS, lse2 is the stored lse in log2 units (log2l is 0 and unused). ROW_STATS
+    (a float mask's call; ops._keeps_row_stats): the stored int64 holds the row's max m
+    (natural units, as a float mask's scores: :func:`_scores`; low 32 bits) and log2 of
+    its sum l (high 32 bits); lse2 is m, exact where m + ln(l) in one float32 would lose
+    ln(l)'s bits. Rows with no kept key (lse, or m, -inf) get lse2 = 0, so that a score
+    of -inf less 0 gives them zero weights and zero gradients instead of NaN."""
     if CHECK:
         stored = tl.load(lse_ptrs, mask=rows < NQ, other=0)
     else:
@@ -449,16 +454,17 @@ def _load_lse2(lse_ptrs, rows, NQ, CHECK: tl.constexpr, ROW_STATS: tl.constexpr)
 @triton.jit
 def _weights(s, lse2, log2l, ROWS_FIRST: tl.constexpr, ROW_STATS: tl.constexpr):
     """The backward's softmax weights exp2(s - lse2) of a (rows, keys) tile (ROWS_FIRST)
-    or a (keys, rows) one; ROW_STATS: exp2((s - m) - log2l), lse2 being the rows' max m
-    (see :func:`_load_lse2`): s - m is exact near the max, as in the forward."""
+    or a (keys, rows) one; ROW_STATS (a float mask's call, natural-unit scores):
+    exp2((s - m) * log2 e - log2l), lse2 being the rows' max m (see :func:`_load_lse2`):
+    s - m is exact near the max, and taken before the scaling, as in the forward."""
     if ROWS_FIRST:
         x = s - lse2[:, None]
         if ROW_STATS:
-            x = x - log2l[:, None]
+            x = x * LOG2E - log2l[:, None]
     else:
         x = s - lse2[None, :]
         if ROW_STATS:
-            x = x - log2l[None, :]
+            x = x * LOG2E - log2l[None, :]
     return tl.exp2(x)
 
 

@@ -72,7 +72,7 @@ import triton.language as tl
 
 from attnhub.tensor_guards import Guards
 
-from .common import FP32_MAX, INTERPRETED, LN2, LOG2E, _bias_log2, _tanh, interpreting
+from .common import FP32_MAX, INTERPRETED, LN2, LOG2E, _tanh, interpreting
 
 # A window side this large keeps every key (contract.md: sides >= 2**30 are unbounded);
 # positions and keys stay below 2**31 - 2**30, so pos +- UNBOUNDED fits int32.
@@ -210,10 +210,27 @@ def _decode_segment(
 
 
 @triton.jit
+def _bias_log2(bias):
+    """A float key mask's entries as float32 score terms in log2 units (``bias * log2 e``).
+
+    In log2 units a finite float mask beyond FP32_MAX / LOG2E (2.36e38 either way:
+    finfo.min padding masks of float32 and bfloat16) overflowed to +-inf: a row whose
+    every key carried -finfo.min read as fully masked (zeros) where the contract's
+    softmax of equal scores is the mean of the values, and one past +2.36e38 made its
+    row NaN. Such entries are clamped to +-FP32_MAX; +-inf and NaN stay what they are
+    (|NaN| < inf is false). One key tile a step, so the clamp costs little here; the
+    dense kernels take a float mask's scores in natural units instead (common._scores)."""
+    bias = bias.to(tl.float32)
+    bias2 = bias * LOG2E
+    clamp = (tl.abs(bias2) > FP32_MAX) & (tl.abs(bias) < float("inf"))
+    return tl.where(clamp, tl.where(bias2 > 0, FP32_MAX, -FP32_MAX), bias2)
+
+
+@triton.jit
 def _key_mask_tile(KM, offs_n, L, stride_mn, MASK_KIND: tl.constexpr):
     """Keys ``offs_n`` of one sequence's key mask (``KM`` at its row; keys >= L are not
-    read): MASK_KIND 1, bool, as int1 (True = kept); 2, a float bias in log2 units, as
-    the dense kernels' scores take it (common._bias_log2)."""
+    read): MASK_KIND 1, bool, as int1 (True = kept); 2, a float bias in log2 units
+    (:func:`_bias_log2`)."""
     inside = offs_n < L
     ptrs = KM + offs_n.to(tl.int64) * stride_mn
     if MASK_KIND == 1:

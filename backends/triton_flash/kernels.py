@@ -13,10 +13,11 @@ NQ, NK                query and key lengths (any value >= 1, need not match).
 HEAD_D, HEAD_DV       head dims of q/k and of v; BLOCK_D/BLOCK_DV are the next powers of
                       two, and loads mask the padding (no tensor is ever padded by copy).
 s                     a score; kernels keep scores in log2 units (s * LOG2E) so that the
-                      softmax uses exp2: LOG2E is folded into ``qk_scale``. The stored lse
-                      is natural-log (float32, (B, H, NQ), contiguous); with a float mask
-                      (MASK_KIND 2) Lse holds row stats instead: int64 (B, H, NQ), each
-                      row's max in log2 units and log2 of its sum (common._load_lse2)
+                      softmax uses exp2: LOG2E is folded into ``qk_scale``; with a float
+                      mask (MASK_KIND 2), in natural units (common._scores). The stored
+                      lse is natural-log (float32, (B, H, NQ), contiguous); with a float
+                      mask Lse holds row stats instead: int64 (B, H, NQ), each row's max
+                      (natural units) and log2 of its sum (common._load_lse2)
 offset                where row i sits among the keys: key position i + offset
                       (0 for top_left, NK - NQ for bottom_right alignment).
 band                  causal and window in one form: row i keeps keys

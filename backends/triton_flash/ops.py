@@ -146,13 +146,14 @@ def _mask_view(mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor
 
 
 # A call with a float mask (MASK_KIND 2) keeps, for its backward, two float32 numbers a
-# query row in place of the lse: the row's max m of the scores in log2 units and
-# log2 of its sum l, packed in one int64 (m's bits low, log2(l)'s high; the kernels'
-# _fwd_finish and _load_lse2). Such a mask can put a row's max far from 0 (a row that
-# -1e9 or finfo.min hides: m about -1.4e9, or -FP32_MAX at the kernels' clamp), where
-# the float32 lse m + log2(l) keeps few or none of log2(l)'s bits: weights recomputed
-# from it came out up to l times too large (gradients 17 where the reference has 0.13,
-# fp32, a row hidden by -1e9 over 64 keys). The public lse is derived from the stats.
+# query row in place of the lse: the row's max m of the scores (natural units, as the
+# kernels take a float mask's scores: common._scores) and log2 of its sum l, packed in
+# one int64 (m's bits low, log2(l)'s high; the kernels' _fwd_finish and _load_lse2).
+# Such a mask can put a row's max far from 0 (a row that -1e9 or finfo.min hides: m
+# about -1e9, or -3.4e38), where the float32 lse m + ln(l) keeps few or none of ln(l)'s
+# bits: weights recomputed from it came out up to l times too large (gradients 17 where
+# the reference has 0.13, fp32, a row hidden by -1e9 over 64 keys). The public lse is
+# derived from the stats.
 _LN2 = math.log(2.0)
 
 
@@ -168,11 +169,11 @@ def _row_stats_halves(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def lse_of_row_stats(stats: torch.Tensor) -> torch.Tensor:
-    """The float32 natural-log lse, (m + log2 l) * ln 2, of packed row stats (int64,
+    """The float32 natural-log lse, m + log2(l) * ln 2, of packed row stats (int64,
     any shape): the value the kernels store as the lse of a call without a float mask
     (-inf for a row with no kept key, whose stats are m = -inf, log2 l = 0)."""
     m, log2l = _row_stats_halves(stats)
-    return (m + log2l) * _LN2
+    return m + log2l * _LN2
 
 
 def _with_lse(out: torch.Tensor, rows: torch.Tensor | None, row_stats: bool):  # type: ignore[no-untyped-def]
