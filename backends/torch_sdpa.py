@@ -304,9 +304,20 @@ def _scale_keyword(request: AttentionRequest, params: AttentionParams) -> dict[s
 
 
 def _sdpa_arguments(
-    query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, params: AttentionParams
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    params: AttentionParams,
+    kept: bool = False,
 ) -> tuple[torch.Tensor | None, bool, torch.Tensor | None]:
-    """(attn_mask, is_causal, key-less rows or None) to hand SDPA for this call."""
+    """(attn_mask, is_causal, key-less rows or None) to hand SDPA for this call.
+
+    ``kept``: these arguments serve every call with this mask tensor (:class:`_BuiltMasks`
+    keeps them), so whether any row is key-less is read back once (one synchronization
+    a mask, outside graph capture): a mask with none (a padding mask of finfo.min, or
+    of bools that keep a key in every row) costs its calls no zeroing pass over their
+    output. That pass cost 79 us a call beside cuDNN's 418 (an H100, B4 H16 N2048 D128,
+    bf16: benchmarks/float_mask_probe.py --kernels)."""
     attn_mask, is_causal = _sdpa_mask(query, key, attn_mask, params)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask.to(query.dtype)
@@ -317,6 +328,8 @@ def _sdpa_arguments(
         and not _every_row_keeps_a_key(attn_mask)
     ):
         attn_mask, empty_rows = _open_rows_without_keys(attn_mask)
+        if kept and not torch.cuda.is_current_stream_capturing() and not bool(empty_rows.any()):
+            empty_rows = None
     return attn_mask, is_causal, empty_rows
 
 
@@ -358,6 +371,10 @@ class _BuiltMasks:
         # recorded by autograd cannot save: such builds serve only calls in that mode.
         return (version, query.shape[2], key.shape[2], query.dtype, query.device,
                 params.causal, params.alignment, torch.is_inference_mode_enabled())  # fmt: skip
+
+    def keeps(self, query: torch.Tensor, key: torch.Tensor, attn_mask: Any, params: AttentionParams) -> bool:  # fmt: skip
+        """Whether what :meth:`put` is given for this call is kept for later calls."""
+        return self._key(query, key, attn_mask, params) is not None
 
     def get(self, query: torch.Tensor, key: torch.Tensor, attn_mask: Any, params: AttentionParams) -> Any:  # fmt: skip
         k = self._key(query, key, attn_mask, params)
@@ -488,7 +505,8 @@ class TorchSDPA(Backend):
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         cached = _built_masks.get(query, key, attn_mask, params)
         if cached is None:
-            cached = _built_masks.put(query, key, attn_mask, params, _sdpa_arguments(query, key, attn_mask, params))  # fmt: skip
+            kept = _built_masks.keeps(query, key, attn_mask, params)
+            cached = _built_masks.put(query, key, attn_mask, params, _sdpa_arguments(query, key, attn_mask, params, kept))  # fmt: skip
         attn_mask, is_causal, empty_rows = cached
         sdpa = _SDPA
         if (
@@ -506,7 +524,9 @@ class TorchSDPA(Backend):
             # comparison is a SymBool, which SDPA rejects; Dynamo guards a branch.
             enable_gqa=True if query.shape[1] != key.shape[1] else False,  # noqa: SIM210
         )  # fmt: skip
-        return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)
+        # One pass: masked_fill out of place is a copy, then a fill (20 + 59 us, H100,
+        # the case in _sdpa_arguments).
+        return out if empty_rows is None else torch.where(empty_rows, 0.0, out)
 
 
 def _needs_lse(params: AttentionParams, *inputs: torch.Tensor) -> bool:

@@ -287,6 +287,40 @@ def test_gpu_torch_sdpa_gives_zeros_on_rows_without_keys(dtype, kind):
     assert any(why in r for r in sdpa.reasons), sdpa.reasons
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bool, torch.bfloat16])
+def test_gpu_a_kept_mask_with_a_key_in_every_row_leaves_the_output_unzeroed(dtype):
+    """What a mask's calls are handed is read once where it is kept (_BuiltMasks):
+    without a key-less row (a finfo.min padding mask, bool rows that each keep a key)
+    no zeroing pass follows the kernel; with one, or where the build serves one call
+    only (nothing read), the key-less rows are reported and zeroed."""
+    from attnhub.request import AttentionParams
+
+    q = torch.randn(2, 4, 8, 16, device="cuda", dtype=torch.bfloat16)
+    params = AttentionParams(scale=0.25)
+    if dtype == torch.bool:
+        mask = torch.ones(2, 1, 8, 8, device="cuda", dtype=torch.bool)
+        mask[1, :, :, 5:] = False
+    else:
+        mask = torch.zeros(2, 1, 8, 8, device="cuda", dtype=dtype)
+        mask[1, :, 5:] = torch.finfo(dtype).min  # hidden rows, each with its keys
+    _, _, rows = torch_sdpa._sdpa_arguments(q, q, mask, params, kept=True)
+    assert rows is None
+    _, _, rows = torch_sdpa._sdpa_arguments(q, q, mask, params, kept=False)
+    assert rows is not None and not rows.any()
+    if dtype == torch.bool:
+        mask[0, :, 3] = False
+    else:
+        mask[0, :, 3] = float("-inf")
+    _, _, rows = torch_sdpa._sdpa_arguments(q, q, mask, params, kept=True)
+    assert rows is not None and rows.view(-1).tolist() == [i == 3 for i in range(8)] + [False] * 8
+    ref, _ = _float64(q, q, q, mask, scale=0.25)
+    out = attnhub.attention(q, q, q, attn_mask=mask, backend="torch_sdpa", scale=0.25)
+    torch.testing.assert_close(out.double(), ref.detach(), atol=2e-2, rtol=2e-2)
+    assert (out[0, :, 3] == 0).all()
+
+
 def test_a_mask_built_for_a_call_is_built_once_per_mask_tensor_and_version(monkeypatch):
     """The layers of one step share their mask: causal folded into it is built once,
     again after an in-place change, and never reused for another mask tensor."""

@@ -83,6 +83,11 @@ _KNOWN = {
         "dv 3.11e-05 > bound 1.98e-05: float32 dV summed over 429 rows",
     "auto-cuda-fp32-lse-bwd-B3H4kv1N1824x76D80":
         "dv 2.8e-05 > bound 2.58e-05: float32 dV summed over 4 x 1824 rows",
+    # One key: the softmax is saturated, the exact dK is 0 and the bound the rule's
+    # absolute 1e-5; PyTorch's kernel takes rowsum(dO * O) from the output rounded to
+    # bf16, so dP - delta is not 0 (a CPU emulation of the case's inputs: 1.14e-5).
+    "torch_sdpa-cuda-bf16-window0_inf_br-bwd-B3H12kv4N461x1D96":
+        "dk 1.31e-05 > bound 1e-05 where the exact dK is 0: one key, delta from the bf16 output",
 }  # fmt: skip
 _CASES = [
     pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.xfail(reason=_KNOWN[p.id], strict=True)])
