@@ -7,7 +7,7 @@ zeros (H100, torch 2.11: torch_sdpa in float32, FlexAttention in bf16,
 benchmarks/float_mask_probe.py) where the contract gives the mean of the values. Such
 entries are clamped at +-2**127: times log2(e) that stays finite with room for the
 scores added to it, and a row's entries beyond it tie, as they do at finfo.min.
-(triton_flash clamps in its kernels, at FP32_MAX / log2(e).)
+(triton_flash needs no clamp: its kernels take a float mask's scores in natural units.)
 """
 
 from __future__ import annotations

@@ -359,7 +359,9 @@ class _BuiltMasks:
         self._lock = threading.Lock()
 
     @staticmethod
-    def _key(query: torch.Tensor, key: torch.Tensor, attn_mask: Any, params: AttentionParams) -> Any:  # fmt: skip
+    def slot(query: torch.Tensor, key: torch.Tensor, attn_mask: Any, params: AttentionParams) -> Any:  # fmt: skip
+        """The key this call's build is kept under, or None where it is not kept (it
+        serves this call only)."""
         if torch.compiler.is_compiling() or (attn_mask is not None and attn_mask.requires_grad):
             return None
         version = None
@@ -372,28 +374,24 @@ class _BuiltMasks:
         return (version, query.shape[2], key.shape[2], query.dtype, query.device,
                 params.causal, params.alignment, torch.is_inference_mode_enabled())  # fmt: skip
 
-    def keeps(self, query: torch.Tensor, key: torch.Tensor, attn_mask: Any, params: AttentionParams) -> bool:  # fmt: skip
-        """Whether what :meth:`put` is given for this call is kept for later calls."""
-        return self._key(query, key, attn_mask, params) is not None
-
-    def get(self, query: torch.Tensor, key: torch.Tensor, attn_mask: Any, params: AttentionParams) -> Any:  # fmt: skip
-        k = self._key(query, key, attn_mask, params)
-        if k is None:
+    def get(self, slot: Any, attn_mask: Any) -> Any:
+        """What was built under ``slot`` (:meth:`slot`) for ``attn_mask``, or None."""
+        if slot is None:
             return None
         built = self._plain if attn_mask is None else self._by_mask.get(attn_mask, {})
-        return built.get(k)
+        return built.get(slot)
 
-    def put(self, query: torch.Tensor, key: torch.Tensor, attn_mask: Any, params: AttentionParams, built: Any) -> Any:  # fmt: skip
-        k = self._key(query, key, attn_mask, params)
-        if k is None:
+    def put(self, slot: Any, attn_mask: Any, built: Any) -> Any:
+        """Keep ``built`` under ``slot`` (nothing where it is None); returns ``built``."""
+        if slot is None:
             return built
         with self._lock:
             if attn_mask is None:
                 if len(self._plain) >= self.PLAIN_SLOTS:
                     self._plain.clear()
-                self._plain[k] = built
+                self._plain[slot] = built
             else:  # one entry per mask: a mask changed in place needs no older build
-                self._by_mask[attn_mask] = {k: built}
+                self._by_mask[attn_mask] = {slot: built}
         return built
 
 
@@ -503,10 +501,10 @@ class TorchSDPA(Backend):
         return functools.partial(sdpa, **static) if static else sdpa
 
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
-        cached = _built_masks.get(query, key, attn_mask, params)
+        slot = _built_masks.slot(query, key, attn_mask, params)
+        cached = _built_masks.get(slot, attn_mask)
         if cached is None:
-            kept = _built_masks.keeps(query, key, attn_mask, params)
-            cached = _built_masks.put(query, key, attn_mask, params, _sdpa_arguments(query, key, attn_mask, params, kept))  # fmt: skip
+            cached = _built_masks.put(slot, attn_mask, _sdpa_arguments(query, key, attn_mask, params, slot is not None))  # fmt: skip
         attn_mask, is_causal, empty_rows = cached
         sdpa = _SDPA
         if (
