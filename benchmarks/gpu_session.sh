@@ -20,7 +20,8 @@
 #   TINYBWD_S   tiny-backward.txt: benchmarks/tiny_backward_probe.py (auto's tiny fwd+bwd step)
 #   GAP_S       decode-gap.json/txt: benchmarks/decode_gap_probe.py (GAP_ARGS, e.g. --shape ...)
 #   DECODE_S    decode.json/md/-bandwidth.png: `attnhub bench --decode` (DECODE_ARGS, e.g. --no-sweep)
-#   HOST_S      host-time-tiny.json/md: benchmarks/host_time.py (the tiny call's host time)
+#   HOST_S      host-time-tiny.json/md, host.log: benchmarks/host_time.py (the tiny call's host time;
+#               HOST_ARGS, e.g. --profile --profile-only=mask: enqueue and cProfile cases)
 #   SERVING_S   serving.json/txt: `attnhub bench --serving` (SERVING_ARGS, e.g. --quick)
 #   VARLEN_S    varlen.json/txt: `attnhub bench --varlen` (VARLEN_ARGS, e.g. --iters 10)
 #   CP_S        context-parallel*: benchmarks/context_parallel.py at world size 1 (torchrun)
@@ -124,7 +125,7 @@ head -12 "$OUT/decode-gap.txt" 2>/dev/null
 step "${DECODE_S:-0}" decode python3 -m attnhub bench --decode -o "$OUT/decode.json" ${DECODE_ARGS:-} \
     > "$OUT/decode.log" 2>&1
 tail -40 "$OUT/decode.md" 2>/dev/null
-step "${HOST_S:-0}" host python3 benchmarks/host_time.py "$OUT" > "$OUT/host.log" 2>&1
+step "${HOST_S:-0}" host python3 benchmarks/host_time.py "$OUT" ${HOST_ARGS:-} > "$OUT/host.log" 2>&1
 cat "$OUT/host-time-tiny.md" 2>/dev/null
 step "${SERVING_S:-0}" serving python3 -m attnhub bench --serving -o "$OUT/serving.json" ${SERVING_ARGS:-} \
     > "$OUT/serving.txt" 2>&1

@@ -22,10 +22,12 @@
    Outputs are checked against sdpa's first. Writes ``host-time-tiny.json`` and
    ``host-time-tiny.md`` to the directory argument.
 2. ``--profile``: the earlier diagnostic (enqueue against wall time and a cProfile of
-   50 forward+backward calls for dense N=1K, block-sparse density 0.05 and SDPA
-   flash), printed to stdout.
+   50 forward+backward calls for dense N=1K, block-sparse density 0.05, SDPA flash, and
+   float_mask_probe's padded training step: no mask, float, bool, stock F.sdpa),
+   printed to stdout; ``--profile-only TEXT``: the cases whose name contains TEXT.
 
     python3 benchmarks/host_time.py OUT_DIR [--calls 200] [--rounds 50] [--profile]
+        [--profile-only=mask]
 """
 
 from __future__ import annotations
@@ -178,8 +180,10 @@ def case(
     backend: str,
     layout: Any = None,
     causal: bool = False,
+    mask: torch.Tensor | None = None,
 ) -> None:
-    """Enqueue against wall time of forward and forward+backward, then a cProfile."""
+    """Enqueue against wall time of forward and forward+backward, then a cProfile.
+    ``backend`` "stock": F.scaled_dot_product_attention itself (``mask`` its attn_mask)."""
     q, k, v = (
         torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for _ in range(3)
@@ -189,12 +193,17 @@ def case(
     if layout is not None:
         kw["block_sparse"] = layout
 
+    def call() -> torch.Tensor:
+        if backend == "stock":
+            return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal)
+        return attnhub.attention(q, k, v, mask, **kw)
+
     def fwd() -> None:
         with torch.no_grad():
-            attnhub.attention(q, k, v, **kw)
+            call()
 
     def fwd_bwd() -> None:
-        out = attnhub.attention(q, k, v, **kw)
+        out = call()
         out.backward(dout)
         q.grad = k.grad = v.grad = None
 
@@ -219,14 +228,41 @@ def case(
     pstats.Stats(profile).sort_stats("cumulative").print_stats(25)
 
 
-def profile_cases() -> None:
+def profile_cases(only: str) -> None:
+    """The cases whose name contains ``only`` (every case where it is empty)."""
+    from float_mask_probe import padded_float_mask  # this folder's, on sys.path as a script
+
     from attnhub.bench import build_layout
 
-    case("dense D64 N1K", 16, 32, 1024, 64, "triton_flash")
-    case("dense D128 N1K causal", 16, 16, 1024, 128, "triton_flash", causal=True)
-    layout = build_layout(("random", 0.05), 8192, 128, device="cuda")
-    case("bs random 0.05", 2, 16, 8192, 128, "triton_blocksparse", layout)
-    case("sdpa flash D64 N1K", 16, 32, 1024, 64, "torch_sdpa_flash")
+    def padded(backend: str, kind: str | None) -> tuple:
+        """float_mask_probe's training step: B8 H12 N1024 D64, finfo.min padding keys
+        and rows (as a float mask, or the same as bool; None: no mask)."""
+        low = torch.finfo(torch.bfloat16).min
+        mask = padded_float_mask(8, 1024, torch.bfloat16, torch.Generator().manual_seed(0), low)
+        masks = {None: None, "float": mask, "bool": mask > low}
+        return (8, 12, 1024, 64, backend, None, False, masks[kind])
+
+    layout = ("random", 0.05), 8192, 128
+    cases: dict[str, Callable[[], tuple]] = {
+        "dense D64 N1K": lambda: (16, 32, 1024, 64, "triton_flash"),
+        "dense D128 N1K causal": lambda: (16, 16, 1024, 128, "triton_flash", None, True),
+        "bs random 0.05": lambda: (
+            2,
+            16,
+            8192,
+            128,
+            "triton_blocksparse",
+            build_layout(*layout, device="cuda"),
+        ),
+        "sdpa flash D64 N1K": lambda: (16, 32, 1024, 64, "torch_sdpa_flash"),
+        "mask none D64 B8H12": lambda: padded("triton_flash", None),
+        "mask float D64 B8H12": lambda: padded("triton_flash", "float"),
+        "mask bool D64 B8H12": lambda: padded("triton_flash", "bool"),
+        "mask float D64 B8H12 stock": lambda: padded("stock", "float"),
+    }
+    for name, arguments in cases.items():
+        if only in name:
+            case(name, *arguments())
 
 
 def main() -> None:
@@ -237,13 +273,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200, help="calls per round")
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--profile", action="store_true", help="also the profile section")
+    parser.add_argument("--profile-only", default="", metavar="TEXT",
+                        help="the profile section's cases whose name contains TEXT")  # fmt: skip
     parser.add_argument("--device", default="cuda",
                         help="cuda (the measurement); cpu with TRITON_INTERPRET=1 only checks the script")  # fmt: skip
     args = parser.parse_args()
     shape = tuple(int(s) for s in args.shape.split(","))
     tiny(args.out_dir, shape, args.dtype, args.calls, args.rounds, args.device)
     if args.profile:
-        profile_cases()
+        profile_cases(args.profile_only)
 
 
 if __name__ == "__main__":

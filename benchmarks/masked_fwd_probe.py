@@ -10,7 +10,8 @@ F.scaled_dot_product_attention with the same mask and FlexAttention (the mask as
 largest difference from F.sdpa's output (rows with no kept key left out: attnhub gives
 zeros there, PyTorch's kernels do not).
 
-    python benchmarks/masked_fwd_probe.py [--shape B,H,N,D] [--configs "128,64,8,3;128,32,8,3"]
+    python benchmarks/masked_fwd_probe.py [--shape "B,H,N,D;..."] [--configs "128,64,8,3;128,32,8,3"]
+        [--kinds bool,float]
 """
 
 from __future__ import annotations
@@ -52,22 +53,30 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--shape", default="4,16,4096,128", help="B,H,N,D")
+    parser.add_argument("--shape", default="4,16,4096,128", help="B,H,N,D, ';'-separated")
     parser.add_argument("--configs", default="128,64,8,3;128,32,8,3;128,64,8,2;64,64,4,3",
                         help="forward configurations BLOCK_M,BLOCK_N,warps,stages, ';'-separated")  # fmt: skip
+    parser.add_argument("--kinds", default="bool,float", help="mask dtypes, ','-separated")
     args = parser.parse_args()
-    b, h, n, d = (int(x) for x in args.shape.split(","))
     configs = [LaunchConfig(*(int(x) for x in c.split(","))) for c in args.configs.split(";")]
+    for shape in args.shape.split(";"):
+        b, h, n, d = (int(x) for x in shape.split(","))
+        probe(b, h, n, d, configs, args.kinds.split(","))
+
+
+def probe(b: int, h: int, n: int, d: int, configs: list[LaunchConfig], kinds: list[str]) -> None:
+    """One shape: each mask kind of ``kinds``, each way, printed."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     flops = 4 * b * h * n * n * d
     keep = torch.rand(b, 1, n, n, device="cuda") < 0.9
     keep[..., 0] = True  # every row keeps a key
-    masks = {
-        "bool": keep,
-        "float": torch.randn(b, 1, n, n, device="cuda", dtype=torch.bfloat16)
+    makers: dict[str, Callable[[], torch.Tensor]] = {
+        "bool": lambda: keep,
+        "float": lambda: torch.randn(b, 1, n, n, device="cuda", dtype=torch.bfloat16)
         .masked_fill(~keep, float("-inf")),
     }  # fmt: skip
+    masks = {kind: makers[kind]() for kind in kinds}
     print(f"forward, B{b} H{h} N{n} D{d} bf16, (B, 1, N, N) masks; ms and TFLOP/s")
     for kind, mask in masks.items():
         stock = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -732,6 +732,82 @@ def test_launch_config_lean_entries() -> None:
     assert cfg("fwd", 128, True, 256, True, esize=4) != narrow
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, requires_cuda])])
+def test_a_float_mask_call_without_lse_derives_none(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float mask's call keeps row stats for its backward; its lse is derived from
+    them (two elementwise launches) only where the call returns it. Without return_lse:
+    no derivation, and the output and gradients of the call with it. On CUDA the third
+    call of each runs the cached launch plan (ops._PLANS)."""
+    derived: list[int] = []
+    lse_of_row_stats = ops.lse_of_row_stats
+
+    def spy(stats: torch.Tensor) -> torch.Tensor:
+        derived.append(1)
+        return lse_of_row_stats(stats)
+
+    monkeypatch.setattr(ops, "lse_of_row_stats", spy)
+    torch.manual_seed(0)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    mask = torch.randn(2, 1, 9, 12, device=device, dtype=dtype)
+    mask[1, :, 3] = torch.finfo(dtype).min  # a hidden row
+    base = [torch.randn(2, 2, n, 16, device=device, dtype=dtype) for n in (9, 12, 12)]
+    dout = torch.randn(2, 2, 9, 16, device=device, dtype=dtype)
+    results = []
+    for return_lse in (True, False):
+        ops.clear_plans()
+        for _ in range(3):
+            derived.clear()
+            leaves = [t.clone().requires_grad_() for t in base]
+            out, lse = ops.flash_attention(*leaves, mask, return_lse=return_lse)
+            out.backward(dout)
+            assert (lse is not None) is return_lse and len(derived) == int(return_lse)
+            results.append([out, *(t.grad for t in leaves)])
+    for later in results[1:]:
+        for first, got in zip(results[0], later):
+            torch.testing.assert_close(got, first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("mask", "bool_mask"), [(None, False), ("bool", True), ("float", False)])
+def test_a_bool_mask_forward_takes_the_bool_mask_row(mask, bool_mask, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The forward tells launch_config whether its dense mask is bool (and only the
+    forward: the backward keeps its rows); the D=64 2-byte forward of such a call takes
+    the bool-mask row, after the short causal row, and nothing else does."""
+    from attnhub.backends.triton_flash import configs
+
+    seen: list[tuple[str, bool]] = []
+    launch_config = ops.launch_config
+
+    def spy(direction, *key, **kw):  # type: ignore[no-untyped-def]
+        seen.append((direction, kw.get("bool_mask", False)))
+        return launch_config(direction, *key, **kw)
+
+    monkeypatch.setattr(ops, "launch_config", spy)
+    monkeypatch.setattr(configs, "launch_config", spy)
+    ops.clear_plans()
+    masks = {None: None, "bool": torch.rand(8, 8) < 0.8, "float": torch.randn(8, 8)}
+    q = torch.randn(1, 1, 8, 16, requires_grad=True)
+    out, _ = ops.flash_attention(q, q, q, masks[mask])
+    out.sum().backward()
+    assert seen == [("fwd", bool_mask), ("bwd_kv", False), ("bwd_q", False)]
+
+    sm90 = (9, 0)
+
+    def cfg(d, causal=False, n=4096, esize=2, direction="fwd", flag=True):  # type: ignore[no-untyped-def]
+        return configs.launch_config(direction, d, esize, causal, sm90, False, n, bool_mask=flag)
+
+    row = configs.LaunchConfig(64, 64, 4, 3)
+    assert cfg(64) == cfg(64, n=512) == cfg(64, causal=True) == row
+    assert cfg(64, flag=False) == configs.LaunchConfig(128, 64, 4, 3)
+    assert cfg(32) == cfg(32, flag=False)  # keyed by the padded head dim measured
+    assert cfg(128) == cfg(128, flag=False)
+    assert cfg(64, esize=4) == cfg(64, esize=4, flag=False)
+    assert cfg(64, direction="bwd_kv") == cfg(64, direction="bwd_kv", flag=False)
+    with configs.tuning.override(fwd=configs.LaunchConfig(32, 16, 4, 1)):
+        assert cfg(64) == configs.LaunchConfig(32, 16, 4, 1)
+
+
 @pytest.mark.parametrize(
     ("scale", "softcap", "mask", "fold"),
     [
@@ -981,6 +1057,9 @@ def test_import_attnhub_does_not_load_kernels() -> None:
     [
         Case("causal_br", 2, 8, 2, 1000, 1537, 128, causal=True, bottom_right=True),
         Case("plain", 1, 4, 4, 2048, 2048, 64),
+        # A bool mask at D=64: the forward's bool-mask row (configs._BOOL_MASK_2B), with
+        # ragged tails and rows that keep no key.
+        Case("bool_mask", 2, 4, 2, 1100, 1300, 64, mask="bool_rows"),
         Case("window", 1, 4, 4, 2047, 2047, 256, window=(300, 0)),
         # A 256-key causal window: tiles chosen by its width (ops._Setup.walk: the narrow
         # forward row, the short backward pair) and, at D=128, the one-launch backward

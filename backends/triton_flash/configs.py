@@ -177,6 +177,16 @@ _NARROW_2B: dict[tuple[str, int, bool], LaunchConfig] = {
     ("fwd", 128, True): LaunchConfig(64, 64, 4, 3),
 }
 
+# Bool-mask forwards, 2-byte dtypes: a dense call whose attn_mask is bool (one byte a
+# score beside K/V), keyed by (direction, padded head dim); a key not listed falls
+# through to the tables below. D=64: 64-row tiles read 1.38x / 1.20x F.sdpa against
+# 1.19x / 1.02x for the _FWD_2B row (B8 H12 N1024 / B4 H16 N4096, a random 90% bool
+# mask; benchmarks/results/masked-fwd-probe-h100.txt). A float mask keeps that row:
+# there 64-row tiles read 1.01x / 1.24x against 1.10x / 1.19x.
+_BOOL_MASK_2B: dict[tuple[str, int], LaunchConfig] = {
+    ("fwd", 64): LaunchConfig(64, 64, 4, 3),
+}
+
 # Lean calls: dense triton_flash with no attn_mask, so no mask tile streams beside K/V
 # (or Q/dO) and a third pipeline stage, or BLOCK_N=128, fits in shared memory. Keyed by
 # (direction, padded head dim, causal, N <= SHORT_N); a key not listed falls through to
@@ -328,6 +338,7 @@ def launch_config(
     lean: bool = False,
     tma: bool = False,
     gluon: bool = False,
+    bool_mask: bool = False,
 ) -> LaunchConfig:
     """The launch configuration for one kernel launch.
 
@@ -341,7 +352,9 @@ def launch_config(
     serve (ops._tma_eligible), which may take the entries that ask for it (the others
     skip them); ``gluon``: a call that ``direction``'s Gluon kernel may serve
     (ops._gluon_eligible, ops._gluon_bwd_eligible), which takes the ``_GLUON_2B`` row
-    where one is keyed and ``seqlen`` reaches ``_GLUON_MIN_N``. Inside a
+    where one is keyed and ``seqlen`` reaches ``_GLUON_MIN_N``; ``bool_mask``: a call
+    whose dense attn_mask is bool, which takes the ``_BOOL_MASK_2B`` entry where one is
+    keyed (after the narrow and short entries). Inside a
     ``tuning.override`` block that forces ``direction``, the forced configuration (the
     interpreter's included).
     """
@@ -373,6 +386,10 @@ def launch_config(
         short = _SHORT_2B.get((direction, block_d, causal))
         if short is not None:
             return short
+    if bool_mask and element_size == 2:
+        entry = _BOOL_MASK_2B.get((direction, block_d))
+        if entry is not None:
+            return entry
     rows = _rows(direction, element_size, causal)
     for bound, config in rows:
         if block_d <= bound:

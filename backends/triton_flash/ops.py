@@ -27,6 +27,7 @@ tensors in Triton's interpreter.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Iterator
@@ -176,11 +177,12 @@ def lse_of_row_stats(stats: torch.Tensor) -> torch.Tensor:
     return m + log2l * _LN2
 
 
-def _with_lse(out: torch.Tensor, rows: torch.Tensor | None, row_stats: bool):  # type: ignore[no-untyped-def]
+def _with_lse(out: torch.Tensor, rows: torch.Tensor | None, row_stats: bool, lse: bool = True):  # type: ignore[no-untyped-def]
     """(out, lse, stats) of a forward whose kernel wrote ``rows``: the lse itself (stats
-    None), or packed row stats (``row_stats``) and the lse derived from them."""
+    None), or packed row stats (``row_stats``) and the lse derived from them (None
+    without ``lse``: a call that returns none derives none, two elementwise launches)."""
     if row_stats and rows is not None:
-        return out, lse_of_row_stats(rows), rows
+        return out, lse_of_row_stats(rows) if lse else None, rows
     return out, rows, None
 
 
@@ -632,7 +634,7 @@ class _ForwardPlan:
         self.rows_shape = None if rows is None else rows.shape
         self.rows_dtype = None if rows is None else rows.dtype
 
-    def __call__(self, q, k, v, mask, seed, key_ranges=None):  # type: ignore[no-untyped-def]
+    def __call__(self, q, k, v, mask, seed, key_ranges=None, lse=True):  # type: ignore[no-untyped-def]
         """(out, lse, stats) as :func:`_forward`'s. ``key_ranges``: this call's ranges
         where the plan is a key-range call's (its CuK slot; the plan holds no earlier
         call's ranges)."""
@@ -644,7 +646,7 @@ class _ForwardPlan:
             return out, None, None
         rows = torch.empty(self.rows_shape, dtype=self.rows_dtype, device=self.device)
         self.launch(q, k, v, m, s, out, rows, q, cu_k)
-        return _with_lse(out, rows, self.rows_dtype is torch.int64)
+        return _with_lse(out, rows, self.rows_dtype is torch.int64, lse)
 
 
 def _forward(
@@ -658,10 +660,12 @@ def _forward(
     key: tuple | None,
     packed: Packed | None = None,
     key_ranges: torch.Tensor | None = None,
+    public_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The forward's full path (see :func:`_fwd_rows`): (out, lse, stats), stats the
     packed row stats of a float mask's call (see _keeps_row_stats), else None; lse and
-    stats None without ``store_lse``. Records a plan under ``key`` where it is given
+    stats None without ``store_lse``; the lse None for such a call without
+    ``public_lse`` (its stats kept, no lse derived). Records a plan under ``key`` where it is given
     and the launch returned a compiled kernel. ``packed``: q, k, v are
     :meth:`Packed.view` views; out is then (Tq, Hq, Dv) and lse (Hq, Tq).
     ``key_ranges``: int32 (B, 2), the keys each batch entry sees (glossary, "Key
@@ -677,7 +681,7 @@ def _forward(
         out, lse, empty = packed.outputs(q, k, v, store_lse)
         out_view, rows = packed.view(out), packed.max_q
     if empty:
-        return _with_lse(out, lse, row_stats)
+        return _with_lse(out, lse, row_stats, public_lse)
     c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
                scale, dropout_p, packed)  # fmt: skip
     varlen = _varlen(packed, key_ranges)
@@ -687,7 +691,7 @@ def _forward(
     cfg = launch_config(
         "fwd", block_d, q.element_size(), causal,
         _capability(q.device), interpreting(), c.walk, lean=mask is None, tma=tma_ok,
-        gluon=gluon_ok,
+        gluon=gluon_ok, bool_mask=c.meta["MASK_KIND"] == 1,
     )  # fmt: skip
     grid = (cdiv(rows, cfg.block_m), b * hq)
     args = (
@@ -712,7 +716,7 @@ def _forward(
     if key is not None and _is_compiled(compiled):
         launch = CachedLaunch(kernel, compiled, grid, args, meta, tensors=9)
         _remember(key, _ForwardPlan(launch, out, lse))
-    return _with_lse(out, lse, row_stats)
+    return _with_lse(out, lse, row_stats, public_lse)
 
 
 def _tma_eligible(c: _Setup, varlen: int, *tensors: torch.Tensor, max_d: int = 128) -> bool:
@@ -829,15 +833,19 @@ def _fwd_impl(
                                  window_right, softcap, scale, dropout_p))  # type: ignore[no-any-return]  # fmt: skip
 
 
-def _fwd_rows(q, k, v, mask, seed, *scalars):  # type: ignore[no-untyped-def]
+def _fwd_rows(q, k, v, mask, seed, *scalars, public_lse=True):  # type: ignore[no-untyped-def]
     """:func:`_fwd_impl`'s (out, lse, stats), stats None where the backward reads the
     lse itself; DirectAttention's forward. Eager calls on CUDA reuse a cached launch
-    plan (see _PLANS)."""
+    plan (see _PLANS). Without ``public_lse`` a float mask's call derives no lse from
+    its stats (None: :func:`flash_attention` without ``return_lse``)."""
     key = None if is_wrap_triton_enabled() else _plan_key("fwd", q, k, v, mask, seed, scalars, True)
     plan, key = _lookup(key)
     if plan is not None:
-        return plan(q, k, v, mask, seed)
-    return _forward(q, k, v, mask, seed, scalars, True, key)
+        return plan(q, k, v, mask, seed, lse=public_lse)
+    return _forward(q, k, v, mask, seed, scalars, True, key, public_lse=public_lse)
+
+
+_fwd_rows_without_lse = functools.partial(_fwd_rows, public_lse=False)
 
 
 def _fwd_no_grad(
@@ -1171,7 +1179,8 @@ class DirectAttention(torch.autograd.Function):
 
     ``apply(fwd_impl, bwd_impl, extra, q, k, v, mask, seed, *scalars)`` computes
     ``fwd_impl(q, k, v, mask, seed, *extra, *scalars) -> (out, lse, stats)`` and returns
-    (out, lse); the backward calls ``bwd_impl(dout, q, k, v, mask, seed, *extra, out,
+    (out, lse), lse None where fwd_impl derives none (a float mask's call that returns
+    no lse: :func:`flash_attention`); the backward calls ``bwd_impl(dout, q, k, v, mask, seed, *extra, out,
     rows, dlse, *scalars)``, rows the stats where there are some (a float mask's call:
     see _keeps_row_stats), else the lse, as the op's registered autograd does.
     ``extra`` holds what is neither a differentiable input nor a scalar (the
@@ -1280,7 +1289,10 @@ def flash_attention(
     if direct(q, k, v, mask):
         if _records_no_gradient(q, k, v):
             return _fwd_no_grad(q, k, v, mask, seed, scalars, return_lse)
-        out, lse = DirectAttention.apply(_fwd_rows, _bwd_impl, (), q, k, v, mask, seed, *scalars)
+        # A call that returns no lse has a float mask's derived for none (its backward
+        # reads the row stats): the lse output is then None.
+        fwd = _fwd_rows if return_lse else _fwd_rows_without_lse
+        out, lse = DirectAttention.apply(fwd, _bwd_impl, (), q, k, v, mask, seed, *scalars)
     else:
         out, lse, _ = triton_flash_fwd(q, k, v, mask, seed, *scalars)
     return out, (lse if return_lse else None)
