@@ -1,10 +1,9 @@
 """triton_flash's forward with a dense attn_mask, under forced launch configurations.
 
-A call with a dense mask takes the forward's non-lean table row; at D=128 bf16 that
-row, (128, 64, 8, 3), compiles for sm_90 with 836 bytes of spills, 94 stores and 139
-loads of them inside the key loop (benchmarks/aot_check.py's recorder, 2026-12-04), and
-(128, 32, 8, 3) with none. This times the forward of a (B, 1, N, N) float and bool mask
-at each configuration given (and the table's), beside PyTorch's own
+A call with a dense mask takes the forward's non-lean table row, or with a bool mask
+the bool-mask row (configs._BOOL_MASK_2B). This times the forward of a (B, 1, N, N)
+float and bool mask (``--kinds``) at each configuration given (and the table's), for
+each shape of ``--shape``, beside PyTorch's own
 F.scaled_dot_product_attention with the same mask and FlexAttention (the mask as a
 ``mask_mod`` or ``score_mod`` reading it), in one process, and prints each one's
 largest difference from F.sdpa's output (rows with no kept key left out: attnhub gives

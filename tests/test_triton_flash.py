@@ -27,6 +27,7 @@ pytest.importorskip("triton")
 
 from attnhub.backends.torch_reference import reference_attention  # noqa: E402
 from attnhub.backends.triton_flash import TritonFlash, ops  # noqa: E402
+from attnhub.backends.triton_flash import configs as configs_module  # noqa: E402
 from attnhub.request import AttentionParams  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -801,11 +802,40 @@ def test_a_bool_mask_forward_takes_the_bool_mask_row(mask, bool_mask, monkeypatc
     assert cfg(64) == cfg(64, n=512) == cfg(64, causal=True) == row
     assert cfg(64, flag=False) == configs.LaunchConfig(128, 64, 4, 3)
     assert cfg(32) == cfg(32, flag=False)  # keyed by the padded head dim measured
-    assert cfg(128) == cfg(128, flag=False)
+    assert cfg(128) == cfg(128, n=1024) == configs.LaunchConfig(128, 32, 8, 3)
+    assert cfg(128, flag=False) == configs.LaunchConfig(128, 64, 8, 3)
+    assert cfg(128, causal=True, n=256) == cfg(128, causal=True, n=256, flag=False)  # narrow
+    assert cfg(256) == cfg(256, flag=False)
     assert cfg(64, esize=4) == cfg(64, esize=4, flag=False)
     assert cfg(64, direction="bwd_kv") == cfg(64, direction="bwd_kv", flag=False)
     with configs.tuning.override(fwd=configs.LaunchConfig(32, 16, 4, 1)):
         assert cfg(64) == configs.LaunchConfig(32, 16, 4, 1)
+
+
+@pytest.mark.parametrize(
+    ("direction", "d", "row"),
+    [(direction, d, row) for (direction, d), row in configs_module._BOOL_MASK_2B.items()],
+    ids=lambda x: str(x) if not isinstance(x, configs_module.LaunchConfig) else "",
+)
+def test_the_bool_mask_rows_keep_the_contract(direction: str, d: int, row) -> None:  # type: ignore[no-untyped-def]
+    """Each bool-mask row's tiles, forced (in the interpreter too), on ragged lengths, a
+    causal band, a window and rows that keep no key, against the references; the GPU
+    runs the rows unforced in test_gpu_large."""
+    from attnhub.backends.triton_flash import tuning
+
+    dtype = torch.float16
+    for case in (
+        Case(
+            "bool_causal_br", 1, 2, 2, 150, 300, d, causal=True, bottom_right=True, mask="bool_rows"
+        ),
+        Case("bool_window", 1, 2, 1, 140, 170, d, window=(40, 10), mask="bool_rows"),
+    ):
+        torch.manual_seed(1)
+        q, k, v, mask = _inputs(case, dtype)
+        dout = torch.randn(case.b, case.hq, case.nq, case.d, dtype=dtype, device=DEVICE)
+        with tuning.override(**{direction: row}):
+            got = _run_flash(case, q, k, v, mask, dout)
+        _check_all(case, dtype, got, q, k, v, mask, dout)
 
 
 @pytest.mark.parametrize(
@@ -1060,6 +1090,7 @@ def test_import_attnhub_does_not_load_kernels() -> None:
         # A bool mask at D=64: the forward's bool-mask row (configs._BOOL_MASK_2B), with
         # ragged tails and rows that keep no key.
         Case("bool_mask", 2, 4, 2, 1100, 1300, 64, mask="bool_rows"),
+        Case("bool_mask", 1, 4, 4, 1500, 1200, 128, mask="bool_rows"),
         Case("window", 1, 4, 4, 2047, 2047, 256, window=(300, 0)),
         # A 256-key causal window: tiles chosen by its width (ops._Setup.walk: the narrow
         # forward row, the short backward pair) and, at D=128, the one-launch backward

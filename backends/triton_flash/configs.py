@@ -179,12 +179,18 @@ _NARROW_2B: dict[tuple[str, int, bool], LaunchConfig] = {
 
 # Bool-mask forwards, 2-byte dtypes: a dense call whose attn_mask is bool (one byte a
 # score beside K/V), keyed by (direction, padded head dim); a key not listed falls
-# through to the tables below. D=64: 64-row tiles read 1.38x / 1.20x F.sdpa against
-# 1.19x / 1.02x for the _FWD_2B row (B8 H12 N1024 / B4 H16 N4096, a random 90% bool
-# mask; benchmarks/results/masked-fwd-probe-h100.txt). A float mask keeps that row:
-# there 64-row tiles read 1.01x / 1.24x against 1.10x / 1.19x.
+# through to the tables below. H100, bf16, a random 90% bool mask, F.sdpa's time over
+# ours (benchmarks/results/masked-fwd-probe-h100.txt): D=64, 64-row tiles 1.37x /
+# 1.20x / 1.52x at B8 H12 N1024 / B4 H16 N4096 / B16 H12 N512 against 1.17x / 1.01x /
+# 1.31x for the _FWD_2B row; D=128, 32-key tiles 1.17x / 1.17x at B4 H16 N4096 /
+# B8 H16 N1024 against 1.08x / 1.05x: two programs an SM (sm_90, aot_check
+# --registers: 90 KiB of shared memory and 128 registers against 144 KiB and 178 for
+# (128, 64, 8, 3); neither spills). A float mask
+# keeps the _FWD_2B rows (D=64: 64-row tiles read 1.01x / 1.24x against 1.10x /
+# 1.19x; D=128 with 32-key tiles not timed).
 _BOOL_MASK_2B: dict[tuple[str, int], LaunchConfig] = {
     ("fwd", 64): LaunchConfig(64, 64, 4, 3),
+    ("fwd", 128): LaunchConfig(128, 32, 8, 3),
 }
 
 # Lean calls: dense triton_flash with no attn_mask, so no mask tile streams beside K/V
