@@ -773,8 +773,8 @@ def test_a_float_mask_call_without_lse_derives_none(
 @pytest.mark.parametrize(("mask", "bool_mask"), [(None, False), ("bool", True), ("float", False)])
 def test_a_bool_mask_forward_takes_the_bool_mask_row(mask, bool_mask, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The forward tells launch_config whether its dense mask is bool (and only the
-    forward: the backward keeps its rows); the D=64 2-byte forward of such a call takes
-    the bool-mask row, after the short causal row, and nothing else does."""
+    forward: the backward keeps its rows); the D=64 and D=128 2-byte forwards of such a
+    call take the bool-mask rows (after the narrow entries), and nothing else does."""
     from attnhub.backends.triton_flash import configs
 
     seen: list[tuple[str, bool]] = []
@@ -815,7 +815,7 @@ def test_a_bool_mask_forward_takes_the_bool_mask_row(mask, bool_mask, monkeypatc
 @pytest.mark.parametrize(
     ("direction", "d", "row"),
     [(direction, d, row) for (direction, d), row in configs_module._BOOL_MASK_2B.items()],
-    ids=lambda x: str(x) if not isinstance(x, configs_module.LaunchConfig) else "",
+    ids=[f"{direction}-D{d}" for direction, d in configs_module._BOOL_MASK_2B],
 )
 def test_the_bool_mask_rows_keep_the_contract(direction: str, d: int, row) -> None:  # type: ignore[no-untyped-def]
     """Each bool-mask row's tiles, forced (in the interpreter too), on ragged lengths, a
@@ -1087,8 +1087,8 @@ def test_import_attnhub_does_not_load_kernels() -> None:
     [
         Case("causal_br", 2, 8, 2, 1000, 1537, 128, causal=True, bottom_right=True),
         Case("plain", 1, 4, 4, 2048, 2048, 64),
-        # A bool mask at D=64: the forward's bool-mask row (configs._BOOL_MASK_2B), with
-        # ragged tails and rows that keep no key.
+        # Bool masks at D=64 and D=128: the forward's bool-mask rows
+        # (configs._BOOL_MASK_2B), with ragged tails and rows that keep no key.
         Case("bool_mask", 2, 4, 2, 1100, 1300, 64, mask="bool_rows"),
         Case("bool_mask", 1, 4, 4, 1500, 1200, 128, mask="bool_rows"),
         Case("window", 1, 4, 4, 2047, 2047, 256, window=(300, 0)),

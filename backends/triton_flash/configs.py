@@ -185,9 +185,9 @@ _NARROW_2B: dict[tuple[str, int, bool], LaunchConfig] = {
 # 1.31x for the _FWD_2B row; D=128, 32-key tiles 1.17x / 1.17x at B4 H16 N4096 /
 # B8 H16 N1024 against 1.08x / 1.05x: two programs an SM (sm_90, aot_check
 # --registers: 90 KiB of shared memory and 128 registers against 144 KiB and 178 for
-# (128, 64, 8, 3); neither spills). A float mask
-# keeps the _FWD_2B rows (D=64: 64-row tiles read 1.01x / 1.24x against 1.10x /
-# 1.19x; D=128 with 32-key tiles not timed).
+# (128, 64, 8, 3); neither spills). A float mask keeps the _FWD_2B rows (D=64:
+# 64-row tiles read 1.01x / 1.24x against 1.10x / 1.19x; D=128 with 32-key tiles not
+# timed).
 _BOOL_MASK_2B: dict[tuple[str, int], LaunchConfig] = {
     ("fwd", 64): LaunchConfig(64, 64, 4, 3),
     ("fwd", 128): LaunchConfig(128, 32, 8, 3),

@@ -665,8 +665,8 @@ def _forward(
     """The forward's full path (see :func:`_fwd_rows`): (out, lse, stats), stats the
     packed row stats of a float mask's call (see _keeps_row_stats), else None; lse and
     stats None without ``store_lse``; the lse None for such a call without
-    ``public_lse`` (its stats kept, no lse derived). Records a plan under ``key`` where it is given
-    and the launch returned a compiled kernel. ``packed``: q, k, v are
+    ``public_lse`` (its stats kept, no lse derived). Records a plan under ``key``
+    where it is given and the launch returned a compiled kernel. ``packed``: q, k, v are
     :meth:`Packed.view` views; out is then (Tq, Hq, Dv) and lse (Hq, Tq).
     ``key_ranges``: int32 (B, 2), the keys each batch entry sees (glossary, "Key
     ranges"; no mask then)."""
@@ -1180,8 +1180,8 @@ class DirectAttention(torch.autograd.Function):
     ``apply(fwd_impl, bwd_impl, extra, q, k, v, mask, seed, *scalars)`` computes
     ``fwd_impl(q, k, v, mask, seed, *extra, *scalars) -> (out, lse, stats)`` and returns
     (out, lse), lse None where fwd_impl derives none (a float mask's call that returns
-    no lse: :func:`flash_attention`); the backward calls ``bwd_impl(dout, q, k, v, mask, seed, *extra, out,
-    rows, dlse, *scalars)``, rows the stats where there are some (a float mask's call:
+    no lse: :func:`flash_attention`); the backward calls ``bwd_impl(dout, q, k, v,
+    mask, seed, *extra, out, rows, dlse, *scalars)``, rows the stats where there are some (a float mask's call:
     see _keeps_row_stats), else the lse, as the op's registered autograd does.
     ``extra`` holds what is neither a differentiable input nor a scalar (the
     block-sparse index tensors).
@@ -1289,8 +1289,8 @@ def flash_attention(
     if direct(q, k, v, mask):
         if _records_no_gradient(q, k, v):
             return _fwd_no_grad(q, k, v, mask, seed, scalars, return_lse)
-        # A call that returns no lse has a float mask's derived for none (its backward
-        # reads the row stats): the lse output is then None.
+        # Without return_lse a float mask's call derives no lse from its row stats (the
+        # backward reads the stats): the Function's lse output is then None.
         fwd = _fwd_rows if return_lse else _fwd_rows_without_lse
         out, lse = DirectAttention.apply(fwd, _bwd_impl, (), q, k, v, mask, seed, *scalars)
     else:
