@@ -109,6 +109,35 @@ def test_causal_combined(dtype: torch.dtype, bottom_right: bool) -> None:
     _check(layout, dtype, 1, 2, 2, 130, 200, 32, causal=True, bottom_right=bottom_right)
 
 
+def test_a_float_mask_call_without_lse_derives_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As triton_flash's: a float mask's call derives its lse from the row stats only
+    where it returns one (the backend passes params.return_lse); without it, the output
+    and gradients of the call with it, bitwise."""
+    from attnhub.backends.triton_flash import ops as flash_ops
+
+    derived: list[int] = []
+    lse_of_row_stats = flash_ops.lse_of_row_stats
+    monkeypatch.setattr(
+        flash_ops, "lse_of_row_stats", lambda stats: derived.append(1) or lse_of_row_stats(stats)
+    )
+    torch.manual_seed(0)
+    layout = _random_layout(1, 2, 130, 150, 64, 0.6, seed=6)
+    mask = torch.randn(1, 1, 130, 150)
+    mask[:, :, 5] = torch.finfo(torch.float32).min  # a hidden row
+    base = [torch.randn(1, 2, n, 16) for n in (130, 150, 150)]
+    dout = torch.randn(1, 2, 130, 16)
+    results = []
+    for return_lse in (True, False):
+        derived.clear()
+        leaves = [t.clone().requires_grad_() for t in base]
+        out, lse = ops.block_sparse_attention(*leaves, layout, mask, return_lse=return_lse)
+        out.backward(dout)
+        assert (lse is not None) is return_lse and len(derived) == int(return_lse)
+        results.append([out, *(t.grad for t in leaves)])
+    for with_lse, without in zip(*results):
+        torch.testing.assert_close(without, with_lse, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)
 def test_gqa_and_head_broadcast_layout(dtype: torch.dtype) -> None:
     torch.manual_seed(3)

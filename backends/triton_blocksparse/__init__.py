@@ -51,6 +51,7 @@ class TritonBlockSparse(TritonFlash):
         from .ops import block_sparse_attention
 
         out, lse = block_sparse_attention(
-            query, key, value, params.block_sparse, attn_mask, **kernel_options(params)
-        )
+            query, key, value, params.block_sparse, attn_mask, return_lse=params.return_lse,
+            **kernel_options(params),
+        )  # fmt: skip
         return (out, lse) if params.return_lse else out

@@ -16,6 +16,7 @@ Memory of the layout tensors (beyond the layout's own block masks):
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, NamedTuple
 
@@ -343,9 +344,10 @@ def _fwd_impl(
                                  window_left, window_right, softcap, scale, dropout_p))  # type: ignore[no-any-return]  # fmt: skip
 
 
-def _fwd_rows(q, k, v, mask, seed, index, *scalars):  # type: ignore[no-untyped-def]
+def _fwd_rows(q, k, v, mask, seed, index, *scalars, public_lse=True):  # type: ignore[no-untyped-def]
     """:func:`_fwd_impl`'s (out, lse, stats), stats None where the backward reads the
-    lse itself (triton_flash.ops._fwd_rows); DirectAttention's forward."""
+    lse itself (triton_flash.ops._fwd_rows); DirectAttention's forward. Without
+    ``public_lse`` a float mask's call derives no lse from its stats (None)."""
     (bq, bk, has_partial, heavy_rows, _heavy_cols, long_rows, _long_cols, causal, bottom_right,
      window_left, window_right, softcap, scale, dropout_p) = scalars  # fmt: skip
     key = None
@@ -353,11 +355,11 @@ def _fwd_rows(q, k, v, mask, seed, index, *scalars):  # type: ignore[no-untyped-
         key = _plan_key("bs_fwd", q, k, v, mask, seed, scalars, _index_key(index))
     plan, key = _lookup(key)
     if plan is not None:
-        return plan(q, k, v, mask, seed, index)
+        return plan(q, k, v, mask, seed, index, public_lse)
     row_stats = _keeps_row_stats(mask)
     out, lse, empty = _forward_outputs(q, k, v, True, row_stats)
     if empty:
-        return _with_lse(out, lse, row_stats)
+        return _with_lse(out, lse, row_stats, public_lse)
     b, hq, nq, d = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
     c = _setup(q, v, mask, nk, causal, bottom_right, window_left, window_right, softcap,
@@ -382,7 +384,10 @@ def _fwd_rows(q, k, v, mask, seed, index, *scalars):  # type: ignore[no-untyped-
     )  # fmt: skip
     if key is not None and record and record[0] is not None:
         _remember(key, _Plan(record, (out, lse), None))
-    return _with_lse(out, lse, row_stats)
+    return _with_lse(out, lse, row_stats, public_lse)
+
+
+_fwd_rows_without_lse = functools.partial(_fwd_rows, public_lse=False)
 
 
 def _bwd_impl(
@@ -494,12 +499,12 @@ class _Plan:
     def _allocate(self) -> list[torch.Tensor]:
         return [torch.empty(s, dtype=t, device=self.device) for s, t in self.outputs]
 
-    def __call__(self, q, k, v, mask, seed, index):  # type: ignore[no-untyped-def]
+    def __call__(self, q, k, v, mask, seed, index, public_lse=True):  # type: ignore[no-untyped-def]
         """The forward: (out, lse, stats) as _fwd_rows's."""
         out, rows = self._allocate()
         self.launches[0](q, k, v, q if mask is None else mask, q if seed is None else seed,
                          out, rows, *index[_BY_ROW], index[_TILES], index[_ROW_ORDER])  # fmt: skip
-        return _with_lse(out, rows, rows.dtype == torch.int64)
+        return _with_lse(out, rows, rows.dtype == torch.int64, public_lse)
 
     def backward(self, dout, q, k, v, mask, seed, index, out, lse, dlse):  # type: ignore[no-untyped-def]
         """(dq, dk, dv)."""
@@ -558,9 +563,11 @@ def block_sparse_attention(
     softcap: float | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable block-sparse attention; returns (out, lse). As triton_flash's
-    ``flash_attention`` with the layout's token mask applied as well."""
+    return_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Differentiable block-sparse attention; returns (out, lse), lse None where
+    ``return_lse`` is False (a float mask's call then derives none from its row stats).
+    As triton_flash's ``flash_attention`` with the layout's token mask applied as well."""
     why = unsupported_block_size(layout.block_size)
     if why is not None:
         raise ValueError(why)
@@ -569,6 +576,8 @@ def block_sparse_attention(
     extra: Any = layout_tensors(layout, q.device)
     scalars = (*layout.block_size, *_facts[layout], *call)
     if direct(q, k, v, mask):  # plain eager: skip the op's dispatch (see triton_flash.ops)
-        return DirectAttention.apply(_fwd_rows, _bwd_impl, (extra,), q, k, v, mask, seed, *scalars)  # type: ignore[no-any-return]
-    out, lse, _ = triton_blocksparse_fwd(q, k, v, mask, seed, extra, *scalars)
-    return out, lse
+        fwd = _fwd_rows if return_lse else _fwd_rows_without_lse
+        out, lse = DirectAttention.apply(fwd, _bwd_impl, (extra,), q, k, v, mask, seed, *scalars)
+    else:
+        out, lse, _ = triton_blocksparse_fwd(q, k, v, mask, seed, extra, *scalars)
+    return out, (lse if return_lse else None)

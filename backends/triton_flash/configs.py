@@ -84,12 +84,13 @@ _Rows = tuple[tuple[int, LaunchConfig], ...]
 
 # Forward, 2-byte dtypes: Q stays resident, K/V tiles stream through num_stages buffers.
 _FWD_2B: _Rows = (
-    # D<=64: three stages. With a mask tile beside K/V: a float mask 0.106 ms against
-    # 0.139 for four stages, a bool mask 0.121 against 0.123 (masked-fwd-probe-h100.txt,
-    # B8 H12 N1024, (B, 1, N, N) masks). Calls without a mask take the lean rows (the
-    # same tiles) but non-causal ones at N <= 1024: 372 TFLOP/s against 371 for four
-    # stages there (sweep-3; sweep-1 had four stages ahead at N = 4096, 384 vs 375).
-    # Block-sparse D=64 forwards take this row too (not timed).
+    # D<=64: three stages. With a float mask tile beside K/V: 0.106 ms against 0.139
+    # for four stages (archive/masked-fwd-probe-h100-2026-12-07-4a44a5e-2b075cc.txt,
+    # B8 H12 N1024, (B, 1, N, N) masks); bool masks take _BOOL_MASK_2B's row. Calls
+    # without a mask take the lean rows (the same tiles) but non-causal ones at N <=
+    # 1024: 372 TFLOP/s against 371 for four stages there (sweep-3; sweep-1 had four
+    # stages ahead at N = 4096, 384 vs 375). Block-sparse D=64 forwards take this row
+    # too (not timed).
     (64, LaunchConfig(128, 64, 4, 3)),
     # D=128: best of five in the sweep: 458 dense, 403 causal (BLOCK_N=128: 452/372;
     # 4 warps: 141, register spills) (sweep-1).

@@ -177,12 +177,15 @@ def lse_of_row_stats(stats: torch.Tensor) -> torch.Tensor:
     return m + log2l * _LN2
 
 
-def _with_lse(out: torch.Tensor, rows: torch.Tensor | None, row_stats: bool, lse: bool = True):  # type: ignore[no-untyped-def]
+def _with_lse(
+    out: torch.Tensor, rows: torch.Tensor | None, row_stats: bool, public_lse: bool = True
+):  # type: ignore[no-untyped-def]
     """(out, lse, stats) of a forward whose kernel wrote ``rows``: the lse itself (stats
     None), or packed row stats (``row_stats``) and the lse derived from them (None
-    without ``lse``: a call that returns none derives none, two elementwise launches)."""
+    without ``public_lse``: a call that returns none derives none, two elementwise
+    launches)."""
     if row_stats and rows is not None:
-        return out, lse_of_row_stats(rows) if lse else None, rows
+        return out, lse_of_row_stats(rows) if public_lse else None, rows
     return out, rows, None
 
 
@@ -634,7 +637,7 @@ class _ForwardPlan:
         self.rows_shape = None if rows is None else rows.shape
         self.rows_dtype = None if rows is None else rows.dtype
 
-    def __call__(self, q, k, v, mask, seed, key_ranges=None, lse=True):  # type: ignore[no-untyped-def]
+    def __call__(self, q, k, v, mask, seed, key_ranges=None, public_lse=True):  # type: ignore[no-untyped-def]
         """(out, lse, stats) as :func:`_forward`'s. ``key_ranges``: this call's ranges
         where the plan is a key-range call's (its CuK slot; the plan holds no earlier
         call's ranges)."""
@@ -646,7 +649,7 @@ class _ForwardPlan:
             return out, None, None
         rows = torch.empty(self.rows_shape, dtype=self.rows_dtype, device=self.device)
         self.launch(q, k, v, m, s, out, rows, q, cu_k)
-        return _with_lse(out, rows, self.rows_dtype is torch.int64, lse)
+        return _with_lse(out, rows, self.rows_dtype is torch.int64, public_lse)
 
 
 def _forward(
@@ -841,7 +844,7 @@ def _fwd_rows(q, k, v, mask, seed, *scalars, public_lse=True):  # type: ignore[n
     key = None if is_wrap_triton_enabled() else _plan_key("fwd", q, k, v, mask, seed, scalars, True)
     plan, key = _lookup(key)
     if plan is not None:
-        return plan(q, k, v, mask, seed, lse=public_lse)
+        return plan(q, k, v, mask, seed, public_lse=public_lse)
     return _forward(q, k, v, mask, seed, scalars, True, key, public_lse=public_lse)
 
 
