@@ -42,6 +42,8 @@
 #               --gluon-backward: the backward with the Gluon dQ and dK/dV forced)
 #   MASKPROBE_S masked-fwd-probe.txt: benchmarks/masked_fwd_probe.py (MASKPROBE_ARGS, e.g.
 #               --shape 4,16,4096,128): the dense-mask forward under forced configurations
+#   MASKBWD_S   masked-bwd-probe.txt: benchmarks/masked_bwd_probe.py (MASKBWD_ARGS, e.g.
+#               --configs=64,128,8,2/128,64,8,2): the dense-mask backward under forced rows
 #   GLUONBWD_S  gluon-bwd-probe.txt: benchmarks/gluon_bwd_probe.py (GLUONBWD_ARGS, e.g.
 #               --shapes "4,16,16,4096"): the Gluon backward kernels forced, the table's
 #               backward, cuDNN and SDPA flash beside them
@@ -155,6 +157,9 @@ cat "$OUT/block-sparse-probe.txt" 2>/dev/null | grep -v Warning | tail -40
 step "${MASKPROBE_S:-0}" masked-fwd-probe python3 benchmarks/masked_fwd_probe.py ${MASKPROBE_ARGS:-} \
     > "$OUT/masked-fwd-probe.txt" 2>&1
 grep -v Warning "$OUT/masked-fwd-probe.txt" 2>/dev/null | tail -20
+step "${MASKBWD_S:-0}" masked-bwd-probe python3 benchmarks/masked_bwd_probe.py ${MASKBWD_ARGS:-} \
+    > "$OUT/masked-bwd-probe.txt" 2>&1
+grep -v Warning "$OUT/masked-bwd-probe.txt" 2>/dev/null | tail -30
 step "${GLUONBWD_S:-0}" gluon-bwd-probe python3 benchmarks/gluon_bwd_probe.py ${GLUONBWD_ARGS:-} \
     > "$OUT/gluon-bwd-probe.txt" 2>&1
 grep -v Warning "$OUT/gluon-bwd-probe.txt" 2>/dev/null | tail -60

@@ -23,8 +23,10 @@
    ``host-time-tiny.md`` to the directory argument.
 2. ``--profile``: the earlier diagnostic (enqueue against wall time and a cProfile of
    50 forward+backward calls for dense N=1K, block-sparse density 0.05, SDPA flash, and
-   float_mask_probe's padded training step: no mask, float, bool, stock F.sdpa),
-   printed to stdout; ``--profile-only TEXT``: the cases whose name contains TEXT.
+   float_mask_probe's padded training step: no mask, float, bool, stock F.sdpa), then
+   per case the forward's and the backward's host time each issued to an idle GPU,
+   whether a step synchronizes (the first such operation's stack) and the CUDA runtime
+   calls of one step, printed to stdout; ``--profile-only TEXT``: the cases whose name contains TEXT.
 
     python3 benchmarks/host_time.py OUT_DIR [--calls 200] [--rounds 50] [--profile]
         [--profile-only=mask]
@@ -218,6 +220,7 @@ def case(
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / CALLS
         print(f"{name} {mode}: enqueue {enqueue * 1e3:.3f} ms/iter, wall {wall * 1e3:.3f} ms/iter")
+    phases(name, call, dout, q, k, v)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(CALLS):
@@ -226,6 +229,50 @@ def case(
     torch.cuda.synchronize()
     pstats.Stats(profile).sort_stats("tottime").print_stats(18)
     pstats.Stats(profile).sort_stats("cumulative").print_stats(25)
+
+
+def phases(
+    name: str, call: Callable[[], torch.Tensor], dout: torch.Tensor, *inputs: torch.Tensor
+) -> None:
+    """The host time of the forward and of the backward, each issued to an idle GPU
+    (median of CALLS), then whether a step synchronizes with the GPU (the first
+    operation that does, with its stack, from PyTorch's sync debug mode) and the
+    profiler's CUDA runtime calls of one step (how many launches, and their host time)."""
+    times: dict[str, list[float]] = {"forward": [], "backward": []}
+    for _ in range(CALLS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = call()
+        middle = time.perf_counter()
+        torch.cuda.synchronize()
+        resumed = time.perf_counter()
+        out.backward(dout)
+        end = time.perf_counter()
+        for t in inputs:
+            t.grad = None
+        times["forward"].append(middle - start)
+        times["backward"].append(end - resumed)
+    medians = ", ".join(f"{k} {statistics.median(v) * 1e6:.1f} us" for k, v in times.items())
+    print(f"{name} host time to an idle GPU: {medians}")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call().backward(dout)
+        print(f"{name}: no synchronization in a step")
+    except RuntimeError as exc:
+        import traceback
+
+        print(f"{name}: a step synchronizes: {exc}")
+        traceback.print_exc(limit=12)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call().backward(dout)
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.key.startswith(("cuda", "cu"))]
+    summary = ", ".join(f"{e.key} x{e.count} {e.cpu_time_total:.0f} us" for e in rows)
+    print(f"{name} CUDA runtime calls in a step: {summary}")
 
 
 def profile_cases(only: str) -> None:

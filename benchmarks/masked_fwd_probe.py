@@ -63,21 +63,27 @@ def main() -> None:
         probe(b, h, n, d, configs, args.kinds.split(","))
 
 
+def random_masks(b: int, n: int, kinds: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """(B, 1, N, N) CUDA masks by kind ("bool", "float"), one draw of kept keys (a random
+    90%, and key 0 in every row, so that every row keeps a key): as bool, or as normal
+    scores in ``dtype`` with -inf where a key is not kept."""
+    keep = torch.rand(b, 1, n, n, device="cuda") < 0.9
+    keep[..., 0] = True
+    makers: dict[str, Callable[[], torch.Tensor]] = {
+        "bool": lambda: keep,
+        "float": lambda: torch.randn(b, 1, n, n, device="cuda", dtype=dtype)
+        .masked_fill(~keep, float("-inf")),
+    }  # fmt: skip
+    return {kind: makers[kind]() for kind in kinds}
+
+
 def probe(b: int, h: int, n: int, d: int, configs: list[LaunchConfig], kinds: list[str]) -> None:
     """One shape: each mask kind of ``kinds``, each way, printed."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     flops = 4 * b * h * n * n * d
-    keep = torch.rand(b, 1, n, n, device="cuda") < 0.9
-    keep[..., 0] = True  # every row keeps a key
-    makers: dict[str, Callable[[], torch.Tensor]] = {
-        "bool": lambda: keep,
-        "float": lambda: torch.randn(b, 1, n, n, device="cuda", dtype=torch.bfloat16)
-        .masked_fill(~keep, float("-inf")),
-    }  # fmt: skip
-    masks = {kind: makers[kind]() for kind in kinds}
     print(f"forward, B{b} H{h} N{n} D{d} bf16, (B, 1, N, N) masks; ms and TFLOP/s")
-    for kind, mask in masks.items():
+    for kind, mask in random_masks(b, n, kinds, torch.bfloat16).items():
         stock = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         ways: dict[str, Callable[[], Any]] = {
             "F.sdpa": lambda mask=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
