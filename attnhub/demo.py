@@ -161,8 +161,8 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> Step
 
 def _timed_pair(
     stock: Callable[[], Any], patched: Callable[[], Any], steps: int, device: torch.device
-) -> tuple[float, float]:
-    """Median seconds per step of each, interleaved so that machine noise hits both alike."""
+) -> tuple[list[float], list[float]]:
+    """Seconds of each step of each, interleaved so that machine noise hits both alike."""
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(steps):
         for fn, out in ((stock, times[0]), (patched, times[1])):
@@ -171,7 +171,24 @@ def _timed_pair(
             fn()
             synchronize(device)
             out.append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return times
+
+
+def speed_verdict(stock: list[float], patched: list[float]) -> str:
+    """What the paired step times say: faster or slower where the middle half of the
+    pairs' ratios (stock's time over patched's, each pair run back to back) lies on one
+    side of 1, else no difference beyond the run's noise; with fewer than three pairs,
+    that they are too few to tell."""
+    ratios = sorted(s / p for s, p in zip(stock, patched))
+    if len(ratios) < 3:
+        return f"{len(ratios)} step(s): too few to tell a difference from noise"
+    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
+    spread = f"the middle half of the paired ratios {low:.2f}-{high:.2f}"
+    if low > 1.0:
+        return f"faster: {spread}"
+    if high < 1.0:
+        return f"slower: {spread}"
+    return f"no difference beyond this run's noise: {spread}"
 
 
 @contextlib.contextmanager
@@ -316,7 +333,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch", type=positive_int, default=2, help="rows (default: 2)")
     parser.add_argument("--seq", type=positive_int, default=None, help="tokens per row (default: the size's)")  # fmt: skip
-    parser.add_argument("--steps", type=positive_int, default=None, help="timed steps of each, interleaved (default: 3 on cpu, 10 on cuda)")  # fmt: skip
+    parser.add_argument("--steps", type=positive_int, default=None, help="timed steps of each, interleaved (default: 10)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
     size = SIZES[args.size or ("large" if on_gpu else "small")]
     # None is "not given"; a value is honoured as given (add_arguments admits only >= 1).
     seq = args.seq if args.seq is not None else size.seq
-    steps = args.steps if args.steps is not None else (10 if on_gpu else 3)
+    steps = args.steps if args.steps is not None else 10
     torch.manual_seed(0)
     vocab = 256
     try:
@@ -406,20 +423,20 @@ def run(args: argparse.Namespace) -> int:
     for name, verdict in verdicts.items():
         print(_verdict_line(name, verdict))
 
-    stock_time, patched_time = _timed_pair(
+    stock_times, patched_times = _timed_pair(
         lambda: _step(model, ids, mask),
         lambda: _patched_step(model, ids, mask),
         steps,
         device,
     )
     tokens = int(mask.sum())
-    ratio = stock_time / patched_time
+    stock_time, patched_time = statistics.median(stock_times), statistics.median(patched_times)
     print(
         f"\ntime per training step (median of {steps}, interleaved): "
         f"stock {stock_time * 1e3:.1f} ms ({tokens / stock_time:,.0f} tokens/s), "
         f"patched {patched_time * 1e3:.1f} ms ({tokens / patched_time:,.0f} tokens/s): "
-        f"patched runs at {ratio:.2f}x stock's speed"
-        f" ({'faster' if ratio > 1 else 'slower'})"
+        f"patched runs at {stock_time / patched_time:.2f}x stock's speed"
+        f" ({speed_verdict(stock_times, patched_times)})"
     )
     return _conclude(verdicts["stock"], verdicts["patched"], _rows_without_keys(calls))
 

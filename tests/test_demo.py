@@ -137,7 +137,9 @@ def test_demo_on_the_gpu_exits_0_with_an_honest_report(capsys):
     out = capsys.readouterr().out
     assert "hidden 2048" in out and "x 4096 tokens" in out
     assert re.search(r"patched +PASS", out), out
-    assert re.search(r"patched runs at [\d.]+x stock's speed \((faster|slower)\)", out), out
+    assert re.search(
+        r"patched runs at [\d.]+x stock's speed \(2 step\(s\): too few to tell", out
+    ), out
 
 
 @pytest.mark.parametrize(
@@ -159,6 +161,33 @@ def test_demo_rejects_an_unknown_device(capsys):
         demo.main(["--model", "builtin", "--device", "tpu"])
     assert exited.value.code == 2
     assert "error: argument --device: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("stock", "patched", "verdict"),
+    [
+        # Every pair's ratio above 1: faster, with the middle half of the ratios.
+        (
+            [2.0, 2.2, 2.1, 2.0],
+            [1.0, 1.0, 1.0, 1.0],
+            "faster: the middle half of the paired ratios 2.00-2.12",
+        ),
+        (
+            [1.0, 1.0, 1.0],
+            [1.25, 1.25, 2.0],
+            "slower: the middle half of the paired ratios 0.65-0.80",
+        ),
+        # Medians apart (1.0 vs 1.1) but pairs on both sides of 1: noise, not slower.
+        (
+            [1.0, 1.0, 1.2, 0.9, 1.3],
+            [1.1, 0.9, 1.1, 1.1, 1.1],
+            "no difference beyond this run's noise",
+        ),
+        ([1.0, 2.0], [2.0, 1.0], "2 step(s): too few to tell a difference from noise"),
+    ],
+)
+def test_the_speed_verdict_reads_the_paired_steps(stock, patched, verdict):
+    assert demo.speed_verdict(stock, patched).startswith(verdict)
 
 
 def test_demo_honours_the_steps_asked_for(capsys):
