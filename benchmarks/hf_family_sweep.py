@@ -6,7 +6,9 @@ float32 on the CPU, eager attention against ``attn_implementation="attnhub"`` an
 against ``"sdpa"`` under ``attnhub.patch()``: for causal LMs (``--types``) the logits
 of a left-padded batch (valid positions) and six greedy tokens; for encoders and
 encoder-decoders (``--encoders``, through ``AutoModel``) the last hidden state of a
-right-padded batch (valid positions; an encoder-decoder's decoder states). A family
+right-padded batch (valid positions; an encoder-decoder's decoder states); for both,
+every parameter's gradient of a random weighting of those outputs (eval mode, the
+largest difference over the eager gradients' largest magnitude). A family
 that cannot be built this way, or whose eager run fails, is listed as skipped with the
 reason; a way transformers or attnhub refuses is listed with its error (an error is
 the right answer for a model whose attention code never calls the interface)::
@@ -79,6 +81,23 @@ def encode(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return model(**inputs).last_hidden_state
 
 
+def gradients(model: Any, ids: torch.Tensor, mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Every parameter's gradient, flattened into one vector, of a fixed random weighting
+    of the valid positions' outputs (logits, or the last hidden state) in eval mode (no
+    dropout): the backward of every attention call the forward made."""
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if not causal and model.config.is_encoder_decoder:
+        inputs.update(decoder_input_ids=ids[:, :5], decoder_attention_mask=mask[:, :5])
+    model.zero_grad(set_to_none=True)
+    with torch.enable_grad():
+        out = model(**inputs)
+        out = out.logits if causal else out.last_hidden_state
+        valid = mask.bool()[:, : out.shape[1]]
+        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        (out * weight)[valid].sum().backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
 def sweep(model_type: str, causal: bool = True) -> str:
     ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 12, dtype=torch.long)
@@ -91,7 +110,9 @@ def sweep(model_type: str, causal: bool = True) -> str:
         return run(model, ids, mask) if causal else (encode(model, ids, mask), None)
 
     try:
-        want, want_tokens = outputs(build(model_type, "eager", causal))
+        eager = build(model_type, "eager", causal)
+        want, want_tokens = outputs(eager)
+        want_grads = gradients(eager, ids, mask, causal)
     except Exception as exc:  # a family this tiny config cannot make
         return f"| {model_type} | skipped: {type(exc).__name__}: {str(exc)[:80]} | |"
     valid = mask.bool()[:, : want.shape[1]]
@@ -99,17 +120,22 @@ def sweep(model_type: str, causal: bool = True) -> str:
     for way in ("attnhub", "patch"):
         try:
             if way == "attnhub":
-                got, tokens = outputs(build(model_type, register(), causal))
+                model = build(model_type, register(), causal)
+                got, tokens = outputs(model)
+                grads = gradients(model, ids, mask, causal)
             else:
                 model = build(model_type, "sdpa", causal)
                 with attnhub.patch():
                     got, tokens = outputs(model)
+                    grads = gradients(model, ids, mask, causal)
             err = (got - want)[valid].abs().max().item()
+            grad_err = ((grads - want_grads).abs().max() / want_grads.abs().max()).item()
+            cell = f"max err {err:.1e}, grads {grad_err:.1e}"
             if tokens is None:
-                cells.append(f"max err {err:.1e}")
+                cells.append(cell)
             else:
                 same = "same tokens" if torch.equal(tokens, want_tokens) else "OTHER TOKENS"
-                cells.append(f"max err {err:.1e}, {same}")
+                cells.append(f"{cell}, {same}")
         except Exception as exc:  # reported as the way's outcome
             cells.append(f"{type(exc).__name__}: {str(exc)[:90]}")
     return f"| {model_type} | {cells[0]} | {cells[1]} |"
