@@ -231,37 +231,69 @@ def case(
     pstats.Stats(profile).sort_stats("cumulative").print_stats(25)
 
 
+def _timed_step(
+    call: Callable[[], torch.Tensor],
+    dout: torch.Tensor,
+    inputs: tuple[torch.Tensor, ...],
+    times: dict[str, list[float]],
+) -> None:
+    """One step, its forward and its backward each issued to an idle GPU and timed."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = call()
+    middle = time.perf_counter()
+    torch.cuda.synchronize()
+    resumed = time.perf_counter()
+    out.backward(dout)
+    end = time.perf_counter()
+    for t in inputs:
+        t.grad = None
+    times["forward"].append(middle - start)
+    times["backward"].append(end - resumed)
+
+
 def phases(
-    name: str, call: Callable[[], torch.Tensor], dout: torch.Tensor, *inputs: torch.Tensor
+    case_name: str, call: Callable[[], torch.Tensor], dout: torch.Tensor, *inputs: torch.Tensor
 ) -> None:
     """The host time of the forward and of the backward, each issued to an idle GPU
-    (median of CALLS), then whether a step synchronizes with the GPU (the first
-    operation that does, with its stack, from PyTorch's sync debug mode) and the
-    profiler's CUDA runtime calls of one step (how many launches, and their host time)."""
+    (median of CALLS) and how many of them took triton_flash's full path instead of a
+    launch plan (ops._PLANS: none should, after the warm-up), then whether a step
+    synchronizes with the GPU (the first operation that does, with its stack, from
+    PyTorch's sync debug mode) and the profiler's CUDA runtime calls of one step (how
+    many launches, and their host time)."""
+    from attnhub.backends.triton_flash import ops
+
+    full_paths = {"_forward": 0, "_bwd_full": 0}
+    originals = {function: getattr(ops, function) for function in full_paths}
+
+    def counted(function: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            full_paths[function] += 1
+            return originals[function](*args, **kwargs)
+
+        return run
+
+    for function in full_paths:
+        setattr(ops, function, counted(function))
     times: dict[str, list[float]] = {"forward": [], "backward": []}
-    for _ in range(CALLS):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = call()
-        middle = time.perf_counter()
-        torch.cuda.synchronize()
-        resumed = time.perf_counter()
-        out.backward(dout)
-        end = time.perf_counter()
-        for t in inputs:
-            t.grad = None
-        times["forward"].append(middle - start)
-        times["backward"].append(end - resumed)
+    try:
+        for _ in range(CALLS):
+            _timed_step(call, dout, inputs, times)
+    finally:
+        for function, original in originals.items():
+            setattr(ops, function, original)
     medians = ", ".join(f"{k} {statistics.median(v) * 1e6:.1f} us" for k, v in times.items())
-    print(f"{name} host time to an idle GPU: {medians}")
+    print(f"{case_name} host time to an idle GPU: {medians}; triton_flash's full path "
+          f"(no launch plan) ran {full_paths['_forward']} forwards and "
+          f"{full_paths['_bwd_full']} backwards in {CALLS} steps")  # fmt: skip
     torch.cuda.set_sync_debug_mode("error")
     try:
         call().backward(dout)
-        print(f"{name}: no synchronization in a step")
+        print(f"{case_name}: no synchronization in a step")
     except RuntimeError as exc:
         import traceback
 
-        print(f"{name}: a step synchronizes: {exc}")
+        print(f"{case_name}: a step synchronizes: {exc}")
         traceback.print_exc(limit=12)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -272,7 +304,7 @@ def phases(
         torch.cuda.synchronize()
     rows = [e for e in prof.key_averages() if e.key.startswith(("cuda", "cu"))]
     summary = ", ".join(f"{e.key} x{e.count} {e.cpu_time_total:.0f} us" for e in rows)
-    print(f"{name} CUDA runtime calls in a step: {summary}")
+    print(f"{case_name} CUDA runtime calls in a step: {summary}")
 
 
 def profile_cases(only: str) -> None:
