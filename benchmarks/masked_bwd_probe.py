@@ -74,7 +74,7 @@ def probe(
                 f"{c.block_m},{c.block_n},{c.num_warps},{c.num_stages}" for c in (kv, qc)
             )
             ways[f"triton_flash {name}"] = forced
-        stock = None
+        stock: tuple[torch.Tensor, ...] | None = None
         base = None
         for name, fn in ways.items():
             try:
@@ -88,12 +88,16 @@ def probe(
             except Exception as exc:  # a configuration that does not fit: say so
                 print(f"  {kind:5s} {name:36s} failed: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
-            stock = grads if name == "F.sdpa" else stock
-            diff = max((g.float() - s.float()).abs().max().item() for g, s in zip(grads, stock))
-            base = ms if name == "F.sdpa" else base
+            if name == "F.sdpa":
+                stock, base = grads, ms
+            diff = ""
+            if stock is not None:
+                worst = max(
+                    (g.float() - s.float()).abs().max().item() for g, s in zip(grads, stock)
+                )
+                diff = f"  max|dgrad diff| {worst:.2e}"
             ratio = f"  {base / ms:5.2f}x F.sdpa" if base else ""
-            print(f"  {kind:5s} {name:36s} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TF/s"
-                  f"  max|dgrad diff| {diff:.2e}{ratio}")  # fmt: skip
+            print(f"  {kind:5s} {name:36s} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TF/s{diff}{ratio}")
 
 
 if __name__ == "__main__":
