@@ -115,8 +115,8 @@ def test_a_float_mask_call_without_lse_derives_none(
 ) -> None:
     """As triton_flash's: a float mask's call derives its lse from the row stats only
     where it returns one (the backend passes params.return_lse); without it, the output
-    and gradients of the call with it, bitwise. On CUDA the third call of each runs the
-    cached launch plans."""
+    and gradients of the call with it, bitwise. On CUDA each runs three times: the third
+    call replays the cached launch plans (the CPU has none)."""
     from attnhub.backends.triton_flash import ops as flash_ops
 
     derived: list[int] = []
@@ -134,7 +134,7 @@ def test_a_float_mask_call_without_lse_derives_none(
     results = []
     for return_lse in (True, False):
         flash_ops.clear_plans()
-        for _ in range(3):
+        for _ in range(3 if device == "cuda" else 1):
             derived.clear()
             leaves = [t.clone().requires_grad_() for t in base]
             out, lse = ops.block_sparse_attention(*leaves, layout, mask, return_lse=return_lse)
