@@ -45,6 +45,7 @@ from attnhub.testing import (
     run_case,
     tolerance_bound,
 )
+from attnhub.testing.check import BLOCK_SPARSE_CASES
 
 
 class Correct(TorchReference):
@@ -398,8 +399,10 @@ def test_pytest_plugin_reports_failing_cases(tmp_path: Path) -> None:
     )  # fmt: skip
     assert run.returncode == 1, run.stdout + run.stderr
     failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
-    assert failed and all("kit_plugin_broken-fp32-" in line for line in failed)
+    assert failed and all(line.startswith("FAILED attnhub[kit_plugin_broken") for line in failed)
     assert any("scale0.3" in line for line in failed)
+    # Its block-sparse cases with a scale fail too (ids "<backend>-bs-<seed>-...").
+    assert any("kit_plugin_broken-bs-" in line and "-scale" in line for line in failed)
     assert "attnhub[torch_sdpa-" not in "\n".join(failed)
     # Inert without the option: no generated items.
     idle = subprocess.run(
@@ -665,7 +668,8 @@ def test_exception_in_prepare_becomes_the_case_failure(error: Any, text: str) ->
 def test_exception_reported_by_check_backend_for_every_check() -> None:
     report = _report(RaisesInForward)
     cases = cases_for(RaisesInForward(), "cpu")
-    checks = len(cases) + 1 + 2  # the cases, dropout, repeatability of two of them
+    # The cases, the block-sparse cases, dropout, repeatability of two of them.
+    checks = len(cases) + BLOCK_SPARSE_CASES + 1 + 2
     assert f"failed {checks} of {checks} conformance checks on cpu:" in report
     lines = report.splitlines()[1:]
     assert len(lines) == checks
@@ -694,7 +698,7 @@ def test_raising_extra_reasons_is_reported_per_case() -> None:
     # dispatch's refusal of the backend, which quotes it.
     report = _report(RaisesInExtraReasons)
     lines = report.splitlines()[1:]
-    assert len(lines) == len(cases_for(Correct(), "cpu")) + 1 + 2
+    assert len(lines) == len(cases_for(Correct(), "cpu")) + BLOCK_SPARSE_CASES + 1 + 2
     assert all("ZeroDivisionError: no reasons" in line for line in lines)
     assert re.search(r"^  \[fp16-plain-[^\]]*\] raised ", report, re.MULTILINE)
 

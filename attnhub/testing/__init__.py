@@ -10,7 +10,8 @@ or, as a pytest plugin generating one test per case::
     pytest -p attnhub.testing --attnhub-backend my_backend
 
 Cases come from the backend's declarations (:func:`cases_for`, a planned few dozen;
-:func:`sample_cases`, any number drawn at random from the whole call space); results are compared
+:func:`sample_cases`, any number drawn at random from the whole call space; for a
+backend that declares ``block_sparse``, :func:`sample_block_sparse_cases`); results are compared
 with the float64 reference by contract.md's tolerance rule
 (:func:`assert_matches_reference`), the bound's width set by the kit's own plain
 computation in the input dtype (:func:`plain_attention`). Whatever a backend raises,
@@ -20,6 +21,13 @@ kit's report, never an exception through it (:mod:`attnhub.testing.check`).
 
 from __future__ import annotations
 
+from .block_sparse import (
+    BlockSparseCase,
+    block_sparse_problems,
+    block_sparse_reasons,
+    draw_block_sparse_case,
+    sample_block_sparse_cases,
+)
 from .cases import Case, Inputs, case_reasons, cases_for, make_inputs
 from .check import (
     CallResult,
@@ -44,10 +52,13 @@ from .tolerance import (
 )
 
 __all__ = [
+    "BlockSparseCase",
     "CallResult",
     "Case",
     "Inputs",
     "assert_matches_reference",
+    "block_sparse_problems",
+    "block_sparse_reasons",
     "case_problems",
     "case_reasons",
     "cases_for",
@@ -55,6 +66,7 @@ __all__ = [
     "compare",
     "default_device",
     "describe_exception",
+    "draw_block_sparse_case",
     "dropout_problems",
     "fully_masked_problems",
     "highest_float32_precision",
@@ -67,6 +79,7 @@ __all__ = [
     "repeatability_problems",
     "run_call",
     "run_case",
+    "sample_block_sparse_cases",
     "sample_cases",
     "tolerance_bound",
 ]

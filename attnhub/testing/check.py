@@ -41,6 +41,7 @@ from attnhub.backend import Backend
 from attnhub.output_check import unchecked
 from attnhub.registry import get_registry
 
+from .block_sparse import block_sparse_problems, sample_block_sparse_cases
 from .cases import Case, Inputs, case_reasons, cases_for, make_inputs
 from .faults import describe_exception, passes_through
 from .reference import references
@@ -581,6 +582,11 @@ def default_device(backend: Backend) -> torch.device:
     return torch.device(sorted(backend.devices)[0])
 
 
+# Block-sparse cases in the planned suite of a backend that declares block_sparse
+# (cases_for plans none: its cases carry no layout).
+BLOCK_SPARSE_CASES = 12
+
+
 def check_backend(
     name: str,
     device: torch.device | str | None = None,
@@ -592,9 +598,11 @@ def check_backend(
     """Run the conformance suite against the registered backend ``name``.
 
     Every case of :func:`cases_for` (or ``cases``), the dropout checks where dropout is
-    declared, and repeatability. Returns the number of cases run; raises
-    ``AssertionError`` naming each failing case id and what differed (what the backend
-    raised, returned or changed is reported the same way, never raised through).
+    declared (and a dense case admitted), repeatability, and where ``block_sparse`` is declared (and ``cases`` not
+    given) ``BLOCK_SPARSE_CASES`` cases of :func:`sample_block_sparse_cases`. Returns the
+    number of cases run; raises ``AssertionError`` naming each failing case id and what
+    differed (what the backend raised, returned or changed is reported the same way,
+    never raised through).
     """
     registry = get_registry()
     backend = registry.get(name)  # ValueError listing the known names
@@ -602,8 +610,11 @@ def check_backend(
     if why is not None:
         raise AssertionError(f"{name} is unavailable here: {why}")
     device = torch.device(device) if device is not None else default_device(backend)
+    sparse = []
+    if cases is None:
+        sparse = sample_block_sparse_cases(backend, device, BLOCK_SPARSE_CASES, size=size)
     cases = list(cases) if cases is not None else cases_for(backend, device, size=size)
-    if not cases:
+    if not cases and not sparse:
         raise AssertionError(
             f"{name}: its declarations admit no conformance case on {device.type} "
             f"(devices: {', '.join(sorted(backend.devices))})"
@@ -614,9 +625,16 @@ def check_backend(
         else []
         for case in cases
     ]  # fmt: skip
-    if backend.dropout:
+    results += [
+        [f"[{case.id}] " + "; ".join(problems)]
+        if (problems := block_sparse_problems(name, case, device)) else []
+        for case in sparse
+    ]  # fmt: skip
+    # The dropout checks make dense calls: a backend that admits none (one serving only
+    # block_sparse calls) checks its dropout in its own tests.
+    if backend.dropout and cases:
         results.append(dropout_problems(name, device))
-    sample = [cases[0], *[c for c in cases if c.backward][:1]]
+    sample = [*cases[:1], *[c for c in cases if c.backward][:1]]
     results += [repeatability_problems(name, [case], device) for case in sample]
     failures = [line for lines in results for line in lines]
     if failures:
@@ -630,4 +648,4 @@ def check_backend(
             + "\n  ".join(shown)
             + more
         )
-    return len(cases)
+    return len(cases) + len(sparse)

@@ -7,7 +7,9 @@
 Inert unless ``--attnhub-backend`` is given (it may be repeated). Test ids read
 ``attnhub[my_backend-fp16-causal_br-B2H3N77x33D96]``; select with ``-k`` as usual.
 ``--attnhub-sampled N`` adds N cases drawn at random from the whole call space
-(:func:`attnhub.testing.sample_cases`, reproducible from ``--attnhub-seed``).
+(:func:`attnhub.testing.sample_cases`, reproducible from ``--attnhub-seed``). A backend
+that declares ``block_sparse`` also gets 12 (and N more) block-sparse cases
+(:func:`attnhub.testing.sample_block_sparse_cases`; ids ``my_backend-bs-...``).
 Besides the numeric cases, each backend gets a ``repeatable`` test and, where it
 declares dropout, a ``dropout`` test. A backend that raises, returns something wrong or
 changes its inputs fails the case's test with the kit's one-line report (no traceback
@@ -22,8 +24,15 @@ from typing import Any
 import pytest
 import torch
 
+from .block_sparse import BlockSparseCase, block_sparse_problems, sample_block_sparse_cases
 from .cases import Case, cases_for
-from .check import default_device, dropout_problems, repeatability_problems, run_case
+from .check import (
+    BLOCK_SPARSE_CASES,
+    default_device,
+    dropout_problems,
+    repeatability_problems,
+    run_case,
+)
 from .faults import describe_exception
 from .sampled import sample_cases
 
@@ -73,7 +82,8 @@ def pytest_configure(config: pytest.Config) -> None:
 class ConformanceItem(pytest.Item):
     """One generated check of a backend, by ``check``:
 
-    ``"case"``: the numeric case ``cases[0]``; ``"repeatable"``: repeatability over
+    ``"case"``: the numeric case ``cases[0]``; ``"block_sparse"``: the block-sparse case
+    ``cases[0]`` (a :class:`BlockSparseCase`); ``"repeatable"``: repeatability over
     ``cases``; ``"dropout"``: the dropout checks; ``"cases"``: fails with ``error``, why
     no case could be generated; ``"unavailable"``: skipped.
     """
@@ -84,7 +94,7 @@ class ConformanceItem(pytest.Item):
         backend: str,
         device: torch.device,
         check: str,
-        cases: tuple[Case, ...] = (),
+        cases: tuple[Case, ...] | tuple[BlockSparseCase, ...] = (),
         error: str = "",
         **kwargs: Any,
     ) -> None:
@@ -97,17 +107,23 @@ class ConformanceItem(pytest.Item):
         self.add_marker(pytest.mark.attnhub_conformance)
 
     @property
-    def case(self) -> Case | None:
-        return self.cases[0] if self.check == "case" else None
+    def case(self) -> Case | BlockSparseCase | None:
+        return self.cases[0] if self.check in ("case", "block_sparse") else None
 
     def runtest(self) -> None:
         if self.check == "case":
-            run_case(self.backend, self.cases[0], self.device)
+            run_case(self.backend, self.cases[0], self.device)  # type: ignore[arg-type]
+            return
+        if self.check == "block_sparse":
+            case = self.cases[0]
+            problems = block_sparse_problems(self.backend, case, self.device)  # type: ignore[arg-type]
+            if problems:
+                raise AssertionError(f"{self.backend} [{case.id}]: " + "; ".join(problems))
             return
         if self.check == "dropout":
             problems = dropout_problems(self.backend, self.device)
         elif self.check == "repeatable":
-            problems = repeatability_problems(self.backend, self.cases, self.device)
+            problems = repeatability_problems(self.backend, self.cases, self.device)  # type: ignore[arg-type]
         else:
             problems = [self.error]
         if problems:
@@ -123,17 +139,22 @@ class ConformanceItem(pytest.Item):
 
 
 # One planned item: (check, name suffix, cases, error).
-_Check = tuple[str, str, tuple[Case, ...], str]
+_Check = tuple[str, str, tuple[Case, ...] | tuple[BlockSparseCase, ...], str]
 
 
-def _checks_for(name: str, cases: list[Case], dropout: bool) -> list[_Check]:
-    """A test per case, repeatability over the first case and the first backward case,
-    and the dropout checks where dropout is declared."""
+def _checks_for(
+    name: str, cases: list[Case], dropout: bool, sparse: list[BlockSparseCase]
+) -> list[_Check]:
+    """A test per case and per block-sparse case, repeatability over the first case and
+    the first backward case, and the dropout checks where dropout is declared (all three
+    where a dense case is admitted: they make dense calls)."""
     checks: list[_Check] = [("case", f"{name}-{case.id}", (case,), "") for case in cases]
-    sample = (*cases[:1], *[c for c in cases if c.backward][:1])
-    checks.append(("repeatable", f"{name}-repeatable", sample, ""))
-    if dropout:
-        checks.append(("dropout", f"{name}-dropout", (), ""))
+    checks += [("block_sparse", f"{name}-bs-{c.id}", (c,), "") for c in sparse]
+    if cases:
+        sample = (*cases[:1], *[c for c in cases if c.backward][:1])
+        checks.append(("repeatable", f"{name}-repeatable", sample, ""))
+        if dropout:
+            checks.append(("dropout", f"{name}-dropout", (), ""))
     return checks
 
 
@@ -166,15 +187,22 @@ def _items_for(session: pytest.Session, name: str) -> list[pytest.Item]:
                 size=size,
             )
             cases += [case for case in drawn if case.id not in planned]
+            sparse = sample_block_sparse_cases(
+                backend,
+                device,
+                BLOCK_SPARSE_CASES + config.getoption("attnhub_sampled"),
+                seed=config.getoption("attnhub_seed"),
+                size=size,
+            )
         except Exception as exc:  # the backend's fault: the other backends still collect
             why = f"its conformance cases could not be generated: {describe_exception(exc)}"
             cases, checks = [], [("cases", f"{name}-cases", (), why)]
         else:
-            if not cases:
+            if not cases and not sparse:
                 raise pytest.UsageError(
                     f"--attnhub-backend {name}: its declarations admit no case on {device.type}"
                 )
-            checks = _checks_for(name, cases, backend.dropout)
+            checks = _checks_for(name, cases, backend.dropout, sparse)
     items: list[pytest.Item] = []
     for check, suffix, item_cases, error in checks:
         item = ConformanceItem.from_parent(
