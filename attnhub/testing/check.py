@@ -598,11 +598,11 @@ def check_backend(
     """Run the conformance suite against the registered backend ``name``.
 
     Every case of :func:`cases_for` (or ``cases``), the dropout checks where dropout is
-    declared (and a dense case admitted), repeatability, and where ``block_sparse`` is declared (and ``cases`` not
-    given) ``BLOCK_SPARSE_CASES`` cases of :func:`sample_block_sparse_cases`. Returns the
-    number of cases run; raises ``AssertionError`` naming each failing case id and what
-    differed (what the backend raised, returned or changed is reported the same way,
-    never raised through).
+    declared (and a dense case admitted), repeatability, and, where ``block_sparse`` is
+    declared and ``cases`` not given, ``BLOCK_SPARSE_CASES`` cases of
+    :func:`sample_block_sparse_cases`. Returns the number of cases run; raises
+    ``AssertionError`` naming each failing case id and what differed (what the backend
+    raised, returned or changed is reported the same way, never raised through).
     """
     registry = get_registry()
     backend = registry.get(name)  # ValueError listing the known names
