@@ -36,6 +36,7 @@ from attnhub.registry import get_registry
 from attnhub.request import device_capability, dtype_tag
 from attnhub.validation import build_request, make_params
 
+from .cases import _extra_reasons
 from .faults import describe_exception, passes_through
 from .tolerance import compare, fully_masked_problems, highest_float32_precision
 
@@ -206,14 +207,7 @@ def block_sparse_reasons(
     cuda = device.type == "cuda" and torch.cuda.is_available()
     capability = device_capability(device) if cuda else None
     request = dataclasses.replace(request, device_type=device.type, capability=capability)
-    reasons = declared_reasons(backend, request)
-    if reasons:
-        return reasons
-    try:
-        extra = backend.extra_reasons(request)
-    except Exception:  # the backend's defect: running the case reports it
-        return []
-    return list(extra) if isinstance(extra, list | tuple) else []
+    return declared_reasons(backend, request) or _extra_reasons(backend, request)
 
 
 def sample_block_sparse_cases(
