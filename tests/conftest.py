@@ -78,3 +78,43 @@ def launched_kernels(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(ops, "_launcher", recording)
     return launched
+
+
+@pytest.fixture
+def check_lse_derived_only_when_returned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Callable[..., None]:
+    """``check(run, inputs, dout, repeats)``: a float mask's call of ``run(leaves,
+    return_lse) -> (out, lse)`` (triton_flash's or triton_blocksparse's op) derives its
+    lse from the row stats (``ops.lse_of_row_stats``) exactly where it returns one, and
+    without it gives the output and gradients of the call with it, bitwise. Each way
+    runs ``repeats`` times after the launch plans are cleared (on CUDA the third call
+    replays a plan)."""
+    from attnhub.backends.triton_flash import ops
+
+    derived: list[int] = []
+    lse_of_row_stats = ops.lse_of_row_stats
+
+    def spy(stats: torch.Tensor) -> torch.Tensor:
+        derived.append(1)
+        return lse_of_row_stats(stats)
+
+    monkeypatch.setattr(ops, "lse_of_row_stats", spy)
+
+    def check(run: Callable[..., Any], inputs: list[torch.Tensor], dout: torch.Tensor,
+              repeats: int) -> None:  # fmt: skip
+        results = []
+        for return_lse in (True, False):
+            ops.clear_plans()
+            for _ in range(repeats):
+                derived.clear()
+                leaves = [t.clone().requires_grad_() for t in inputs]
+                out, lse = run(leaves, return_lse)
+                out.backward(dout)
+                assert (lse is not None) is return_lse and len(derived) == int(return_lse)
+                results.append([out, *(t.grad for t in leaves)])
+        for later in results[1:]:
+            for first, got in zip(results[0], later):
+                torch.testing.assert_close(got, first, rtol=0, atol=0)
+
+    return check

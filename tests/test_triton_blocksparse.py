@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -111,39 +112,25 @@ def test_causal_combined(dtype: torch.dtype, bottom_right: bool) -> None:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, requires_cuda])])
 def test_a_float_mask_call_without_lse_derives_none(
-    device: str, monkeypatch: pytest.MonkeyPatch
+    device: str, check_lse_derived_only_when_returned: Any
 ) -> None:
     """As triton_flash's: a float mask's call derives its lse from the row stats only
     where it returns one (the backend passes params.return_lse); without it, the output
     and gradients of the call with it, bitwise. On CUDA each runs three times: the third
     call replays the cached launch plans (the CPU has none)."""
-    from attnhub.backends.triton_flash import ops as flash_ops
-
-    derived: list[int] = []
-    lse_of_row_stats = flash_ops.lse_of_row_stats
-    monkeypatch.setattr(
-        flash_ops, "lse_of_row_stats", lambda stats: derived.append(1) or lse_of_row_stats(stats)
-    )
     torch.manual_seed(0)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     layout = _random_layout(1, 2, 130, 150, 64, 0.6, seed=6).to(device)
     mask = torch.randn(1, 1, 130, 150, device=device, dtype=dtype)
     mask[:, :, 5] = torch.finfo(dtype).min  # a hidden row
-    base = [torch.randn(1, 2, n, 16, device=device, dtype=dtype) for n in (130, 150, 150)]
+    inputs = [torch.randn(1, 2, n, 16, device=device, dtype=dtype) for n in (130, 150, 150)]
     dout = torch.randn(1, 2, 130, 16, device=device, dtype=dtype)
-    results = []
-    for return_lse in (True, False):
-        flash_ops.clear_plans()
-        for _ in range(3 if device == "cuda" else 1):
-            derived.clear()
-            leaves = [t.clone().requires_grad_() for t in base]
-            out, lse = ops.block_sparse_attention(*leaves, layout, mask, return_lse=return_lse)
-            out.backward(dout)
-            assert (lse is not None) is return_lse and len(derived) == int(return_lse)
-            results.append([out, *(t.grad for t in leaves)])
-    for later in results[1:]:
-        for first, got in zip(results[0], later):
-            torch.testing.assert_close(got, first, rtol=0, atol=0)
+    check_lse_derived_only_when_returned(
+        lambda leaves, return_lse: ops.block_sparse_attention(
+            *leaves, layout, mask, return_lse=return_lse
+        ),
+        inputs, dout, 3 if device == "cuda" else 1,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=SHORT.get)

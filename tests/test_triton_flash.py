@@ -735,39 +735,22 @@ def test_launch_config_lean_entries() -> None:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, requires_cuda])])
 def test_a_float_mask_call_without_lse_derives_none(
-    device: str, monkeypatch: pytest.MonkeyPatch
+    device: str, check_lse_derived_only_when_returned: Any
 ) -> None:
     """A float mask's call keeps row stats for its backward; its lse is derived from
     them (two elementwise launches) only where the call returns it. Without return_lse:
     no derivation, and the output and gradients of the call with it. On CUDA the third
-    call of each runs the cached launch plan (ops._PLANS)."""
-    derived: list[int] = []
-    lse_of_row_stats = ops.lse_of_row_stats
-
-    def spy(stats: torch.Tensor) -> torch.Tensor:
-        derived.append(1)
-        return lse_of_row_stats(stats)
-
-    monkeypatch.setattr(ops, "lse_of_row_stats", spy)
+    call of each runs the cached launch plan (ops._PLANS; the CPU has none)."""
     torch.manual_seed(0)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     mask = torch.randn(2, 1, 9, 12, device=device, dtype=dtype)
     mask[1, :, 3] = torch.finfo(dtype).min  # a hidden row
-    base = [torch.randn(2, 2, n, 16, device=device, dtype=dtype) for n in (9, 12, 12)]
+    inputs = [torch.randn(2, 2, n, 16, device=device, dtype=dtype) for n in (9, 12, 12)]
     dout = torch.randn(2, 2, 9, 16, device=device, dtype=dtype)
-    results = []
-    for return_lse in (True, False):
-        ops.clear_plans()
-        for _ in range(3):
-            derived.clear()
-            leaves = [t.clone().requires_grad_() for t in base]
-            out, lse = ops.flash_attention(*leaves, mask, return_lse=return_lse)
-            out.backward(dout)
-            assert (lse is not None) is return_lse and len(derived) == int(return_lse)
-            results.append([out, *(t.grad for t in leaves)])
-    for later in results[1:]:
-        for first, got in zip(results[0], later):
-            torch.testing.assert_close(got, first, rtol=0, atol=0)
+    check_lse_derived_only_when_returned(
+        lambda leaves, return_lse: ops.flash_attention(*leaves, mask, return_lse=return_lse),
+        inputs, dout, 3 if device == "cuda" else 1,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(("mask", "bool_mask"), [(None, False), ("bool", True), ("float", False)])
