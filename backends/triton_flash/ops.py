@@ -1184,8 +1184,9 @@ class DirectAttention(torch.autograd.Function):
     ``fwd_impl(q, k, v, mask, seed, *extra, *scalars) -> (out, lse, stats)`` and returns
     (out, lse), lse None where fwd_impl derives none (a float mask's call that returns
     no lse: :func:`flash_attention`); the backward calls ``bwd_impl(dout, q, k, v,
-    mask, seed, *extra, out, rows, dlse, *scalars)``, rows the stats where there are some (a float mask's call:
-    see _keeps_row_stats), else the lse, as the op's registered autograd does.
+    mask, seed, *extra, out, rows, dlse, *scalars)``, rows the stats where there are
+    some (a float mask's call: see _keeps_row_stats), else the lse, as the op's
+    registered autograd does.
     ``extra`` holds what is neither a differentiable input nor a scalar (the
     block-sparse index tensors).
     """
