@@ -22,7 +22,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import attnhub  # noqa: E402
-from attnhub.backends.torch_reference import reference_attention  # noqa: E402
+from attnhub.backends.torch_reference import TorchReference, reference_attention  # noqa: E402
 from attnhub.registry import get_registry  # noqa: E402
 from attnhub.testing import (  # noqa: E402
     BlockSparseCase,
@@ -189,3 +189,45 @@ def test_what_a_backend_raises_is_a_problem_not_an_exception() -> None:
         assert len(problems) == 1 and "RuntimeError: boom" in problems[0], problems
     finally:
         registry.remove(Raises.name)
+
+
+def test_a_wrong_dtype_or_shape_is_reported_and_the_backend_stays_enabled() -> None:
+    """The kit judges what the backend returns itself (dispatch's output check, which
+    would disable the backend, is off inside it): an output in float32 for a float16
+    call, or one row short, is a problem of its case and the next case still runs."""
+
+    class Float32Out(TorchReference):
+        name = "bs_sampled_float32_out"
+        dtypes = frozenset({torch.float16})
+
+        def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+            got = super().forward(query, key, value, attn_mask, params)
+            return (got[0].float(), got[1]) if isinstance(got, tuple) else got.float()
+
+    class RowShort(Float32Out):
+        name = "bs_sampled_row_short"
+
+        def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+            got = TorchReference.forward(self, query, key, value, attn_mask, params)
+            return (got[0][:, :, 1:], got[1]) if isinstance(got, tuple) else got[:, :, 1:]
+
+    registry = get_registry()
+    registry.add(Float32Out())
+    registry.add(RowShort())
+    try:
+        # Forward-only cases: a backward of a short output stops at autograd's own
+        # shape check (reported as what the call raised).
+        cases = [c for c in sample_block_sparse_cases(Float32Out.name, "cpu", 20) if not c.backward]
+        assert len(cases) >= 2
+        for case in cases[:2]:
+            problems = block_sparse_problems(Float32Out.name, case, "cpu")
+            assert problems == ["out: torch.float32 on cpu, expected torch.float16 on cpu"], (
+                problems
+            )
+            problems = block_sparse_problems(RowShort.name, case, "cpu")
+            assert len(problems) == 1 and problems[0].startswith("out: shape "), problems
+        assert registry.unavailable_reason(Float32Out.name) is None
+        assert registry.unavailable_reason(RowShort.name) is None
+    finally:
+        registry.remove(Float32Out.name)
+        registry.remove(RowShort.name)

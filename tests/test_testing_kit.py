@@ -45,7 +45,7 @@ from attnhub.testing import (
     run_case,
     tolerance_bound,
 )
-from attnhub.testing.check import BLOCK_SPARSE_CASES
+from attnhub.testing.check import BLOCK_SPARSE_CASES, SERVING_CASES
 
 
 class Correct(TorchReference):
@@ -604,6 +604,12 @@ class RaisesInForward(Correct):
     def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
         raise self.error()
 
+    def forward_varlen(self, *args):  # type: ignore[no-untyped-def]
+        raise self.error()
+
+    def forward_kvcache(self, *args):  # type: ignore[no-untyped-def]
+        raise self.error()
+
 
 class RaisesInPrepare(Correct):
     name = "kit_raises_prepare"
@@ -668,8 +674,8 @@ def test_exception_in_prepare_becomes_the_case_failure(error: Any, text: str) ->
 def test_exception_reported_by_check_backend_for_every_check() -> None:
     report = _report(RaisesInForward)
     cases = cases_for(RaisesInForward(), "cpu")
-    # The cases, the block-sparse cases, dropout, repeatability of two of them.
-    checks = len(cases) + BLOCK_SPARSE_CASES + 1 + 2
+    # The cases, the block-sparse and serving cases, dropout, repeatability of two cases.
+    checks = len(cases) + BLOCK_SPARSE_CASES + SERVING_CASES + 1 + 2
     assert f"failed {checks} of {checks} conformance checks on cpu:" in report
     lines = report.splitlines()[1:]
     assert len(lines) == checks

@@ -43,6 +43,13 @@ from .faults import describe_exception
 from .pytest_plugin import pytest_addoption, pytest_collection_modifyitems, pytest_configure
 from .reference import plain_attention, references
 from .sampled import sample_cases
+from .serving import (
+    ServingCase,
+    draw_serving_case,
+    sample_serving_cases,
+    serving_problems,
+    serving_reasons,
+)
 from .tolerance import (
     assert_matches_reference,
     compare,
@@ -56,6 +63,7 @@ __all__ = [
     "CallResult",
     "Case",
     "Inputs",
+    "ServingCase",
     "assert_matches_reference",
     "block_sparse_problems",
     "block_sparse_reasons",
@@ -67,6 +75,7 @@ __all__ = [
     "default_device",
     "describe_exception",
     "draw_block_sparse_case",
+    "draw_serving_case",
     "dropout_problems",
     "fully_masked_problems",
     "highest_float32_precision",
@@ -81,5 +90,8 @@ __all__ = [
     "run_case",
     "sample_block_sparse_cases",
     "sample_cases",
+    "sample_serving_cases",
+    "serving_problems",
+    "serving_reasons",
     "tolerance_bound",
 ]

@@ -45,6 +45,7 @@ from .block_sparse import block_sparse_problems, sample_block_sparse_cases
 from .cases import Case, Inputs, case_reasons, cases_for, make_inputs
 from .faults import describe_exception, passes_through
 from .reference import references
+from .serving import sample_serving_cases, serving_problems
 from .tolerance import compare, fully_masked_problems, highest_float32_precision
 
 _INPUT_NAMES = ("query", "key", "value", "attn_mask", "grad_out", "grad_lse")
@@ -585,6 +586,9 @@ def default_device(backend: Backend) -> torch.device:
 # Block-sparse cases in the planned suite of a backend that declares block_sparse
 # (cases_for plans none: its cases carry no layout).
 BLOCK_SPARSE_CASES = 12
+# Serving cases of a backend that declares the varlen, kvcache or paged layout (the
+# other cases are dense calls of attnhub.attention).
+SERVING_CASES = 12
 
 
 def check_backend(
@@ -600,7 +604,9 @@ def check_backend(
     Every case of :func:`cases_for` (or ``cases``), the dropout checks where dropout is
     declared (and a dense case admitted), repeatability, and, where ``block_sparse`` is
     declared and ``cases`` not given, ``BLOCK_SPARSE_CASES`` cases of
-    :func:`sample_block_sparse_cases`. Returns the number of cases run; raises
+    :func:`sample_block_sparse_cases`, and where a serving layout is declared (varlen,
+    kvcache, paged) and ``cases`` not given, ``SERVING_CASES`` cases of
+    :func:`sample_serving_cases`. Returns the number of cases run; raises
     ``AssertionError`` naming each failing case id and what differed (what the backend
     raised, returned or changed is reported the same way, never raised through).
     """
@@ -610,11 +616,12 @@ def check_backend(
     if why is not None:
         raise AssertionError(f"{name} is unavailable here: {why}")
     device = torch.device(device) if device is not None else default_device(backend)
-    sparse = []
+    sparse, serving = [], []
     if cases is None:
         sparse = sample_block_sparse_cases(backend, device, BLOCK_SPARSE_CASES, size=size)
+        serving = sample_serving_cases(backend, device, SERVING_CASES, size=size)
     cases = list(cases) if cases is not None else cases_for(backend, device, size=size)
-    if not cases and not sparse:
+    if not cases and not sparse and not serving:
         raise AssertionError(
             f"{name}: its declarations admit no conformance case on {device.type} "
             f"(devices: {', '.join(sorted(backend.devices))})"
@@ -630,8 +637,13 @@ def check_backend(
         if (problems := block_sparse_problems(name, case, device)) else []
         for case in sparse
     ]  # fmt: skip
+    results += [
+        [f"[{case.id}] " + "; ".join(problems)]
+        if (problems := serving_problems(name, case, device)) else []
+        for case in serving
+    ]  # fmt: skip
     # The dropout checks make dense calls: a backend that admits none (one serving only
-    # block_sparse calls) checks its dropout in its own tests.
+    # block_sparse or serving calls) checks its dropout in its own tests.
     if backend.dropout and cases:
         results.append(dropout_problems(name, device))
     sample = [*cases[:1], *[c for c in cases if c.backward][:1]]
@@ -648,4 +660,4 @@ def check_backend(
             + "\n  ".join(shown)
             + more
         )
-    return len(cases) + len(sparse)
+    return len(cases) + len(sparse) + len(serving)

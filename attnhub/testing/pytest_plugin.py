@@ -9,7 +9,9 @@ Inert unless ``--attnhub-backend`` is given (it may be repeated). Test ids read
 ``--attnhub-sampled N`` adds N cases drawn at random from the whole call space
 (:func:`attnhub.testing.sample_cases`, reproducible from ``--attnhub-seed``). A backend
 that declares ``block_sparse`` also gets 12 (and N more) block-sparse cases
-(:func:`attnhub.testing.sample_block_sparse_cases`; ids ``my_backend-bs-...``).
+(:func:`attnhub.testing.sample_block_sparse_cases`; ids ``my_backend-bs-...``), and
+one that declares a serving layout (varlen, kvcache, paged) 12 (and N more) serving
+cases (:func:`attnhub.testing.sample_serving_cases`; ids ``my_backend-serve-...``).
 Besides the numeric cases, each backend gets a ``repeatable`` test and, where it
 declares dropout, a ``dropout`` test. A backend that raises, returns something wrong or
 changes its inputs fails the case's test with the kit's one-line report (no traceback
@@ -28,6 +30,7 @@ from .block_sparse import BlockSparseCase, block_sparse_problems, sample_block_s
 from .cases import Case, cases_for
 from .check import (
     BLOCK_SPARSE_CASES,
+    SERVING_CASES,
     default_device,
     dropout_problems,
     repeatability_problems,
@@ -35,6 +38,7 @@ from .check import (
 )
 from .faults import describe_exception
 from .sampled import sample_cases
+from .serving import ServingCase, sample_serving_cases, serving_problems
 
 SIZES = ("tiny", "small", "large")
 
@@ -83,7 +87,8 @@ class ConformanceItem(pytest.Item):
     """One generated check of a backend, by ``check``:
 
     ``"case"``: the numeric case ``cases[0]``; ``"block_sparse"``: the block-sparse case
-    ``cases[0]`` (a :class:`BlockSparseCase`); ``"repeatable"``: repeatability over
+    ``cases[0]`` (a :class:`BlockSparseCase`); ``"serving"``: the serving case
+    ``cases[0]`` (a :class:`ServingCase`); ``"repeatable"``: repeatability over
     ``cases``; ``"dropout"``: the dropout checks; ``"cases"``: fails with ``error``, why
     no case could be generated; ``"unavailable"``: skipped.
     """
@@ -94,7 +99,7 @@ class ConformanceItem(pytest.Item):
         backend: str,
         device: torch.device,
         check: str,
-        cases: tuple[Case, ...] | tuple[BlockSparseCase, ...] = (),
+        cases: tuple[Case, ...] | tuple[BlockSparseCase, ...] | tuple[ServingCase, ...] = (),
         error: str = "",
         **kwargs: Any,
     ) -> None:
@@ -107,16 +112,17 @@ class ConformanceItem(pytest.Item):
         self.add_marker(pytest.mark.attnhub_conformance)
 
     @property
-    def case(self) -> Case | BlockSparseCase | None:
-        return self.cases[0] if self.check in ("case", "block_sparse") else None
+    def case(self) -> Case | BlockSparseCase | ServingCase | None:
+        return self.cases[0] if self.check in ("case", "block_sparse", "serving") else None
 
     def runtest(self) -> None:
         if self.check == "case":
             run_case(self.backend, self.cases[0], self.device)  # type: ignore[arg-type]
             return
-        if self.check == "block_sparse":
+        if self.check in ("block_sparse", "serving"):
             case = self.cases[0]
-            problems = block_sparse_problems(self.backend, case, self.device)  # type: ignore[arg-type]
+            check = block_sparse_problems if self.check == "block_sparse" else serving_problems
+            problems = check(self.backend, case, self.device)  # type: ignore[arg-type]
             if problems:
                 raise AssertionError(f"{self.backend} [{case.id}]: " + "; ".join(problems))
             return
@@ -139,17 +145,24 @@ class ConformanceItem(pytest.Item):
 
 
 # One planned item: (check, name suffix, cases, error).
-_Check = tuple[str, str, tuple[Case, ...] | tuple[BlockSparseCase, ...], str]
+_Check = tuple[
+    str, str, tuple[Case, ...] | tuple[BlockSparseCase, ...] | tuple[ServingCase, ...], str
+]
 
 
 def _checks_for(
-    name: str, cases: list[Case], dropout: bool, sparse: list[BlockSparseCase]
+    name: str,
+    cases: list[Case],
+    dropout: bool,
+    sparse: list[BlockSparseCase],
+    serving: list[ServingCase],
 ) -> list[_Check]:
-    """A test per case and per block-sparse case, repeatability over the first case and
+    """A test per case, block-sparse case and serving case, repeatability over the first case and
     the first backward case, and the dropout checks where dropout is declared (all three
     where a dense case is admitted: they make dense calls)."""
     checks: list[_Check] = [("case", f"{name}-{case.id}", (case,), "") for case in cases]
     checks += [("block_sparse", f"{name}-bs-{c.id}", (c,), "") for c in sparse]
+    checks += [("serving", f"{name}-serve-{c.id}", (c,), "") for c in serving]
     if cases:
         sample = (*cases[:1], *[c for c in cases if c.backward][:1])
         checks.append(("repeatable", f"{name}-repeatable", sample, ""))
@@ -194,15 +207,22 @@ def _items_for(session: pytest.Session, name: str) -> list[pytest.Item]:
                 seed=config.getoption("attnhub_seed"),
                 size=size,
             )
+            serving = sample_serving_cases(
+                backend,
+                device,
+                SERVING_CASES + config.getoption("attnhub_sampled"),
+                seed=config.getoption("attnhub_seed"),
+                size=size,
+            )
         except Exception as exc:  # the backend's fault: the other backends still collect
             why = f"its conformance cases could not be generated: {describe_exception(exc)}"
             cases, checks = [], [("cases", f"{name}-cases", (), why)]
         else:
-            if not cases and not sparse:
+            if not cases and not sparse and not serving:
                 raise pytest.UsageError(
                     f"--attnhub-backend {name}: its declarations admit no case on {device.type}"
                 )
-            checks = _checks_for(name, cases, backend.dropout, sparse)
+            checks = _checks_for(name, cases, backend.dropout, sparse, serving)
     items: list[pytest.Item] = []
     for check, suffix, item_cases, error in checks:
         item = ConformanceItem.from_parent(
