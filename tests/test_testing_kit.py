@@ -45,7 +45,7 @@ from attnhub.testing import (
     run_case,
     tolerance_bound,
 )
-from attnhub.testing.check import BLOCK_SPARSE_CASES, SERVING_CASES
+from attnhub.testing.check import BLOCK_SPARSE_CASES, SERVING_CASES, compiled_cases
 
 
 class Correct(TorchReference):
@@ -674,12 +674,17 @@ def test_exception_in_prepare_becomes_the_case_failure(error: Any, text: str) ->
 def test_exception_reported_by_check_backend_for_every_check() -> None:
     report = _report(RaisesInForward)
     cases = cases_for(RaisesInForward(), "cpu")
-    # The cases, the block-sparse and serving cases, dropout, repeatability of two cases.
-    checks = len(cases) + BLOCK_SPARSE_CASES + SERVING_CASES + 1 + 2
+    # The cases, the block-sparse and serving cases, two compiled cases (it declares
+    # compile_safe), dropout, repeatability of two cases.
+    checks = len(cases) + BLOCK_SPARSE_CASES + SERVING_CASES + 2 + 1 + 2
     assert f"failed {checks} of {checks} conformance checks on cpu:" in report
     lines = report.splitlines()[1:]
     assert len(lines) == checks
-    assert all("raised RuntimeError: boom (at test_testing_kit.py:" in line for line in lines)
+    # Traced, Dynamo reports the exception it observed, and where.
+    raised = ("raised RuntimeError: boom (at test_testing_kit.py:",
+              "raised exception RuntimeError('boom') (traced at test_testing_kit.py:")  # fmt: skip
+    assert all(any(text in line for text in raised) for line in lines), report
+    assert sum("] compiled: raised Unsupported: " in line for line in lines) == 2
     assert sum("dropout0.2] dropout_p=0.0: raised" in line for line in lines) == 1
     assert sum("repeatability not checked, the call fails: raised" in line for line in lines) == 2
 
@@ -704,7 +709,9 @@ def test_raising_extra_reasons_is_reported_per_case() -> None:
     # dispatch's refusal of the backend, which quotes it.
     report = _report(RaisesInExtraReasons)
     lines = report.splitlines()[1:]
-    assert len(lines) == len(cases_for(Correct(), "cpu")) + BLOCK_SPARSE_CASES + 1 + 2
+    # No serving case is drawn (dispatch's reasons, which it quotes, refuse them all);
+    # the two compiled cases are.
+    assert len(lines) == len(cases_for(Correct(), "cpu")) + BLOCK_SPARSE_CASES + 2 + 1 + 2
     assert all("ZeroDivisionError: no reasons" in line for line in lines)
     assert re.search(r"^  \[fp16-plain-[^\]]*\] raised ", report, re.MULTILINE)
 
@@ -998,3 +1005,66 @@ def test_pytest_plugin_reports_misbehaving_backends(tmp_path: Path) -> None:
         assert mine and any(text in line for line in mine), (name, output)
     assert sum(f"attnhub[{n}-fp32-plain-" in line for line in failed for n in names) >= 4
     assert "attnhub[torch_sdpa-" not in "\n".join(failed)
+
+
+class BreaksTheGraph(Correct):
+    """Declares compile_safe, but reads a value off the device in its forward: Dynamo
+    cannot trace it without a break."""
+
+    name = "kit_breaks_the_graph"
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        if float(query.sum()) > 1e30:
+            raise AssertionError("never")
+        return super().forward(query, key, value, attn_mask, params)
+
+
+class WrongWhenCompiled(Correct):
+    """Declares compile_safe and traces, but its traced form ignores the scale."""
+
+    name = "kit_wrong_when_compiled"
+
+    def forward(self, query, key, value, attn_mask, params):  # type: ignore[no-untyped-def]
+        if torch.compiler.is_compiling():
+            params = dataclasses.replace(params, scale=2 * params.scale)
+        return super().forward(query, key, value, attn_mask, params)
+
+
+@pytest.mark.parametrize(
+    ("backend", "caught"),
+    [
+        (
+            BreaksTheGraph,
+            r"compiled: raised \w+: .*\(traced at test_testing_kit\.py:\d+ in forward\)",
+        ),
+        (WrongWhenCompiled, r"compiled: out: max\|x - r64\|"),
+    ],
+    ids=["graph-break", "wrong"],
+)
+def test_compile_safe_is_checked_through_torch_compile(
+    backend: type[attnhub.Backend], caught: str
+) -> None:
+    """A compile_safe declaration is held to torch.compile(fullgraph=True): a backend
+    that breaks the graph, or whose traced form answers wrongly, fails exactly its two
+    compiled cases (the first forward and the first backward case), named; eager, it
+    passes."""
+    with registered(backend) as name:
+        compiled = compiled_cases(backend(), cases_for(backend(), "cpu"), "cpu")
+        assert [c.backward for c in compiled] == [False, True]
+        with pytest.raises(AssertionError) as info:
+            check_backend(name, "cpu")
+    report = str(info.value)
+    assert re.search(r"failed 2 of \d+ conformance checks", report), report
+    lines = report.splitlines()[1:]
+    assert [line.split("]")[0].strip() for line in lines] == [f"[{c.id}" for c in compiled]
+    assert all(re.search(caught, line) for line in lines), report
+
+
+def test_no_compiled_case_without_compile_safe() -> None:
+    class NotCompileSafe(BreaksTheGraph):
+        name = "kit_not_compile_safe"
+        compile_safe = False
+
+    assert compiled_cases(NotCompileSafe(), cases_for(NotCompileSafe(), "cpu"), "cpu") == []
+    with registered(NotCompileSafe) as name:
+        check_backend(name, "cpu")  # passes: its eager calls conform

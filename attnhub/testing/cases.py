@@ -315,8 +315,11 @@ def _fit_head_dim(backend: Backend, d: int) -> int | None:
     return candidate if candidate <= min(high, 512) else None
 
 
-def case_reasons(backend: Backend, case: Case, device: torch.device | str) -> list[str]:
-    """Why ``backend`` would not be offered ``case`` on ``device`` (empty: it would).
+def case_reasons(
+    backend: Backend, case: Case, device: torch.device | str, *, traced: bool = False
+) -> list[str]:
+    """Why ``backend`` would not be offered ``case`` on ``device`` (empty: it would);
+    ``traced``: the call made while ``torch.compile`` traces it.
 
     Builds the request dispatch would build (on meta tensors, so nothing is allocated)
     and asks the declarations and the backend's ``extra_reasons`` (one that raises or
@@ -331,7 +334,9 @@ def case_reasons(backend: Backend, case: Case, device: torch.device | str) -> li
     # capability check.
     cuda = device.type == "cuda" and torch.cuda.is_available()
     capability = device_capability(device) if cuda else None
-    request = dataclasses.replace(request, device_type=device.type, capability=capability)
+    request = dataclasses.replace(
+        request, device_type=device.type, capability=capability, traced=traced
+    )
     return declared_reasons(backend, request) or _extra_reasons(backend, request)
 
 

@@ -290,6 +290,19 @@ def _backward(
             result.grads[name] = g
 
 
+def _compiled(options: dict[str, Any], backend_name: str | None) -> Callable[..., Any]:
+    """``attnhub.attention(q, k, v, mask, **options, backend=backend_name)`` through
+    ``torch.compile(fullgraph=True)`` with the ``aot_eager`` backend: Dynamo and
+    AOTAutograd trace the call (the forward and the backward graph) and run the traced
+    graphs as they are, with no code generated, so that any graph break is an error
+    and the numbers are those of the backend's own kernels."""
+
+    def attention(q: Any, k: Any, v: Any, mask: Any) -> Any:
+        return attnhub.attention(q, k, v, mask, **options, backend=backend_name)
+
+    return torch.compile(attention, backend="aot_eager", fullgraph=True, dynamic=False)
+
+
 def run_call(
     backend_name: str | None,
     case: Case,
@@ -297,21 +310,30 @@ def run_call(
     *,
     options: dict[str, Any] | None = None,
     backward: bool | None = None,
+    compiled: bool = False,
 ) -> CallResult:
     """Call ``backend_name`` on ``inputs`` (and run the backward), recording what went wrong.
 
     ``options``: keyword arguments of :func:`attnhub.attention` (default: the case's);
-    ``backward``: take gradients with ``inputs.grad_out`` (default: ``case.backward``).
-    Never raises for what the backend does (see the module doc); compares nothing
-    with a reference.
+    ``backward``: take gradients with ``inputs.grad_out`` (default: ``case.backward``);
+    ``compiled``: make the call through :func:`_compiled`. Never raises for what the
+    backend does (see the module doc); compares nothing with a reference.
     """
     options = case.options() if options is None else options
     backward = case.backward if backward is None else backward
     result = CallResult()
+    attention = _compiled(options, backend_name) if compiled else None
 
     def call() -> Any:
         q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.attn_mask
         with unchecked():  # the kit judges what the backend returned itself
+            if attention is not None:
+                # Each compiled case is one more entry on the same code object: lift
+                # Dynamo's limit of 8 (past it, it would run the call eagerly, silently).
+                with torch._dynamo.config.patch(
+                    recompile_limit=1 << 20, fail_on_recompile_limit_hit=True
+                ):
+                    return attention(q, k, v, mask)
             return attnhub.attention(q, k, v, mask, **options, backend=backend_name)
 
     returned = _watched(result, inputs, "the call", call, "", backend_name)
@@ -357,11 +379,13 @@ def case_problems(
     return _guarded("the case", lambda: _case_problems(backend_name, case, torch.device(device)))
 
 
-def _case_problems(backend_name: str | None, case: Case, device: torch.device) -> list[str]:
+def _case_problems(
+    backend_name: str | None, case: Case, device: torch.device, compiled: bool = False
+) -> list[str]:
     inputs = make_inputs(case, device)
     with highest_float32_precision():
         r_lp, r64 = references(inputs, case)  # before the backend touches the inputs
-        run = run_call(backend_name, case, inputs)
+        run = run_call(backend_name, case, inputs, compiled=compiled)
     problems = list(run.problems)
     got = {"out": run.out, "lse": run.lse, **run.grads}
     for name, x in got.items():
@@ -574,6 +598,32 @@ def repeatability_problems(
     return problems
 
 
+def compiled_cases(
+    backend: Backend, cases: Iterable[Case], device: torch.device | str
+) -> list[Case]:
+    """The cases :func:`compiled_problems` runs for a backend that declares
+    ``compile_safe`` (none otherwise): among ``cases``, the first without a backward
+    and the first with one that the backend admits when the call is traced."""
+    if not backend.compile_safe:
+        return []
+    admitted = [c for c in cases if not case_reasons(backend, c, device, traced=True)]
+    return [*[c for c in admitted if not c.backward][:1], *[c for c in admitted if c.backward][:1]]
+
+
+def compiled_problems(
+    backend_name: str, case: Case, device: torch.device | str = "cpu"
+) -> list[str]:
+    """What differs from the contract when ``case`` is called through
+    ``torch.compile(fullgraph=True)`` (``aot_eager``: Dynamo and AOTAutograd trace the
+    call, and the traced graphs run as they are): the check of a ``compile_safe``
+    declaration. A graph break is a problem (what Dynamo raised), as is any result
+    that an eager call would fail on."""
+    return _guarded(
+        "the compiled case",
+        lambda: _case_problems(backend_name, case, torch.device(device), compiled=True),
+    )
+
+
 def default_device(backend: Backend) -> torch.device:
     """CUDA when the backend runs there and a GPU is present, else the CPU, else its first device."""
     if "cuda" in backend.devices and torch.cuda.is_available():
@@ -606,7 +656,9 @@ def check_backend(
     declared and ``cases`` not given, ``BLOCK_SPARSE_CASES`` cases of
     :func:`sample_block_sparse_cases`, and where a serving layout is declared (varlen,
     kvcache, paged) and ``cases`` not given, ``SERVING_CASES`` cases of
-    :func:`sample_serving_cases`. Returns the number of cases run; raises
+    :func:`sample_serving_cases`, and where ``compile_safe`` is declared, the
+    :func:`compiled_cases` through ``torch.compile`` (:func:`compiled_problems`).
+    Returns the number of cases run; raises
     ``AssertionError`` naming each failing case id and what differed (what the backend
     raised, returned or changed is reported the same way, never raised through).
     """
@@ -626,22 +678,14 @@ def check_backend(
             f"{name}: its declarations admit no conformance case on {device.type} "
             f"(devices: {', '.join(sorted(backend.devices))})"
         )
+    compiled = compiled_cases(backend, cases, device)
     # One entry per check: its report lines (empty: it passed).
     results = [
-        [f"[{case.id}] " + "; ".join(problems)] if (problems := case_problems(name, case, device))
-        else []
-        for case in cases
-    ]  # fmt: skip
-    results += [
-        [f"[{case.id}] " + "; ".join(problems)]
-        if (problems := block_sparse_problems(name, case, device)) else []
-        for case in sparse
-    ]  # fmt: skip
-    results += [
-        [f"[{case.id}] " + "; ".join(problems)]
-        if (problems := serving_problems(name, case, device)) else []
-        for case in serving
-    ]  # fmt: skip
+        *_per_case(case_problems, name, cases, device),
+        *_per_case(block_sparse_problems, name, sparse, device),
+        *_per_case(serving_problems, name, serving, device),
+        *_per_case(compiled_problems, name, compiled, device, "compiled: "),
+    ]
     # The dropout checks make dense calls: a backend that admits none (one serving only
     # block_sparse or serving calls) checks its dropout in its own tests.
     if backend.dropout and cases:
@@ -660,4 +704,19 @@ def check_backend(
             + "\n  ".join(shown)
             + more
         )
-    return len(cases) + len(sparse) + len(serving)
+    return len(cases) + len(sparse) + len(serving) + len(compiled)
+
+
+def _per_case(
+    check: Callable[[str, Any, torch.device], list[str]],
+    name: str,
+    cases: Iterable[Any],
+    device: torch.device,
+    what: str = "",
+) -> list[list[str]]:
+    """One report entry per case: ``[id] what problems`` on one line, or none."""
+    return [
+        [f"[{case.id}] {what}" + "; ".join(problems)] if (problems := check(name, case, device))
+        else []
+        for case in cases
+    ]  # fmt: skip

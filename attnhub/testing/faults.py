@@ -11,6 +11,7 @@ stopping the run, not the backend failing.
 from __future__ import annotations
 
 import os
+import re
 import traceback
 
 import torch
@@ -45,14 +46,48 @@ def _refusal(exc: NoBackendError, backend: str) -> str:
     return f"NoBackendError: {headline}; {backend}: " + ("; ".join(reasons) or "eligible")
 
 
+def _traced(exc: BaseException, backend: str | None) -> str | None:
+    """What a Dynamo error says in one line (None: ``exc`` is not one). Dynamo re-raises
+    what traced code raised wrapped in an error of its own, with pages of hints: that
+    original is reported. Its own errors (a graph break, a data-dependent guard) are
+    reported by their first line and the innermost traced frame outside PyTorch."""
+    if not type(exc).__module__.startswith("torch._dynamo"):
+        return None
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and not type(cause).__module__.startswith("torch"):
+        return describe_exception(cause, backend)
+    text = str(exc)
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    said = next(iter(str(cause).splitlines()), "") if cause is not None else ""
+    if said and said not in first:  # e.g. "raised exception RuntimeError('boom')"
+        first += f": {said}"
+    frames = [
+        (path, line, name)
+        for path, line, name in _TRACED_FRAME.findall(text.split("from user code:")[-1])
+        if not path.startswith(_TORCH_DIR)
+    ]
+    where = ""
+    if frames:
+        path, line, name = frames[-1]
+        where = f" (traced at {os.path.basename(path)}:{line} in {name})"
+    return f"{type(exc).__name__}: {first}{where}"
+
+
+# A frame of the traced code as Dynamo's messages list them.
+_TRACED_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
 def describe_exception(exc: BaseException, backend: str | None = None) -> str:
     """``"RuntimeError: boom (at my_backend.py:42 in forward)"``: type, message, and the
     innermost frame outside PyTorch. Never raises, even when ``str(exc)`` does.
 
     A :class:`attnhub.NoBackendError` refusing ``backend`` (the backend under test) is
-    shortened to its headline and that backend's reasons.
+    shortened to its headline and that backend's reasons; an error of Dynamo's
+    (``torch.compile``) to one line, or to the exception it wraps.
     """
     try:
+        if (traced := _traced(exc, backend)) is not None:
+            return traced
         if backend is not None and isinstance(exc, NoBackendError):
             return _refusal(exc, backend)
         message = str(exc)

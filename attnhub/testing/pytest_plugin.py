@@ -13,7 +13,9 @@ that declares ``block_sparse`` also gets 12 (and N more) block-sparse cases
 one that declares a serving layout (varlen, kvcache, paged) 12 (and N more) serving
 cases (:func:`attnhub.testing.sample_serving_cases`; ids ``my_backend-serve-...``).
 Besides the numeric cases, each backend gets a ``repeatable`` test and, where it
-declares dropout, a ``dropout`` test. A backend that raises, returns something wrong or
+declares dropout, a ``dropout`` test; where it declares ``compile_safe``, two of its
+cases also run through ``torch.compile(fullgraph=True)`` (ids
+``my_backend-compiled-...``). A backend that raises, returns something wrong or
 changes its inputs fails the case's test with the kit's one-line report (no traceback
 of the backend's exception); one whose cases cannot even be generated gets a single
 failing ``cases`` test, and the other backends' tests still run.
@@ -21,6 +23,7 @@ failing ``cases`` test, and the other backends' tests still run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,6 +34,8 @@ from .cases import Case, cases_for
 from .check import (
     BLOCK_SPARSE_CASES,
     SERVING_CASES,
+    compiled_cases,
+    compiled_problems,
     default_device,
     dropout_problems,
     repeatability_problems,
@@ -83,12 +88,22 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "attnhub_conformance: a generated attnhub conformance test")
 
 
+# The checks of one case each, besides the planned and sampled cases: the function that
+# lists a case's problems.
+_PER_CASE: dict[str, Callable[[str, Any, torch.device], list[str]]] = {
+    "block_sparse": block_sparse_problems,
+    "serving": serving_problems,
+    "compiled": compiled_problems,
+}
+
+
 class ConformanceItem(pytest.Item):
     """One generated check of a backend, by ``check``:
 
     ``"case"``: the numeric case ``cases[0]``; ``"block_sparse"``: the block-sparse case
     ``cases[0]`` (a :class:`BlockSparseCase`); ``"serving"``: the serving case
-    ``cases[0]`` (a :class:`ServingCase`); ``"repeatable"``: repeatability over
+    ``cases[0]`` (a :class:`ServingCase`); ``"compiled"``: the numeric case ``cases[0]``
+    through ``torch.compile``; ``"repeatable"``: repeatability over
     ``cases``; ``"dropout"``: the dropout checks; ``"cases"``: fails with ``error``, why
     no case could be generated; ``"unavailable"``: skipped.
     """
@@ -113,16 +128,15 @@ class ConformanceItem(pytest.Item):
 
     @property
     def case(self) -> Case | BlockSparseCase | ServingCase | None:
-        return self.cases[0] if self.check in ("case", "block_sparse", "serving") else None
+        return self.cases[0] if self.check == "case" or self.check in _PER_CASE else None
 
     def runtest(self) -> None:
         if self.check == "case":
             run_case(self.backend, self.cases[0], self.device)  # type: ignore[arg-type]
             return
-        if self.check in ("block_sparse", "serving"):
+        if self.check in _PER_CASE:
             case = self.cases[0]
-            check = block_sparse_problems if self.check == "block_sparse" else serving_problems
-            problems = check(self.backend, case, self.device)  # type: ignore[arg-type]
+            problems = _PER_CASE[self.check](self.backend, case, self.device)
             if problems:
                 raise AssertionError(f"{self.backend} [{case.id}]: " + "; ".join(problems))
             return
@@ -156,13 +170,15 @@ def _checks_for(
     dropout: bool,
     sparse: list[BlockSparseCase],
     serving: list[ServingCase],
+    compiled: list[Case],
 ) -> list[_Check]:
-    """A test per case, block-sparse case and serving case, repeatability over the first case and
-    the first backward case, and the dropout checks where dropout is declared (all three
-    where a dense case is admitted: they make dense calls)."""
+    """A test per case, block-sparse case, serving case and compiled case, repeatability
+    over the first case and the first backward case, and the dropout checks where
+    dropout is declared (both where a dense case is admitted: they make dense calls)."""
     checks: list[_Check] = [("case", f"{name}-{case.id}", (case,), "") for case in cases]
     checks += [("block_sparse", f"{name}-bs-{c.id}", (c,), "") for c in sparse]
     checks += [("serving", f"{name}-serve-{c.id}", (c,), "") for c in serving]
+    checks += [("compiled", f"{name}-compiled-{c.id}", (c,), "") for c in compiled]
     if cases:
         sample = (*cases[:1], *[c for c in cases if c.backward][:1])
         checks.append(("repeatable", f"{name}-repeatable", sample, ""))
@@ -222,7 +238,8 @@ def _items_for(session: pytest.Session, name: str) -> list[pytest.Item]:
                 raise pytest.UsageError(
                     f"--attnhub-backend {name}: its declarations admit no case on {device.type}"
                 )
-            checks = _checks_for(name, cases, backend.dropout, sparse, serving)
+            compiled = compiled_cases(backend, cases, device)
+            checks = _checks_for(name, cases, backend.dropout, sparse, serving, compiled)
     items: list[pytest.Item] = []
     for check, suffix, item_cases, error in checks:
         item = ConformanceItem.from_parent(
