@@ -206,29 +206,16 @@ def _items_for(session: pytest.Session, name: str) -> list[pytest.Item]:
     else:
         try:
             size = config.getoption("attnhub_size")
+            sampled, seed = config.getoption("attnhub_sampled"), config.getoption("attnhub_seed")
             cases = cases_for(backend, device, size=size)
             planned = {case.id for case in cases}
-            drawn = sample_cases(
-                backend,
-                device,
-                config.getoption("attnhub_sampled"),
-                seed=config.getoption("attnhub_seed"),
-                size=size,
-            )
+            drawn = sample_cases(backend, device, sampled, seed=seed, size=size)
             cases += [case for case in drawn if case.id not in planned]
             sparse = sample_block_sparse_cases(
-                backend,
-                device,
-                BLOCK_SPARSE_CASES + config.getoption("attnhub_sampled"),
-                seed=config.getoption("attnhub_seed"),
-                size=size,
+                backend, device, BLOCK_SPARSE_CASES + sampled, seed=seed, size=size
             )
             serving = sample_serving_cases(
-                backend,
-                device,
-                SERVING_CASES + config.getoption("attnhub_sampled"),
-                seed=config.getoption("attnhub_seed"),
-                size=size,
+                backend, device, SERVING_CASES + sampled, seed=seed, size=size
             )
         except Exception as exc:  # the backend's fault: the other backends still collect
             why = f"its conformance cases could not be generated: {describe_exception(exc)}"
