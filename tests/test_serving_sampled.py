@@ -104,7 +104,7 @@ def test_the_draws_cover_the_options() -> None:
     ids = " ".join(c.id for c in cases)
     for part in ("varlen", "kvcache", "paged1-", "paged4-", "paged16-", "paged256-",
                  "-causalTrue", "bottom_right", "top_left", "-window(", "-softcap", "-scale-",
-                 "-lse", "-bwd", "+1", "fp16", "bf16", "fp32"):  # fmt: skip
+                 "-lse", "-bwd", "-unchecked", "+1", "fp16", "bf16", "fp32"):  # fmt: skip
         assert part in ids, part
     assert any(0 in c.q_lens or 0 in c.k_lens for c in cases)
     assert any(c.hq > c.hkv for c in cases) and any(c.dv != c.d for c in cases)

@@ -7,8 +7,10 @@
 paged) with every dimension and option drawn at once: 1 to 4 sequences of lengths from
 0 (an empty sequence or cache) up, GQA, head dims 16-64 with Dv apart, causal in either
 alignment, a window, a softcap, a scale (negative too), the lse, a backward (to the
-packed query, key and value; to the query of a cache call); for a cache, 1 to 7 new
-queries, keys appended in place or not, page sizes 1 to 256 with the pages shuffled.
+packed query, key and value; to the query of a cache call), ``check_indices`` off (the
+call then made twice: the second is a decoding loop's repeated call); for a cache, 1 to
+7 new queries, keys appended in place or not, page sizes 1 to 256 with the pages
+shuffled.
 
 contract.md, "Packed sequences and KV caches": each sequence's rows are the dense call
 of that sequence alone. The backend's answer is held to the tolerance rule against a
@@ -22,6 +24,7 @@ A case is a pure function of its seed, size and dtypes: a failing id reproduces 
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Callable
@@ -53,8 +56,10 @@ LONGEST = {"tiny": 60, "small": 100, "large": 1100}
 @dataclass(frozen=True)
 class ServingCase:
     """One serving call: its kind (one of :data:`KINDS`), heads, head dims, dtype,
-    options (the calls' keywords but ``return_lse``), whether the lse is returned and a
-    backward runs, the per-sequence lengths, and the seed of its inputs.
+    options (the calls' keywords but ``return_lse``), whether the lse is returned, a
+    backward runs and the index tensors are checked (``check_indices``; False: the
+    call is made twice, the second time as a decoding loop's repeated call is), the
+    per-sequence lengths, and the seed of its inputs.
 
     ``q_lens``: queries per sequence (a cache call: ``(Nq,) * B``); ``k_lens``: keys per
     sequence (a cache call: keys already cached); ``new``: keys a cache call appends;
@@ -71,6 +76,7 @@ class ServingCase:
     options: dict[str, Any] = field(hash=False)
     return_lse: bool
     backward: bool
+    check_indices: bool
     q_lens: tuple[int, ...]
     k_lens: tuple[int, ...]
     new: int
@@ -125,6 +131,7 @@ def draw_serving_case(
         options["scale"] = rng.choice([-0.2, 0.1, 1.3])
     return_lse = rng.random() < 0.5
     backward = rng.random() < 0.35
+    check_indices = rng.random() < 0.7
     new = capacity = page_size = 0
     if kind == "varlen":
         q_lens = tuple(_length(rng, longest) for _ in range(b))
@@ -140,9 +147,11 @@ def draw_serving_case(
     shape = "x".join(map(str, q_lens)) + "_" + "x".join(map(str, k_lens))
     ident = (f"{seed}-{kind}{page_size or ''}-H{hq}kv{hkv}D{d}v{dv}-{shape}"
              f"{f'+{new}' if new else ''}-{dtype_tag(dtype)}{flags}"
-             f"{'-lse' if return_lse else ''}{'-bwd' if backward else ''}")  # fmt: skip
+             f"{'-lse' if return_lse else ''}{'-bwd' if backward else ''}"
+             f"{'' if check_indices else '-unchecked'}")  # fmt: skip
     return ServingCase(ident, kind, hq, hkv, d, dv, dtype, options, return_lse, backward,
-                       q_lens, k_lens, new, capacity, page_size, rng.randrange(1 << 30))  # fmt: skip
+                       check_indices, q_lens, k_lens, new, capacity, page_size,
+                       rng.randrange(1 << 30))  # fmt: skip
 
 
 @dataclass
@@ -220,6 +229,14 @@ def _function(c: ServingCase) -> Callable[..., Any]:
     return attnhub.attention_varlen if c.kind == "varlen" else attnhub.attention_kvcache
 
 
+def _keywords(c: ServingCase) -> dict[str, Any]:
+    """The call's keywords besides the tensors and options: ``check_indices``, and for
+    an unchecked varlen call the longest sequences (it does not read the cu_seqlens)."""
+    if c.kind != "varlen" or c.check_indices:
+        return {"check_indices": c.check_indices}
+    return {"check_indices": False, "max_seqlen_q": max(c.q_lens), "max_seqlen_k": max(c.k_lens)}
+
+
 def serving_reasons(backend: Backend, case: ServingCase, device: torch.device | str) -> list[str]:
     """Why ``backend`` would not serve ``case`` on ``device`` when asked by name (empty:
     it would): dispatch's reasons, from :func:`attnhub.explain_varlen` or
@@ -236,8 +253,8 @@ def serving_reasons(backend: Backend, case: ServingCase, device: torch.device | 
     for name in inputs.leaves:
         tensors[name].requires_grad_(case.backward)
     with torch.enable_grad():
-        decision = explain(**tensors, return_lse=case.return_lse, backend=backend.name,
-                           **case.options)  # fmt: skip
+        decision = explain(**tensors, **_keywords(case), return_lse=case.return_lse,
+                           backend=backend.name, **case.options)  # fmt: skip
     if decision.chosen == backend.name:
         return []
     return decision.reasons().get(backend.name) or [f"served by {decision.chosen}: {decision.why}"]
@@ -357,8 +374,14 @@ def serving_problems(
         # unchecked: the kit judges what the backend returned itself, and a backend that
         # breaks the contract stays enabled for the next case.
         with torch.enable_grad(), unchecked():
-            returned = _function(case)(**given, return_lse=case.return_lse, backend=backend_name,
-                                       **case.options)  # fmt: skip
+            call = functools.partial(_function(case), **given, **_keywords(case),
+                                     return_lse=case.return_lse, backend=backend_name,
+                                     **case.options)  # fmt: skip
+            returned = call()
+            if not case.check_indices:
+                # Again, as a decoding loop calls (attention_kvcache's decided path): this
+                # answer is held to the rule. The keys appended again land where they did.
+                returned = call()
             if isinstance(returned, tuple) != case.return_lse:
                 raise TypeError(
                     f"return_lse={case.return_lse}: expected "
