@@ -11,7 +11,9 @@ or, as a pytest plugin generating one test per case::
 
 Cases come from the backend's declarations (:func:`cases_for`, a planned few dozen;
 :func:`sample_cases`, any number drawn at random from the whole call space; for a
-backend that declares ``block_sparse``, :func:`sample_block_sparse_cases`); results are compared
+backend that declares ``block_sparse``, :func:`sample_block_sparse_cases`; for one that
+declares a serving layout, :func:`sample_serving_cases`; for one that declares
+``compile_safe``, two cases through ``torch.compile``); results are compared
 with the float64 reference by contract.md's tolerance rule
 (:func:`assert_matches_reference`), the bound's width set by the kit's own plain
 computation in the input dtype (:func:`plain_attention`). Whatever a backend raises,
@@ -33,6 +35,8 @@ from .check import (
     CallResult,
     case_problems,
     check_backend,
+    compiled_cases,
+    compiled_problems,
     default_device,
     dropout_problems,
     repeatability_problems,
@@ -72,6 +76,8 @@ __all__ = [
     "cases_for",
     "check_backend",
     "compare",
+    "compiled_cases",
+    "compiled_problems",
     "default_device",
     "describe_exception",
     "draw_block_sparse_case",
