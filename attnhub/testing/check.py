@@ -303,6 +303,18 @@ def _compiled(options: dict[str, Any], backend_name: str | None) -> Callable[...
     return torch.compile(attention, backend="aot_eager", fullgraph=True, dynamic=False)
 
 
+def _unlimited_recompiles() -> dict[str, Any]:
+    """Dynamo settings for the kit's compiled calls. Each is one more entry on the same
+    code object: past Dynamo's limit (8) it would run the call eagerly, silently. The
+    limit was ``cache_size_limit`` before torch 2.7."""
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    settings: dict[str, Any] = {limit: 1 << 20}
+    if hasattr(config, "fail_on_recompile_limit_hit"):
+        settings["fail_on_recompile_limit_hit"] = True
+    return settings
+
+
 def run_call(
     backend_name: str | None,
     case: Case,
@@ -328,11 +340,7 @@ def run_call(
         q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.attn_mask
         with unchecked():  # the kit judges what the backend returned itself
             if attention is not None:
-                # Each compiled case is one more entry on the same code object: lift
-                # Dynamo's limit of 8 (past it, it would run the call eagerly, silently).
-                with torch._dynamo.config.patch(
-                    recompile_limit=1 << 20, fail_on_recompile_limit_hit=True
-                ):
+                with torch._dynamo.config.patch(**_unlimited_recompiles()):
                     return attention(q, k, v, mask)
             return attnhub.attention(q, k, v, mask, **options, backend=backend_name)
 
