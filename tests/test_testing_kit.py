@@ -410,6 +410,19 @@ def test_pytest_plugin_reports_failing_cases(tmp_path: Path) -> None:
         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert idle.returncode == 5, idle.stdout  # 5: no tests collected
+    # It declares the serving layouts and compile_safe (as torch_reference): serving
+    # and compiled items are generated for it, none for torch_sdpa (dense, but
+    # compile_safe: its compiled items are there).
+    listed = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "attnhub.testing", "-q", "--collect-only",
+         "-p", "no:cacheprovider", "--attnhub-backend", "kit_plugin_broken",
+         "--attnhub-backend", "torch_sdpa"],
+        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300,
+    ).stdout  # fmt: skip
+    assert listed.count("attnhub[kit_plugin_broken-serve-") == SERVING_CASES, listed
+    assert listed.count("attnhub[kit_plugin_broken-compiled-") == 2, listed
+    assert "attnhub[torch_sdpa-serve-" not in listed
+    assert listed.count("attnhub[torch_sdpa-compiled-") == 2, listed
 
 
 def test_reference_dropout_passes_dropout_checks() -> None:
