@@ -158,8 +158,8 @@ def draw_serving_case(
 class _Inputs:
     """A case's tensors on the CPU, in its dtype.
 
-    ``call``: the serving function's positional and keyword tensors (the cache, paged or
-    not, holds the cached keys; ``k_new``/``v_new`` are not yet in it). ``leaves``: the
+    ``args`` and ``kwargs``: the serving function's tensors by keyword (the cache, paged
+    or not, holds the cached keys; ``k_new``/``v_new`` are not yet in it). ``leaves``: the
     names of the tensors a backward differentiates. ``cache``: the keys and values of
     each sequence as the call must leave them, (B, Hkv, Nmax, D|Dv) (cache calls);
     ``stores``: the cache tensors as the call must leave them (the appended keys in
