@@ -158,16 +158,15 @@ def draw_serving_case(
 class _Inputs:
     """A case's tensors on the CPU, in its dtype.
 
-    ``args`` and ``kwargs``: the serving function's tensors by keyword (the cache, paged
-    or not, holds the cached keys; ``k_new``/``v_new`` are not yet in it). ``leaves``: the
+    ``tensors``: the serving function's tensor arguments by name (the cache, paged or
+    not, holds the cached keys; ``k_new``/``v_new`` are not yet in it). ``leaves``: the
     names of the tensors a backward differentiates. ``cache``: the keys and values of
     each sequence as the call must leave them, (B, Hkv, Nmax, D|Dv) (cache calls);
     ``stores``: the cache tensors as the call must leave them (the appended keys in
     their slots, everything else as it was). ``grad_out``: the output's gradient.
     """
 
-    args: dict[str, torch.Tensor]
-    kwargs: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor]
     leaves: tuple[str, ...]
     cache: tuple[torch.Tensor, torch.Tensor] | None
     stores: tuple[torch.Tensor, torch.Tensor] | None
@@ -186,25 +185,25 @@ def _inputs(c: ServingCase) -> _Inputs:
         q = randn(sum(c.q_lens), c.hq, c.d)
         k, v = randn(sum(c.k_lens), c.hkv, c.d), randn(sum(c.k_lens), c.hkv, c.dv)
         cu_q, cu_k = ([0, *torch.tensor(lens).cumsum(0).tolist()] for lens in (c.q_lens, c.k_lens))
-        args = {"query": q, "key": k, "value": v,
-                "cu_seqlens_q": torch.tensor(cu_q, dtype=torch.int32),
-                "cu_seqlens_k": torch.tensor(cu_k, dtype=torch.int32)}  # fmt: skip
-        return _Inputs(args, {}, ("query", "key", "value"), None, None,
+        tensors = {"query": q, "key": k, "value": v,
+                   "cu_seqlens_q": torch.tensor(cu_q, dtype=torch.int32),
+                   "cu_seqlens_k": torch.tensor(cu_k, dtype=torch.int32)}  # fmt: skip
+        return _Inputs(tensors, ("query", "key", "value"), None, None,
                        randn(q.shape[0], c.hq, c.dv))  # fmt: skip
     b, nq = len(c.q_lens), c.q_lens[0]
     cache_k, cache_v = randn(b, c.hkv, c.capacity, c.d), randn(b, c.hkv, c.capacity, c.dv)
     q = randn(b, c.hq, nq, c.d)
-    kwargs = {}
+    tensors = {"query": q, "k_cache": cache_k, "v_cache": cache_v,
+               "cache_seqlens": torch.tensor(c.k_lens, dtype=torch.int32)}  # fmt: skip
     want_k, want_v = cache_k.clone(), cache_v.clone()
     if c.new:
-        kwargs = {"k_new": randn(b, c.hkv, c.new, c.d), "v_new": randn(b, c.hkv, c.new, c.dv)}
+        tensors["k_new"] = randn(b, c.hkv, c.new, c.d)
+        tensors["v_new"] = randn(b, c.hkv, c.new, c.dv)
         for j, cached in enumerate(c.k_lens):
-            want_k[j, :, cached : cached + c.new] = kwargs["k_new"][j]
-            want_v[j, :, cached : cached + c.new] = kwargs["v_new"][j]
-    seqlens = torch.tensor(c.k_lens, dtype=torch.int32)
+            want_k[j, :, cached : cached + c.new] = tensors["k_new"][j]
+            want_v[j, :, cached : cached + c.new] = tensors["v_new"][j]
     if c.kind == "kvcache":
-        args = {"query": q, "k_cache": cache_k, "v_cache": cache_v, "cache_seqlens": seqlens}
-        return _Inputs(args, kwargs, ("query",), (want_k, want_v), (want_k, want_v),
+        return _Inputs(tensors, ("query",), (want_k, want_v), (want_k, want_v),
                        randn(b, c.hq, nq, c.dv))  # fmt: skip
     pages = -(-c.capacity // c.page_size)
     spare = 3  # pages no sequence uses
@@ -219,9 +218,8 @@ def _inputs(c: ServingCase) -> _Inputs:
             for page in range(pages):
                 lo, hi = page * c.page_size, min(c.capacity, (page + 1) * c.page_size)
                 store[table[j, page], : hi - lo] = cache[j, :, lo:hi].transpose(0, 1)
-    args = {"query": q, "k_cache": stores[0], "v_cache": stores[1], "cache_seqlens": seqlens}
-    kwargs["block_table"] = table.to(torch.int32)
-    return _Inputs(args, kwargs, ("query",), (want_k, want_v), (stores[2], stores[3]),
+    tensors.update(k_cache=stores[0], v_cache=stores[1], block_table=table.to(torch.int32))
+    return _Inputs(tensors, ("query",), (want_k, want_v), (stores[2], stores[3]),
                    randn(b, c.hq, nq, c.dv))  # fmt: skip
 
 
@@ -247,9 +245,7 @@ def serving_reasons(backend: Backend, case: ServingCase, device: torch.device | 
         return [f"{device.type} is not among its devices ({', '.join(sorted(backend.devices))})"]
     inputs = _inputs(case)
     explain = attnhub.explain_varlen if case.kind == "varlen" else attnhub.explain_kvcache
-    tensors: dict[str, Any] = {
-        name: t.to(device) for name, t in {**inputs.args, **inputs.kwargs}.items()
-    }
+    tensors: dict[str, Any] = {name: t.to(device) for name, t in inputs.tensors.items()}
     for name in inputs.leaves:
         tensors[name].requires_grad_(case.backward)
     with torch.enable_grad():
@@ -293,7 +289,7 @@ def _sequences(
     """Each sequence's dense call (1, H, N, D) cut from ``leaves`` (the differentiated
     tensors, converted) and, for a cache call, the cache as the call must leave it."""
     if c.kind == "varlen":
-        cu_q, cu_k = inputs.args["cu_seqlens_q"].tolist(), inputs.args["cu_seqlens_k"].tolist()
+        cu_q, cu_k = (inputs.tensors[f"cu_seqlens_{s}"].tolist() for s in "qk")
         q, k, v = leaves["query"], leaves["key"], leaves["value"]
         return [
             (q[cu_q[j] : cu_q[j + 1]].transpose(0, 1)[None],
@@ -331,7 +327,7 @@ def _dense(
 def _reference(c: ServingCase, inputs: _Inputs, dtype: torch.dtype | None) -> dict[str, Any]:
     """out, lse (and the gradients of a backward case) of the loop of dense calls, on
     copies of the inputs converted to ``dtype`` (None: r_lp, in the case's dtype)."""
-    leaves = {name: inputs.args[name].detach().to(dtype or c.dtype).requires_grad_(c.backward)
+    leaves = {name: inputs.tensors[name].detach().to(dtype or c.dtype).requires_grad_(c.backward)
               for name in inputs.leaves}  # fmt: skip
     # The calls' default alignments: attention_varlen's, attention_kvcache's.
     options = {"alignment": "top_left" if c.kind == "varlen" else "bottom_right", **c.options}
@@ -363,7 +359,7 @@ def serving_problems(
     inputs = _inputs(case)
     with highest_float32_precision():
         r64, r_lp = _reference(case, inputs, torch.float64), _reference(case, inputs, None)
-    originals = {**inputs.args, **inputs.kwargs}
+    originals = dict(inputs.tensors)
     # Copies: what the call changes in place is compared with the originals after.
     given = {name: t.to(device, copy=True) for name, t in originals.items()}
     for name in inputs.leaves:
