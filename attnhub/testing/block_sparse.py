@@ -37,7 +37,7 @@ from attnhub.registry import get_registry
 from attnhub.request import device_capability, dtype_tag
 from attnhub.validation import build_request, make_params
 
-from .cases import _extra_reasons
+from .cases import _extra_reasons, first_admitted
 from .faults import describe_exception, passes_through
 from .tolerance import compare, fully_masked_problems, highest_float32_precision
 
@@ -226,14 +226,11 @@ def sample_block_sparse_cases(
         backend = get_registry().get(backend)
     if not backend.block_sparse:
         return []
-    cases: list[BlockSparseCase] = []
-    for offset in range(50 * count):
-        if len(cases) == count:
-            break
-        case = draw_block_sparse_case(seed * 1_000_003 + offset, size)
-        if not block_sparse_reasons(backend, case, device):
-            cases.append(case)
-    return cases
+    return first_admitted(
+        lambda case_seed: draw_block_sparse_case(case_seed, size),
+        lambda case: block_sparse_reasons(backend, case, device),
+        count, seed,
+    )  # fmt: skip
 
 
 def _results(

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -313,6 +313,26 @@ def _fit_head_dim(backend: Backend, d: int) -> int | None:
     m = backend.head_dim_multiple
     candidate = -(-low // m) * m
     return candidate if candidate <= min(high, 512) else None
+
+
+_Drawn = TypeVar("_Drawn")
+
+
+def first_admitted(
+    draw: Callable[[int], _Drawn], reasons: Callable[[_Drawn], list[str]], count: int, seed: int
+) -> list[_Drawn]:
+    """Up to ``count`` of ``draw(seed * 1_000_003 + offset)``, offset 0, 1, ..., that
+    ``reasons`` finds none for, in that order; 50 draws at most per case asked for, so
+    a backend that claims little gets fewer. (The block-sparse and serving samplers:
+    each draw a pure function of its own seed, so a case reproduces alone.)"""
+    cases: list[_Drawn] = []
+    for offset in range(50 * count):
+        if len(cases) == count:
+            break
+        case = draw(seed * 1_000_003 + offset)
+        if not reasons(case):
+            cases.append(case)
+    return cases
 
 
 def case_reasons(

@@ -40,6 +40,7 @@ from attnhub.output_check import unchecked
 from attnhub.registry import get_registry
 from attnhub.request import dtype_tag
 
+from .cases import first_admitted
 from .faults import describe_exception, passes_through
 from .reference import plain_attention
 from .tolerance import compare, fully_masked_problems, highest_float32_precision
@@ -277,14 +278,11 @@ def sample_serving_cases(
     kinds = tuple(kind for kind in KINDS if kind in backend.layouts)
     if not kinds:
         return []
-    cases: list[ServingCase] = []
-    for offset in range(50 * count):
-        if len(cases) == count:
-            break
-        case = draw_serving_case(seed * 1_000_003 + offset, size, dtypes, kinds)
-        if not serving_reasons(backend, case, device):
-            cases.append(case)
-    return cases
+    return first_admitted(
+        lambda case_seed: draw_serving_case(case_seed, size, dtypes, kinds),
+        lambda case: serving_reasons(backend, case, device),
+        count, seed,
+    )  # fmt: skip
 
 
 def _sequences(
