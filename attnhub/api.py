@@ -22,6 +22,7 @@ import torch
 
 from . import autotune, call_stats, dispatch
 from .backend import Runner
+from .eager import plain_eager
 from .errors import BrokenBackendError
 from .registry import get_registry, on_invalidate
 from .request import OPTION_NAMES, AttentionParams, AttentionRequest, seqlen_bucket
@@ -276,10 +277,13 @@ def attention(
         entry: Any = _last  # None after a dict miss
         if not (
             entry[3] == context
+            # Never a nested tensor into the C check: it would abort the process
+            # (tensor_guards.Guards); the slow path refuses it with a TypeError.
+            and not (query.is_nested or key.is_nested or value.is_nested)
             and (
                 entry[2].check(query, key, value)
                 if attn_mask is None
-                else entry[2].check(query, key, value, attn_mask)
+                else not attn_mask.is_nested and entry[2].check(query, key, value, attn_mask)
             )
             and (entry[4] is None or entry[4] is _deterministic())
         ):
@@ -422,11 +426,16 @@ def _slow_path(
     global _last
     length_free = _length_free(call_key)
     decided = _length_free_cache.get(length_free) if length_free is not None else None
+    keep = True
     if decided is not None:
         name, runner, deterministic, count = decided[0], decided[1], decided[4], decided[5]
     else:
+        # A call outside plain eager mode (FakeTensorMode, a profiler's dispatch mode,
+        # vmap) is not measured (autotune.wanted), so its decision is not kept: the
+        # signature's next eager call measures.
+        keep = plain_eager(query, key, value, attn_mask)
         decision, params = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
-        if autotune.wanted(decision, params, query.device):
+        if autotune.wanted(decision, params, (query, key, value, attn_mask)):
             # A signature this machine has not measured: time the eligible backends on
             # this call, then decide again (the measurement now ranks).
             mask = (
@@ -444,7 +453,7 @@ def _slow_path(
         count = call_stats.counter(name)
     # An empty tensor's key does not pin its layout (is_contiguous() is True whatever
     # the strides), and empty calls are rare: they are decided every time.
-    if not (call_key and query.numel() and key.numel() and value.numel()):
+    if not (keep and call_key and query.numel() and key.numel() and value.numel()):
         return (name, runner, _NO_GUARDS, _NO_CONTEXT, None, count)
     tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
     # Only a cache's calls (Nq < Nk) change key length from one call of an entry to the

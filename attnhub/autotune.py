@@ -26,7 +26,12 @@ It does not measure (and the shipped cost table or the declared priority ranks) 
 it cannot or must not:
 
 - ``ATTNHUB_AUTOTUNE=0``; a device type not in :data:`attnhub.measured.DEVICES` (CUDA);
-- while ``torch.compile`` traces or a CUDA graph is being captured;
+- while ``torch.compile`` traces or a CUDA graph is being captured, and wherever else
+  the call is not in plain eager mode (:mod:`attnhub.eager`): under a dispatch or
+  function mode (FakeTensorMode, whose calls run no kernel: host time would be
+  persisted as a backend's; FlopCounterMode or a profiler's mode, which would count
+  the timing calls as the caller's), inside a functorch transform, or on tensor
+  subclasses;
 - calls with dropout (timing would draw from the caller's random stream);
 - in a ``torch.distributed`` job of more than one process: every rank must pick the
   same backend for the same call, and timings differ between ranks, so ranks rank by
@@ -67,6 +72,7 @@ import torch
 
 from . import env, measured
 from .dispatch import REFERENCE, Decision, prepare_candidate
+from .eager import plain_eager
 from .errors import error_line
 from .registry import get_registry
 from .request import AttentionParams
@@ -132,13 +138,15 @@ def _covers(found: measured.Measurement, decision: Decision) -> bool:
     )
 
 
-def wanted(decision: Decision, params: AttentionParams, device: torch.device) -> bool:
-    """Whether this call's signature should be measured now (see the module docstring)."""
+def wanted(decision: Decision, params: AttentionParams, tensors: tuple[Any, ...]) -> bool:
+    """Whether this call's signature should be measured now (see the module docstring);
+    ``tensors``: the call's query, key, value and mask (None where absent)."""
+    device = tensors[0].device
     if device.type not in measured.DEVICES or not env.flag(env.AUTOTUNE, default=True):
         return False
     if decision.selection.names is not None or params.dropout_p > 0:
         return False
-    if torch.compiler.is_compiling() or _capturing(device) or measured.distributed_job():
+    if not plain_eager(*tensors) or _capturing(device) or measured.distributed_job():
         return False
     found = measured.store_for(device).get(decision.request)
     if found is not None and _covers(found, decision):

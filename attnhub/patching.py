@@ -136,6 +136,16 @@ _LOGGED_LIMIT = 4096
 # One C call over the tensor arguments (about 0.1 us): True when any has
 # __torch_function__ or a TorchFunctionMode is active, as PyTorch's own check.
 _has_torch_function = torch._C._has_torch_function
+# torch.nested's jagged layout (a tensor subclass; torch.nested imports it with torch).
+_JAGGED: type = getattr(
+    getattr(getattr(torch.nested, "_internal", None), "nested_tensor", None),
+    "NestedTensor",
+    type(None),
+)
+
+
+def _jagged(*args: Any) -> bool:
+    return any(isinstance(a, _JAGGED) for a in args if a is not None)
 
 
 class PatchHandle:
@@ -352,7 +362,11 @@ def _note_original(why: str, query: Any, key: Any) -> None:
     if _is_compiling():
         return
     record(ORIGINAL)
-    shapes = tuple(getattr(t, "shape", None) for t in (query, key))
+    # A nested tensor's shape raises (NestedTensorImpl has no sizes).
+    shapes = tuple(
+        "nested" if getattr(t, "is_nested", False) else getattr(t, "shape", None)
+        for t in (query, key)
+    )
     note = f"{why}; query/key shapes {shapes}"
     if note in _logged_fallbacks:
         return
@@ -432,6 +446,14 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
         enable_gqa: bool = False,
     ) -> torch.Tensor:
         if _has_torch_function((query, key, value, attn_mask)):
+            if _jagged(query, key, value, attn_mask):
+                # PyTorch's jagged nested tensors serve its SDPA only when their
+                # override is handed the C function itself (they compare func with
+                # torch._C._nn.scaled_dot_product_attention; CausalBias compares it
+                # with the F attribute, _public_function's): the function as it was
+                # before the patch dispatches to them, as unpatched.
+                return original_function()(query, key, value, attn_mask, dropout_p,
+                                           is_causal, scale=scale, enable_gqa=enable_gqa)  # fmt: skip
             # A tensor subclass or object with __torch_function__ (PyTorch's CausalBias
             # masks, wrapper subclasses) or an active TorchFunctionMode: dispatch to it
             # exactly as PyTorch's function does; see _public_function for which
@@ -478,10 +500,13 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                     last_context = _NO_MEMO
             if (
                 last_context == context
+                # Never a nested tensor into the C check: it would abort the process
+                # (tensor_guards.Guards); _outside_domain hands them to PyTorch.
+                and not (query.is_nested or key.is_nested or value.is_nested)
                 and (
                     entry[2].check(query, key, value)
                     if mask is None
-                    else entry[2].check(query, key, value, mask)
+                    else not mask.is_nested and entry[2].check(query, key, value, mask)
                 )
                 and (entry[4] is None or entry[4] is _deterministic())
             ):

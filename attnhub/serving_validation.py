@@ -116,6 +116,7 @@ def _check_index_tensor(
 ) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor ({what}), got {_type_name(t)}")
+    check_strided(name, t)
     if t.dtype not in dtypes:
         allowed = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise TypeError(f"{name} must have dtype {allowed}, got {t.dtype}")

@@ -31,6 +31,12 @@ class Guards:
     the check leaves out, for a memo that checks those itself (a KV cache one key
     longer at each decoding step: decode._LastPlan).
 
+    Never hand ``check`` a nested tensor (``is_nested``; its Python type is
+    ``torch.Tensor`` and its layout strided, so nothing above tells it apart): the C
+    check reads every tensor's strides first, NestedTensorImpl throws on that in C++,
+    and no handler stands between it and Python, so the process aborts (torch 2.11 and
+    2.13). Its callers test ``is_nested`` first.
+
     It is a private PyTorch class: :meth:`make` returns None (no memo; every call
     goes through the cache's key) where it is missing, fails, or does not pass a check of
     the behaviour relied on here, made once per process; also for tensor subclasses,

@@ -34,6 +34,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from attnhub.backend import FLOAT_DTYPES, Backend, Runner
+from attnhub.eager import capturing, plain_eager
 from attnhub.mask_rows import known_row_keys
 from attnhub.mask_values import clamp_beyond_log2_range
 from attnhub.request import AttentionParams, AttentionRequest
@@ -348,8 +349,11 @@ class _BuiltMasks:
     build the same (B, 1, Nq, Nk) mask again (PyTorch's SDPA does not: the model built
     it once). What was built for a mask lives as long as the mask (weakly keyed by its
     identity; its version counter tells an in-place change). Calls without a mask (a
-    causal mask built for the lengths) keep a few. Not while tracing, and not for a mask
-    that needs a gradient (the build must be part of its graph)."""
+    causal mask built for the lengths) keep a few. Only in plain eager mode and outside
+    CUDA-graph capture (:mod:`attnhub.eager`: a mask built under FakeTensorMode is fake,
+    one built while capturing is unwritten until replay, and was handed to later real
+    calls), and not for a mask that needs a gradient (the build must be part of its
+    graph)."""
 
     PLAIN_SLOTS = 8
 
@@ -362,7 +366,11 @@ class _BuiltMasks:
     def slot(query: torch.Tensor, key: torch.Tensor, attn_mask: Any, params: AttentionParams) -> Any:  # fmt: skip
         """The key this call's build is kept under, or None where it is not kept (it
         serves this call only)."""
-        if torch.compiler.is_compiling() or (attn_mask is not None and attn_mask.requires_grad):
+        if (
+            not plain_eager(query, key, attn_mask)
+            or capturing(query)
+            or (attn_mask is not None and attn_mask.requires_grad)
+        ):
             return None
         version = None
         if attn_mask is not None:

@@ -197,6 +197,38 @@ def test_no_measuring_where_it_must_not(tuned, monkeypatch, setting):
     assert measured.store_for(q.device).get(attnhub.explain(q, k, v).request) is None
 
 
+class _SeesEveryOp(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode as FlopCounterMode or a profiler installs one: it sees every op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["FakeTensorMode", "dispatch mode", "vmap"])
+def test_no_measuring_outside_plain_eager_mode(tuned, mode):
+    """Under FakeTensorMode the timed calls run no kernel (a fake call's host time would
+    be persisted as the backend's); under a dispatch mode the mode would see the timing
+    calls as the caller's. Both measured before, and the decision was kept for the
+    signature's later eager calls (failed before)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    slow, fast, _ = tuned
+    q, k, v = _qkv()
+    if mode == "FakeTensorMode":
+        with FakeTensorMode() as fake:
+            attnhub.attention(*(fake.from_tensor(t) for t in (q, k, v)))
+    elif mode == "dispatch mode":
+        with _SeesEveryOp():
+            attnhub.attention(q, k, v)
+    else:
+        torch.vmap(lambda x: attnhub.attention(x, k, v))(q.expand(2, *q.shape))
+    assert (slow.calls, fast.calls) == (1, 0)  # served once, never timed
+    assert measured.store_for(q.device).get(attnhub.explain(q, k, v).request) is None
+    attnhub.reset_stats()
+    attnhub.attention(q, k, v)  # the first eager call of the signature measures
+    assert slow.calls == 1 + SLOW_TIMED_CALLS and attnhub.stats() == {"fast": 1}
+
+
 def test_ranks_of_a_distributed_job_read_only_a_shared_measurement_file(
     tuned, monkeypatch, tmp_path
 ):

@@ -521,6 +521,40 @@ def test_torch_sdpa_masks_built_in_inference_mode_are_not_reused_with_a_backward
         torch.testing.assert_close(got.grad, want.grad)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"causal": True, "alignment": "bottom_right", "float_mask": True}],
+    ids=["short-keys", "bottom-right-with-mask"],
+)
+def test_torch_sdpa_masks_built_under_fake_tensor_mode_stay_there(options):
+    """A mask torch_sdpa built under FakeTensorMode is fake: kept, it reached the next
+    real call ("Please convert all Tensors to FakeTensors", failed before), and a real
+    one kept before reached the fake call (the same error, there)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    options = dict(options)
+    float_mask = options.pop("float_mask", False)
+
+    def call(*tensors: torch.Tensor) -> torch.Tensor:
+        q, k, v, mask = tensors
+        extra = {"attn_mask": mask} if float_mask else {}
+        return attnhub.attention(q, k, v, backend="torch_sdpa", **options, **extra)
+
+    gen = torch.Generator().manual_seed(1)
+    real = [torch.randn(2, 2, n, 16, generator=gen) for n in (5, 7, 7)]
+    real.append(torch.randn(2, 1, 5, 7, generator=gen))
+    expected = attnhub.attention(
+        *real[:3], backend="torch_reference", **options,
+        **({"attn_mask": real[3]} if float_mask else {}),
+    )  # fmt: skip
+    with FakeTensorMode() as fake:
+        fakes = [fake.from_tensor(t) for t in real]
+        assert call(*fakes).shape == expected.shape
+    torch.testing.assert_close(call(*real), expected)
+    with FakeTensorMode() as fake:
+        assert call(*(fake.from_tensor(t) for t in real)).shape == expected.shape
+
+
 # A row whose every key a float mask hides with one large negative value (a model's
 # padding: torch.finfo(dtype).min, or the -1e9 and -1e4 of hand-written masks): its
 # scores all round to about that value, so the forward's softmax over it is uniform (the

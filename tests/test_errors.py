@@ -482,3 +482,93 @@ def test_sparse_packed_tensors_are_refused_naming_the_argument(which: str) -> No
     cu = torch.tensor([0, 5], dtype=torch.int32)
     with pytest.raises(TypeError, match=f"{which} must be a dense"):
         attnhub.attention_varlen(packed["query"], packed["key"], packed["value"], cu, cu)
+
+
+# A decided call's memo compares the next call's tensors in one C check (Guards), which
+# reads their strides first: a nested tensor's implementation throws on that in C++,
+# and the process aborted ("terminate called after throwing an instance of
+# 'c10::Error'"). A subprocess, so that a regression fails this test, not the run.
+_NESTED_AFTER_DECIDED = """
+import warnings, torch, attnhub
+import torch.nn.functional as F
+warnings.simplefilter("ignore", UserWarning)  # nested tensors: "prototype stage"
+q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16)
+mask = torch.ones(8, 8, dtype=torch.bool)
+nested = torch.nested.nested_tensor([torch.randn(4, 8, 16), torch.randn(4, 6, 16)])
+nested_mask = torch.nested.nested_tensor([torch.ones(8, 8, dtype=torch.bool)] * 2)
+
+def outcome(call):
+    try:
+        call()
+        return "returned"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+for _ in range(3):
+    attnhub.attention(q, k, v)
+    attnhub.attention(q, k, v, mask)
+print(outcome(lambda: attnhub.attention(nested, k, v)))
+print(outcome(lambda: attnhub.attention(q, nested, v)))
+print(outcome(lambda: attnhub.attention(q, k, v, nested_mask)))
+stock = outcome(lambda: F.scaled_dot_product_attention(nested, k, v))
+with attnhub.patch():
+    for _ in range(3):
+        F.scaled_dot_product_attention(q, k, v)
+    print(outcome(lambda: F.scaled_dot_product_attention(nested, k, v)) == stock)
+    for _ in range(3):
+        F.scaled_dot_product_attention(q, k, v, mask)
+    print(outcome(lambda: F.scaled_dot_product_attention(q, k, v, nested_mask))
+          == outcome(lambda: attnhub.patching.original_function()(q, k, v, nested_mask)))
+"""
+
+
+def test_a_nested_tensor_after_a_decided_call_is_refused_not_a_crash() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _NESTED_AFTER_DECIDED], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [
+        "TypeError: query must be a dense (strided) tensor, got a nested tensor",
+        "TypeError: key must be a dense (strided) tensor, got a nested tensor",
+        "TypeError: attn_mask must be a dense (strided) tensor, got a nested tensor",
+        "True",  # patched: PyTorch's own outcome, as unpatched
+        "True",
+    ]
+
+
+@pytest.mark.parametrize("kind", ["nested", "sparse"])
+@pytest.mark.parametrize("which", ["cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "block_table"])
+def test_nested_and_sparse_index_tensors_are_refused_naming_the_argument(
+    which: str, kind: str
+) -> None:
+    """Index tensors were read as given: a nested one reached PyTorch's "NestedTensorImpl
+    doesn't support sizes" RuntimeError (failed before), a sparse one went on to be read."""
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    lengths = torch.tensor([8, 8], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    index = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "cache_seqlens": lengths, "block_table": table}
+    index[which] = _nested_or_sparse_index(index[which], kind)
+    got = "a nested" if kind == "nested" else "a torch.sparse_coo"
+    with pytest.raises(TypeError, match=rf"{which} must be a dense \(strided\) tensor, got {got} tensor"):  # fmt: skip
+        if which.startswith("cu_"):
+            packed = torch.randn(10, 2, 8)
+            attnhub.attention_varlen(
+                packed, packed, packed, index["cu_seqlens_q"], index["cu_seqlens_k"]
+            )
+        else:
+            pages = torch.randn(4, 8, 2, 8)  # (pages, page size, Hkv, D)
+            attnhub.attention_kvcache(
+                torch.randn(2, 2, 1, 8), pages, pages, index["cache_seqlens"],
+                block_table=index["block_table"],
+            )  # fmt: skip
+
+
+def _nested_or_sparse_index(t: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "sparse":
+        return t.to_sparse()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([t, t])

@@ -23,6 +23,7 @@ RUNTIME_LAYERS: tuple[frozenset[str], ...] = (
             "hookspecs",
             "tensor_memo",
             "tensor_guards",
+            "eager",
             "timing",
             "mkl_vml",
             "argcheck",

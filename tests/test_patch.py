@@ -352,7 +352,11 @@ def test_a_call_only_the_reference_could_serve_goes_to_pytorch_instead():
     from attnhub.registry import reload_registry
 
     registry = reload_registry()
-    registry.remove("torch_sdpa")  # float64 on the CPU: now only torch_reference serves
+    # Only torch_reference is left (installed plugins, flex_attention among them, serve
+    # float64 on the CPU too).
+    for name in registry.names():
+        if name != "torch_reference":
+            registry.remove(name)
     attnhub.dispatch.clear_cache()
     try:
         q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
@@ -477,6 +481,27 @@ def test_torch_function_overrides_in_any_tensor_argument(position):
         got = F.scaled_dot_product_attention(*opaque, dropout_p=dropout_p, scale=scale)
     assert expected[0] == got[0] == "handled" and expected[2] == got[2]
     assert expected[1] is ORIGINAL and got[1] is handle.function
+
+
+def test_jagged_nested_tensors_get_pytorchs_own_attention():
+    """PyTorch's jagged nested tensors serve its SDPA only when their override is handed
+    the C function itself; handed the patch's function (as CausalBias wants it) they
+    fell through to the dense kernel: "If inputs are nested tensors they must be
+    contiguous" (failed before). Patched, the call is PyTorch's, as unpatched."""
+    gen = torch.Generator().manual_seed(5)
+
+    def jagged() -> torch.Tensor:  # (B, H, ragged L, D), as the nested tutorial builds it
+        parts = [torch.randn(n, 2, 8, generator=gen) for n in (5, 3)]
+        return torch.nested.nested_tensor(parts, layout=torch.jagged).transpose(1, 2)
+
+    q, k, v = jagged(), jagged(), jagged()
+    ref = ORIGINAL(q, k, v)
+    with attnhub.patch():
+        F.scaled_dot_product_attention(*_qkv())  # a decided call in the memo first
+        out = F.scaled_dot_product_attention(q, k, v)
+    assert out.is_nested
+    for got, want in zip(out.unbind(), ref.unbind(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_torch_function_mode_sees_patched_calls():

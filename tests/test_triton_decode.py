@@ -27,6 +27,7 @@ if not HAS_CUDA:
 
 pytest.importorskip("triton")
 
+import attnhub  # noqa: E402
 from attnhub.backends.torch_reference import reference_attention  # noqa: E402
 from attnhub.backends.triton_flash import decode  # noqa: E402
 from attnhub.request import AttentionParams  # noqa: E402
@@ -872,6 +873,33 @@ def test_full_lengths_are_rows_of_a_shared_table(monkeypatch):  # type: ignore[n
         assert len(tables) == 3  # 500.., then 499.., then 756..
 
 
+def test_full_lengths_made_under_fake_tensor_mode_stay_there(monkeypatch):  # type: ignore[no-untyped-def]
+    """A decode-shaped dense call under FakeTensorMode made its lengths table there, a
+    fake one, and kept it for the next real call; a real table kept before reached the
+    fake call. Either way: "Please convert all Tensors to FakeTensors" (failed before)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from attnhub.backends.triton_flash import serving
+
+    monkeypatch.setattr(serving, "_FULL_LENGTHS", {})
+    monkeypatch.setattr(serving, "_last_row", (-2, -1, -1, None))
+    gen = torch.Generator().manual_seed(3)
+    real = [
+        torch.randn(2, h, n, 16, generator=gen).to(DEVICE) for h, n in ((4, 1), (2, 40), (2, 40))
+    ]
+    expected = attnhub.attention(*real, backend="torch_reference")
+    for step in range(3):  # real, fake, real
+        if step == 1:
+            with FakeTensorMode() as fake:
+                out = attnhub.attention(
+                    *(fake.from_tensor(t) for t in real), backend="triton_flash"
+                )
+                assert out.shape == expected.shape
+        else:
+            out = attnhub.attention(*real, backend="triton_flash")
+            torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
 def _count_decode_calls(monkeypatch) -> list[int]:  # type: ignore[no-untyped-def]
     from attnhub.backends.triton_flash import serving
 
@@ -948,7 +976,6 @@ def test_a_dense_decoding_step_takes_its_4d_key_mask_as_given(monkeypatch, kind,
 def _check_on_the_decode_kernel(monkeypatch, q, k, v, options, mask=None):  # type: ignore[no-untyped-def]
     """attnhub.attention(backend="triton_flash") runs the call on the decode kernel, once,
     with output and lse within the contract's tolerance of float64."""
-    import attnhub
     from attnhub.testing.tolerance import compare
 
     calls = _count_decode_calls(monkeypatch)
@@ -1005,7 +1032,6 @@ def test_gpu_dense_decoding_steps_through_the_runner(monkeypatch):  # type: igno
     calls of another signature in between (another scale, a key mask, another batch, a
     window with softcap), each of which the last plan must not serve. Every answer
     against float64; most calls never reach the general entry."""
-    import attnhub
     from attnhub.testing.tolerance import compare
 
     calls = _count_decode_calls(monkeypatch)
@@ -1047,8 +1073,6 @@ def test_other_dense_calls_keep_the_prefill_kernels(monkeypatch, case):  # type:
     forward-mode AD (dual tensors) gets the prefill path's error (its autograd.Function
     has no jvp), never a primal without its tangent."""
     from torch.autograd import forward_ad
-
-    import attnhub
 
     calls = _count_decode_calls(monkeypatch)
     nq = 17 if case == "17_rows" else 3

@@ -70,6 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnhub.eager import plain_eager
 from attnhub.tensor_guards import Guards
 
 from .common import FP32_MAX, INTERPRETED, LN2, LOG2E, _tanh, interpreting
@@ -874,16 +875,9 @@ def _key_mask_view(key_mask: torch.Tensor | None, q: torch.Tensor) -> tuple[torc
     return key_mask, strides, 1 if key_mask.dtype == torch.bool else 2
 
 
-def _direct(*tensors: torch.Tensor | None) -> bool:
-    """Whether a call on these tensors runs the kernels itself (plain tensors in plain
-    eager mode) rather than through the registered op (ops.direct's rule)."""
-    return (
-        not torch.compiler.is_compiling()
-        and all(t is None or type(t) is torch.Tensor for t in tensors)
-        and torch._C._len_torch_dispatch_stack() == 0
-        and not torch._C._is_torch_function_mode_enabled()
-        and not torch._C._are_functorch_transforms_active()
-    )
+# Whether a call on these tensors runs the kernels itself (plain tensors in plain eager
+# mode) rather than through the registered op (ops.direct's rule).
+_direct = plain_eager
 
 
 def _noop_launch(*args: Any, **kwargs: Any) -> None:

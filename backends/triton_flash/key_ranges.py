@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from attnhub.eager import capturing, plain_eager
 from attnhub.mask_rows import row_keys
 from attnhub.tensor_memo import TensorMemo
 
@@ -41,7 +42,6 @@ from .ops import (
     apply_direct,
     backward_plan_key,
     call_scalars,
-    direct,
 )
 
 _memo: TensorMemo[torch.Tensor | None] = TensorMemo()
@@ -69,7 +69,7 @@ def ranges_of(
     mb, mh, mq, mk = mask.shape
     if mh != 1 or mq != 1 or mk != nk or mb not in (1, batch) or nk == 0:
         return None
-    if not direct(q, k, v, mask) or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not plain_eager(q, k, v, mask) or capturing(mask):
         return None
     runs = _memo(mask, _runs)
     if runs is None:

@@ -40,6 +40,7 @@ from torch.autograd import forward_ad
 from torch.library import triton_op, wrap_triton
 from triton.runtime import _allocation
 
+from attnhub.eager import plain_eager
 from attnhub.request import device_capability
 
 from . import kernels, kernels_tma, tuning
@@ -1165,16 +1166,9 @@ def once_differentiable(
     return _GradientsOfNoGraph.apply(len(grads), *grads, *needed)
 
 
-def direct(*tensors: torch.Tensor | None) -> bool:
-    """Whether a call on these tensors may bypass the op (see the module docstring):
-    plain tensors in plain eager mode, nothing that would want to see the op."""
-    return (
-        not torch.compiler.is_compiling()
-        and all(t is None or type(t) is torch.Tensor for t in tensors)
-        and torch._C._len_torch_dispatch_stack() == 0
-        and not torch._C._is_torch_function_mode_enabled()
-        and not torch._C._are_functorch_transforms_active()
-    )
+# Whether a call on these tensors may bypass the op (see the module docstring): plain
+# tensors in plain eager mode, nothing that would want to see the op.
+direct = plain_eager
 
 
 class DirectAttention(torch.autograd.Function):

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from attnhub.eager import capturing, plain_eager
 from attnhub.request import AttentionParams, AttentionRequest
 
 
@@ -89,13 +90,15 @@ _LENGTH_ROWS = 256
 _last_row: tuple[int, int, int, Any] = (-2, -1, -1, None)
 
 
-def _full_lengths(key: torch.Tensor) -> torch.Tensor:
-    """(B,) int32 holding Nk on key's device: every sequence of the cache is full."""
+def _full_lengths(key: torch.Tensor, eager: bool = False) -> torch.Tensor:
+    """(B,) int32 holding Nk on key's device: every sequence of the cache is full.
+    ``eager``: the caller found the call in plain eager mode (attnhub.eager)."""
     global _last_row
     b, nk = key.shape[0], key.shape[2]
-    # Traced, or captured in a CUDA graph (whose pool would own a cached tensor): filled
-    # where the call runs, not shared.
-    if torch.compiler.is_compiling() or (key.is_cuda and torch.cuda.is_current_stream_capturing()):
+    # Outside plain eager mode (traced; a FakeTensorMode, whose tensors are fake) or
+    # captured in a CUDA graph (whose pool would own a cached tensor, unwritten until
+    # replay): filled where the call runs, not shared.
+    if not (eager or plain_eager(key)) or capturing(key):
         return torch.full((b,), nk, dtype=torch.int32, device=key.device)
     index = key.get_device()
     last = _last_row
@@ -143,7 +146,7 @@ def dense_decode_runner(params: AttentionParams) -> Callable[..., Any]:
     def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any) -> Any:
         last = decode._last_plan
         if last is not None and decode.USE_PLANS and decode._direct(query, key, value, attn_mask):
-            lengths = _full_lengths(key)
+            lengths = _full_lengths(key, eager=True)
             if last.serves(query, key, value, lengths, None, attn_mask, options):
                 return last.plan(query, key, value, lengths, None, attn_mask, return_lse)
         return forward_dense_decode(query, key, value, attn_mask, params)
