@@ -1,4 +1,4 @@
-"""The ``attnhub`` command line: ``info``, ``explain`` (and more subcommands as they land).
+"""The ``attnhub`` command line: ``info``, ``explain``, ``demo``, ``bench`` and ``tune``.
 
 Each subcommand is a function taking the parsed arguments and returning an exit code,
 registered in ``_COMMANDS``; ``main`` builds the parser from that table.
@@ -21,6 +21,7 @@ import torch
 
 from .backend import Backend
 from .env import parse_list
+from .errors import error_line
 from .registry import get_registry
 
 
@@ -91,9 +92,10 @@ def usable_device(text: str) -> torch.device:
     try:
         torch.empty(0, device=device)
     except Exception as exc:
-        raise argparse.ArgumentTypeError(
-            f"device {text!r} cannot be used here: {type(exc).__name__}: {exc}"
-        ) from None
+        # The first sentence: PyTorch's "Could not run ..." goes on to list every
+        # dispatch key (2,000 characters).
+        reason = error_line(exc).split(". ")[0]
+        raise argparse.ArgumentTypeError(f"device {text!r} cannot be used here: {reason}") from None
     return device
 
 

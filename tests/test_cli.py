@@ -156,6 +156,20 @@ def test_explain_rejects_bad_option_values_naming_the_option(argv, option, capsy
     assert "Traceback" not in err
 
 
+def test_a_device_torch_cannot_allocate_on_is_refused_in_one_sentence(capsys):
+    """PyTorch's "Could not run 'aten::empty.memory_format' ... from the 'XLA' backend"
+    goes on to list every dispatch key: 2,000 characters in the usage error before."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*EXPLAIN, "--device", "xla"])
+    assert exited.value.code == 2
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith(
+        "attnhub explain: error: argument --device: device 'xla' cannot be used here: "
+        "NotImplementedError: Could not run 'aten::empty.memory_format'"
+    ), line
+    assert len(line) < 250, line
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_explain_rejects_cuda_where_there_is_none(capsys):
     with pytest.raises(SystemExit) as exited:
