@@ -35,6 +35,7 @@ from .validation import (
     complete_request,
     make_params,
     mask_as_4d,
+    refuse_jit_trace,
     request_facts,
 )
 
@@ -424,6 +425,7 @@ def _slow_path(
     """Validate, decide and prepare a call (or take the decision of a call that differs
     only in its key length: _length_free_cache); remember the result under its key."""
     global _last
+    refuse_jit_trace("attnhub.attention")  # before the key's sizes are read as ints
     length_free = _length_free(call_key)
     decided = _length_free_cache.get(length_free) if length_free is not None else None
     keep = True

@@ -136,6 +136,7 @@ _LOGGED_LIMIT = 4096
 # One C call over the tensor arguments (about 0.1 us): True when any has
 # __torch_function__ or a TorchFunctionMode is active, as PyTorch's own check.
 _has_torch_function = torch._C._has_torch_function
+_jit_tracing = torch._C._get_tracing_state
 # torch.nested's jagged layout (a tensor subclass; torch.nested imports it with torch).
 _JAGGED: type = getattr(
     getattr(getattr(torch.nested, "_internal", None), "nested_tensor", None),
@@ -529,6 +530,10 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                     if not native:
                         _inside.active = False
         why = _outside_domain(query, key, value, attn_mask, is_causal, enable_gqa)
+        if why is None and _jit_tracing() is not None:
+            # Recorded as PyTorch's op, which serves the traced module's later shapes;
+            # attnhub's decisions would be kept as constants (validation.refuse_jit_trace).
+            why = "torch.jit.trace records the call"
         if why is None:
             _inside.active = True
             # Strict inside the patch: where only torch_reference (O(N^2) memory, slow)

@@ -32,7 +32,7 @@ from .request import (
     seqlen_bucket,
     softcap_log2,
 )
-from .validation import _shape, _type_name, check_strided, make_params
+from .validation import _shape, _type_name, check_strided, make_params, refuse_jit_trace
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -256,6 +256,7 @@ def check_varlen(
     (then ``max_seqlen_q`` and ``max_seqlen_k`` must be given, and the values are the
     caller's responsibility; see :func:`_unchecked_varlen`).
     """
+    refuse_jit_trace("attnhub.attention_varlen")
     _check_flag(check_indices)
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_float_tensor(name, t, 3, "(total_tokens, heads, head_dim)")
@@ -393,6 +394,7 @@ def check_kvcache(
     (the values are the caller's responsibility), the request's ``same_seqlen`` is
     False and ``q_longer`` is assumed where Nq > 1.
     """
+    refuse_jit_trace("attnhub.attention_kvcache")
     _check_flag(check_indices)
     _check_float_tensor("query", query, 4, "(B, Hq, Nq, D)")
     paged = block_table is not None

@@ -186,8 +186,27 @@ def check_strided(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be a dense (strided) tensor, got {kind} tensor")
 
 
+def refuse_jit_trace(function: str) -> None:
+    """Raise RuntimeError while ``torch.jit.trace`` records: it keeps the ops of one call
+    and turns Python's decisions into constants (the backend, and the masks and lengths
+    built for the traced shapes), and its sizes are tensors, which validation cannot
+    read. (The memos never serve a recorded call: the tracer's dispatch key fails their
+    guards, so every such call comes here.)"""
+    if _tracing_state() is not None:
+        raise RuntimeError(
+            f"{function} cannot be recorded by torch.jit.trace (it would keep one call's "
+            "decisions as constants); use torch.compile or torch.export, which trace "
+            "attnhub, or attnhub.patch(), which hands F.scaled_dot_product_attention "
+            "calls that torch.jit.trace records to PyTorch's own function"
+        )
+
+
+_tracing_state = torch._C._get_tracing_state
+
+
 def check_tensors(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
     """Types, ranks, dtypes, devices and shapes of the tensors (see contract.md, Errors)."""
+    refuse_jit_trace("attnhub.attention")
     tensors = (query, key, value)
     for name, t in zip(_TENSOR_NAMES, tensors):
         if not isinstance(t, torch.Tensor):

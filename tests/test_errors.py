@@ -572,3 +572,28 @@ def _nested_or_sparse_index(t: torch.Tensor, kind: str) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.nested.nested_tensor([t, t])
+
+
+@pytest.mark.parametrize("function", ["attention", "attention_varlen", "attention_kvcache"])
+def test_torch_jit_trace_is_refused_with_what_works_instead(function: str) -> None:
+    """Under torch.jit.trace sizes are tensors: the calls raised AttributeError from deep
+    inside (failed before); a recording would keep one call's decisions as constants."""
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    lengths = torch.tensor([4, 5], dtype=torch.int32)
+    calls = {
+        "attention": (lambda q: attnhub.attention(q, q, q, causal=True), torch.randn(1, 2, 8, 16)),
+        "attention_varlen": (
+            lambda q: attnhub.attention_varlen(q, q, q, cu, cu),
+            torch.randn(10, 2, 16),
+        ),
+        "attention_kvcache": (
+            lambda q: attnhub.attention_kvcache(q[:, :, :1], q, q, lengths, check_indices=False),
+            torch.randn(2, 2, 8, 16),
+        ),
+    }
+    call, example = calls[function]
+    call(example)  # a decided call first: the memos must not serve the recording either
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        with pytest.raises(RuntimeError, match=rf"attnhub.{function} cannot be recorded by torch.jit.trace .*use torch.compile or torch.export"):  # fmt: skip
+            torch.jit.trace(call, (example,))

@@ -504,6 +504,30 @@ def test_jagged_nested_tensors_get_pytorchs_own_attention():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "after-eager-calls"])
+@pytest.mark.parametrize(("nq", "nk"), [(8, 8), (32, 40)])
+def test_torch_jit_trace_of_a_patched_model_records_pytorchs_op(warm, nq, nk):
+    """torch.jit.trace hands Python sizes as tensors: the patched call raised
+    AttributeError ('Tensor' object has no attribute 'bit_length', failed before). It
+    is recorded as PyTorch's op, so the traced module serves other lengths as stock's."""
+    import warnings
+
+    class Causal(torch.nn.Module):
+        def forward(self, q, k, v):  # type: ignore[no-untyped-def]
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for n in (nq, nk, nk))
+    with attnhub.patch(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        if warm:
+            Causal()(q, k, v)
+        traced = torch.jit.trace(Causal(), (q, k, v))
+    for grow in (0, 8):
+        q2, k2, v2 = (torch.randn(1, 2, n + grow, 16, generator=gen) for n in (nq, nk, nk))
+        torch.testing.assert_close(traced(q2, k2, v2), ORIGINAL(q2, k2, v2, is_causal=True))
+
+
 def test_torch_function_mode_sees_patched_calls():
     from torch.overrides import TorchFunctionMode
 
