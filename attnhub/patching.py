@@ -499,18 +499,22 @@ def _make_replacement(handle: PatchHandle) -> Callable[..., torch.Tensor]:
                     mask = attn_mask
                 if version != attn_mask._version or (attn_mask.is_cuda and _capturing()):
                     last_context = _NO_MEMO
-            if (
-                last_context == context
-                # Never a nested tensor into the C check: it would abort the process
-                # (tensor_guards.Guards); _outside_domain hands them to PyTorch.
-                and not (query.is_nested or key.is_nested or value.is_nested)
-                and (
-                    entry[2].check(query, key, value)
-                    if mask is None
-                    else not mask.is_nested and entry[2].check(query, key, value, mask)
+            try:
+                hit = (
+                    last_context == context
+                    # Never a nested tensor into the C check: it would abort the process
+                    # (tensor_guards.Guards); _outside_domain hands them to PyTorch.
+                    and not (query.is_nested or key.is_nested or value.is_nested)
+                    and (
+                        entry[2].check(query, key, value)
+                        if mask is None
+                        else not mask.is_nested and entry[2].check(query, key, value, mask)
+                    )
+                    and (entry[4] is None or entry[4] is _deterministic())
                 )
-                and (entry[4] is None or entry[4] is _deterministic())
-            ):
+            except AttributeError:  # not a tensor: PyTorch's own function reports it
+                hit = False
+            if hit:
                 entry[5]()  # attnhub.stats(), as in attnhub.attention
                 if not native:  # a C runner cannot reach this function again
                     _inside.active = True

@@ -528,6 +528,27 @@ def test_torch_jit_trace_of_a_patched_model_records_pytorchs_op(warm, nq, nk):
         torch.testing.assert_close(traced(q2, k2, v2), ORIGINAL(q2, k2, v2, is_causal=True))
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "bool-mask"])
+@pytest.mark.parametrize("position", range(3))
+def test_a_non_tensor_after_decided_calls_gets_pytorchs_own_error(masked, position):
+    """The memo tests each argument's is_nested before its C check: a list there raised
+    AttributeError (the nested-tensor fix's first version) where PyTorch's function
+    raises its TypeError naming the argument."""
+    q, k, v = _qkv()
+    mask = torch.rand(q.shape[2], k.shape[2], generator=torch.Generator().manual_seed(4)) > 0.2
+    extra = (mask,) if masked else ()
+    args = [q, k, v]
+    args[position] = args[position].tolist()
+    with pytest.raises(TypeError) as stock:
+        ORIGINAL(*args, *extra)
+    with attnhub.patch():
+        for _ in range(3):  # decided, then served by the memo
+            F.scaled_dot_product_attention(q, k, v, *extra)
+        with pytest.raises(TypeError) as patched:
+            F.scaled_dot_product_attention(*args, *extra)
+    assert str(patched.value) == str(stock.value)
+
+
 def test_torch_function_mode_sees_patched_calls():
     from torch.overrides import TorchFunctionMode
 
