@@ -22,12 +22,15 @@ import itertools
 import threading
 from collections.abc import Callable
 
+import torch
+
 ORIGINAL = "pytorch_original"
 """The name under which patched calls that went to PyTorch's own function are counted."""
 
 _counters: dict[str, Callable[[], int]] = {}  # name -> its itertools.count().__next__
 _baseline: dict[str, int] = {}
 _lock = threading.Lock()
+_is_compiling = torch.compiler.is_compiling
 
 
 def counter(name: str) -> Callable[[], int]:
@@ -41,7 +44,11 @@ def counter(name: str) -> Callable[[], int]:
 
 
 def record(name: str) -> None:
-    """Count one call served by backend ``name``."""
+    """Count one call served by backend ``name`` (none while torch.compile traces: the
+    module docstring; Dynamo cannot trace the count either, it raised an internal error
+    in a compiled serving call, whose decision ran eagerly at a graph break)."""
+    if _is_compiling():
+        return
     counter(name)()
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch._dynamo.exc import Unsupported
 
 import attnhub
 from attnhub.backends.torch_reference import reference_attention
@@ -588,3 +589,29 @@ def test_a_plugin_writing_into_the_cache_is_stopped():
         assert registry.unavailable_reason(plugin.name) is not None
     finally:
         registry.remove(plugin.name)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_an_unchecked_call_under_torch_compile_gives_the_eager_answer(paged):
+    """contract.md: torch.compile breaks the graph inside attention_kvcache (its decision
+    runs eagerly), and the compiled step computes and appends what the eager one does.
+    Dynamo raised an internal error at the call's count of its backend (failed before)."""
+    results = []
+    for compiled in (False, True):
+        setup = Setup([3, 9], 2, 1, seed=6)
+
+        def step(query: torch.Tensor, setup: Setup = setup) -> torch.Tensor:
+            out = setup.call(paged, causal=True, check_indices=False)
+            return out * 2 + query
+
+        run = torch.compile(step, backend="aot_eager") if compiled else step
+        out = run(setup.query)
+        cache = (setup.k_pages, setup.v_pages) if paged else (setup.k_cache, setup.v_cache)
+        results.append([out, *cache])
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+    with pytest.raises(Unsupported):  # fullgraph: no graph break allowed
+        setup = Setup([3, 9], 2, 1, seed=6)
+        torch.compile(lambda q: setup.call(paged, check_indices=False) + q, fullgraph=True)(
+            setup.query
+        )
