@@ -378,3 +378,13 @@ def test_a_window_is_verified_on_the_cpu_once_per_function_shape(monkeypatch):
         assert not hf._sliding_window_verified(chunked_causal_mask_function(8, padding), 8)
     assert len(probes) == 2
     assert hf._function_shape(lambda b, h, q, k, w=[8]: k > q - w[0]) is None  # a list default
+
+
+def test_output_attentions_is_answered_with_a_warning_not_silence():
+    """transformers' sdpa and flash functions warn that they return no weights; attnhub's
+    returned None silently (the model's `attentions` then held no weights)."""
+    _, ours = _pair("llama-gqa")
+    ids, mask = _batch()
+    with torch.no_grad(), pytest.warns(UserWarning, match="does not return attention weights"):
+        out = ours(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert not any(a is not None for a in out.attentions or ())

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -307,6 +308,15 @@ def attention_forward(
     """
     if _masks_since_attention:
         _masks_since_attention.clear()
+    if kwargs.get("output_attentions"):
+        # As transformers' sdpa and flash functions do: say so, rather than hand back
+        # None silently (the model's `attentions` then holds no weights).
+        warnings.warn(
+            "attnhub attention does not return attention weights (output_attentions=True); "
+            "set attn_implementation='eager' to get them",
+            UserWarning,
+            stacklevel=2,
+        )
     sinks: torch.Tensor | None = kwargs.get("s_aux")
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor):
