@@ -65,6 +65,8 @@ _CALL_CACHE_LIMIT = 4096
 # _LengthFreeGuards, which leave the key length to its bucket, so that the memos in
 # front of this dict serve the next step's first call without a key.
 _length_free_cache: dict[_CallKey, _Entry] = {}
+# Decisions of calls outside plain eager mode, which were not measured (_slow_path).
+_outside_eager_cache: dict[_CallKey, _Entry] = {}
 
 
 class _NoGuards:
@@ -94,6 +96,7 @@ def clear_call_cache() -> None:
     with _call_cache_lock:
         _call_cache.clear()
         _length_free_cache.clear()
+        _outside_eager_cache.clear()
         _last = _NO_ENTRY
 
 
@@ -426,16 +429,21 @@ def _slow_path(
     only in its key length: _length_free_cache); remember the result under its key."""
     global _last
     refuse_jit_trace("attnhub.attention")  # before the key's sizes are read as ints
+    # A call outside plain eager mode (FakeTensorMode, a dispatch mode as selective
+    # activation checkpointing or a profiler installs, vmap) is not measured
+    # (autotune.wanted): its decision is kept apart, for such calls only, so that the
+    # signature's next eager call measures. (The memos' C guards never match across
+    # that line: a mode's dispatch keys are part of what they compare.)
+    eager = plain_eager(query, key, value, attn_mask)
+    if not eager and call_key:
+        kept = _outside_eager_cache.get(call_key)
+        if kept is not None:
+            return kept
     length_free = _length_free(call_key)
     decided = _length_free_cache.get(length_free) if length_free is not None else None
-    keep = True
     if decided is not None:
         name, runner, deterministic, count = decided[0], decided[1], decided[4], decided[5]
     else:
-        # A call outside plain eager mode (FakeTensorMode, a profiler's dispatch mode,
-        # vmap) is not measured (autotune.wanted), so its decision is not kept: the
-        # signature's next eager call measures.
-        keep = plain_eager(query, key, value, attn_mask)
         decision, params = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
         if autotune.wanted(decision, params, (query, key, value, attn_mask)):
             # A signature this machine has not measured: time the eligible backends on
@@ -455,8 +463,15 @@ def _slow_path(
         count = call_stats.counter(name)
     # An empty tensor's key does not pin its layout (is_contiguous() is True whatever
     # the strides), and empty calls are rare: they are decided every time.
-    if not (keep and call_key and query.numel() and key.numel() and value.numel()):
+    if not (call_key and query.numel() and key.numel() and value.numel()):
         return (name, runner, _NO_GUARDS, _NO_CONTEXT, None, count)
+    if not eager:
+        unguarded: _Entry = (name, runner, _NO_GUARDS, _NO_CONTEXT, None, count)
+        with _call_cache_lock:
+            if len(_outside_eager_cache) >= _CALL_CACHE_LIMIT:
+                _outside_eager_cache.clear()
+            _outside_eager_cache[call_key] = unguarded
+        return unguarded
     tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
     # Only a cache's calls (Nq < Nk) change key length from one call of an entry to the
     # next in a loop (a decoding step's first layer); every other call keeps the C

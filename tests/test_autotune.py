@@ -229,6 +229,25 @@ def test_no_measuring_outside_plain_eager_mode(tuned, mode):
     assert slow.calls == 1 + SLOW_TIMED_CALLS and attnhub.stats() == {"fast": 1}
 
 
+def test_calls_under_a_mode_are_decided_once_and_apart_from_eager_ones(tuned, monkeypatch):
+    """Selective activation checkpointing runs every forward under a dispatch mode: its
+    calls are decided once (kept apart from eager calls', which still measure), not
+    validated and decided again at every call."""
+    from attnhub import api
+
+    slow, fast, _ = tuned
+    decided = []
+    prepare = api._prepare
+    monkeypatch.setattr(api, "_prepare", lambda *a: decided.append(1) or prepare(*a))
+    q, k, v = _qkv()
+    with _SeesEveryOp():
+        for _ in range(3):
+            attnhub.attention(q, k, v)
+    assert (len(decided), slow.calls, fast.calls) == (1, 3, 0)
+    attnhub.attention(q, k, v)  # eager: measures, and its entry serves eager calls
+    assert len(decided) == 2 and slow.calls == 3 + SLOW_TIMED_CALLS
+
+
 def test_ranks_of_a_distributed_job_read_only_a_shared_measurement_file(
     tuned, monkeypatch, tmp_path
 ):
