@@ -193,3 +193,24 @@ def test_a_float_mask_with_a_backward_on_cuda_is_declined() -> None:
         assert not any(why in r for r in flex.extra_reasons(request))
         reasons = flex.extra_reasons(dataclasses.replace(request, needs_grad=True))
         assert any(why in r for r in reasons) == declined, reasons
+
+
+@pytest.mark.parametrize("first", ["fake", "real"])
+def test_block_masks_built_under_fake_tensor_mode_stay_there(first: str) -> None:
+    """The BlockMasks of causal and window structure are kept per signature: one built
+    under FakeTensorMode was kept and reached the next real call, and a real one kept
+    before reached the fake call ("Please convert all Tensors to FakeTensors", failed
+    before)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 16, generator=gen) for _ in range(3))
+    options = {"window": (2, 1), "backend": "flex_attention"}
+    expected = attnhub.attention(q, k, v, window=(2, 1), backend="torch_reference")
+    for step in (first, "fake" if first == "real" else "real"):
+        if step == "fake":
+            with FakeTensorMode() as fake:
+                out = attnhub.attention(*(fake.from_tensor(t) for t in (q, k, v)), **options)
+            assert out.shape == expected.shape
+        else:
+            torch.testing.assert_close(attnhub.attention(q, k, v, **options), expected)
