@@ -445,7 +445,7 @@ def _slow_path(
         name, runner, deterministic, count = decided[0], decided[1], decided[4], decided[5]
     else:
         decision, params = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
-        if autotune.wanted(decision, params, (query, key, value, attn_mask)):
+        if autotune.wanted(decision, params, query.device, eager):
             # A signature this machine has not measured: time the eligible backends on
             # this call, then decide again (the measurement now ranks).
             mask = (
@@ -721,6 +721,7 @@ def explain(
     :func:`attention` would; a call nothing can serve returns a decision whose
     ``chosen`` is None.
     """
+    refuse_jit_trace("attnhub.explain")
     options = (causal, alignment, window, softcap, scale, dropout_p, block_sparse, return_lse)
     decision, _ = _prepare(query, key, value, attn_mask, _options_dict(options), backend)
     return decision

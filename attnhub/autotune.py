@@ -72,7 +72,6 @@ import torch
 
 from . import env, measured
 from .dispatch import REFERENCE, Decision, prepare_candidate
-from .eager import plain_eager
 from .errors import error_line
 from .registry import get_registry
 from .request import AttentionParams
@@ -138,15 +137,15 @@ def _covers(found: measured.Measurement, decision: Decision) -> bool:
     )
 
 
-def wanted(decision: Decision, params: AttentionParams, tensors: tuple[Any, ...]) -> bool:
+def wanted(decision: Decision, params: AttentionParams, device: torch.device, eager: bool) -> bool:
     """Whether this call's signature should be measured now (see the module docstring);
-    ``tensors``: the call's query, key, value and mask (None where absent)."""
-    device = tensors[0].device
+    ``eager``: the call runs in plain eager mode (:func:`attnhub.eager.plain_eager` of its
+    tensors, which the caller has at hand)."""
     if device.type not in measured.DEVICES or not env.flag(env.AUTOTUNE, default=True):
         return False
     if decision.selection.names is not None or params.dropout_p > 0:
         return False
-    if not plain_eager(*tensors) or _capturing(device) or measured.distributed_job():
+    if not eager or _capturing(device) or measured.distributed_job():
         return False
     found = measured.store_for(device).get(decision.request)
     if found is not None and _covers(found, decision):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["capturing", "plain_eager"]
+__all__ = ["capturing", "keeps_tensors", "plain_eager"]
 
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
@@ -39,3 +39,10 @@ def plain_eager(*tensors: torch.Tensor | None) -> bool:
 def capturing(t: torch.Tensor) -> bool:
     """Whether ``t`` is on CUDA while the current stream captures a CUDA graph."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def keeps_tensors(t: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether a call on ``t`` and ``others`` may keep a tensor it builds for later
+    calls, or take one kept: plain eager mode, outside CUDA-graph capture (module
+    docstring)."""
+    return plain_eager(t, *others) and not capturing(t)

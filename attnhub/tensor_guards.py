@@ -35,7 +35,8 @@ class Guards:
     ``torch.Tensor`` and its layout strided, so nothing above tells it apart): the C
     check reads every tensor's strides first, NestedTensorImpl throws on that in C++,
     and no handler stands between it and Python, so the process aborts (torch 2.11 and
-    2.13). Its callers test ``is_nested`` first.
+    2.13). The memos of attention() and patch() test ``is_nested`` first; the decode
+    kernel's last plan sees only tensors that validation has passed.
 
     It is a private PyTorch class: :meth:`make` returns None (no memo; every call
     goes through the cache's key) where it is missing, fails, or does not pass a check of

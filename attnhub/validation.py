@@ -190,8 +190,9 @@ def refuse_jit_trace(function: str) -> None:
     """Raise RuntimeError while ``torch.jit.trace`` records: it keeps the ops of one call
     and turns Python's decisions into constants (the backend, and the masks and lengths
     built for the traced shapes), and its sizes are tensors, which validation cannot
-    read. (The memos never serve a recorded call: the tracer's dispatch key fails their
-    guards, so every such call comes here.)"""
+    read. Each entry point asks first (attention's slow path, explain, the serving
+    calls' validation): the memos never serve a recorded call (the tracer's dispatch key
+    fails their guards), so every such call reaches one of them."""
     if _tracing_state() is not None:
         raise RuntimeError(
             f"{function} cannot be recorded by torch.jit.trace (it would keep one call's "
@@ -206,7 +207,6 @@ _tracing_state = torch._C._get_tracing_state
 
 def check_tensors(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
     """Types, ranks, dtypes, devices and shapes of the tensors (see contract.md, Errors)."""
-    refuse_jit_trace("attnhub.attention")
     tensors = (query, key, value)
     for name, t in zip(_TENSOR_NAMES, tensors):
         if not isinstance(t, torch.Tensor):

@@ -34,7 +34,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from attnhub.backend import FLOAT_DTYPES, Backend, Runner
-from attnhub.eager import capturing, plain_eager
+from attnhub.eager import keeps_tensors
 from attnhub.mask_rows import known_row_keys
 from attnhub.mask_values import clamp_beyond_log2_range
 from attnhub.request import AttentionParams, AttentionRequest
@@ -366,10 +366,8 @@ class _BuiltMasks:
     def slot(query: torch.Tensor, key: torch.Tensor, attn_mask: Any, params: AttentionParams) -> Any:  # fmt: skip
         """The key this call's build is kept under, or None where it is not kept (it
         serves this call only)."""
-        if (
-            not plain_eager(query, key, attn_mask)
-            or capturing(query)
-            or (attn_mask is not None and attn_mask.requires_grad)
+        if not keeps_tensors(query, key, attn_mask) or (
+            attn_mask is not None and attn_mask.requires_grad
         ):
             return None
         version = None

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from attnhub.eager import capturing, plain_eager
+from attnhub.eager import keeps_tensors
 from attnhub.mask_rows import row_keys
 from attnhub.tensor_memo import TensorMemo
 
@@ -69,7 +69,7 @@ def ranges_of(
     mb, mh, mq, mk = mask.shape
     if mh != 1 or mq != 1 or mk != nk or mb not in (1, batch) or nk == 0:
         return None
-    if not plain_eager(q, k, v, mask) or capturing(mask):
+    if not keeps_tensors(mask, q, k, v):
         return None
     runs = _memo(mask, _runs)
     if runs is None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from attnhub.eager import capturing, plain_eager
+from attnhub.eager import capturing, keeps_tensors
 from attnhub.request import AttentionParams, AttentionRequest
 
 
@@ -98,7 +98,8 @@ def _full_lengths(key: torch.Tensor, eager: bool = False) -> torch.Tensor:
     # Outside plain eager mode (traced; a FakeTensorMode, whose tensors are fake) or
     # captured in a CUDA graph (whose pool would own a cached tensor, unwritten until
     # replay): filled where the call runs, not shared.
-    if not (eager or plain_eager(key)) or capturing(key):
+    kept = not capturing(key) if eager else keeps_tensors(key)
+    if not kept:
         return torch.full((b,), nk, dtype=torch.int32, device=key.device)
     index = key.get_device()
     last = _last_row

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from attnhub import AttentionParams, AttentionRequest, Backend, hookimpl
-from attnhub.eager import capturing, plain_eager
+from attnhub.eager import keeps_tensors
 from attnhub.mask_values import clamp_beyond_log2_range
 from attnhub.registry import BackendRegistry
 
@@ -181,6 +181,11 @@ block_mask_builds = 0
 # oldest dropped first.
 _STRUCTURE_MASKS = 64
 _structure_masks: dict[tuple[Any, ...], Any] = {}
+# Both caches serve calls in plain eager mode outside CUDA-graph capture only
+# (attnhub.eager.keeps_tensors): traced, a mask is built in the graph (no cache or lock
+# is traced); under FakeTensorMode it is fake, and a real one kept before would reach
+# the fake call (both raised "Please convert all Tensors to FakeTensors"); while a CUDA
+# graph is captured, the kernels that fill it are recorded, not run.
 
 
 def _compress(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,7 +331,7 @@ def _layout_block_mask(
         return _build_layout_block_mask(
             layout, nq, nk, other_mod, other_bh, query.device, sparse_block
         )
-    if not _kept_masks_usable(query, key):
+    if not keeps_tensors(query, key):
         return _build_layout_block_mask(
             layout, nq, nk, other_mod, other_bh, query.device, sparse_block
         )
@@ -341,15 +346,6 @@ def _layout_block_mask(
         with _block_masks_lock:
             per_layout[signature] = hit
     return hit
-
-
-def _kept_masks_usable(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether a call may take a kept BlockMask, or keep the one it builds: in plain eager
-    mode only (attnhub.eager). Traced, a mask is built in the graph (no cache or lock is
-    traced); under FakeTensorMode it is fake, and a real one kept before would reach the
-    fake call (both raised "Please convert all Tensors to FakeTensors"); while a CUDA
-    graph is captured, the kernels that fill it are recorded, not run."""
-    return plain_eager(query, key) and not capturing(query)
 
 
 def _structure_signature(
@@ -371,7 +367,7 @@ def _structure_block_mask(
     global block_mask_builds
     b, hq, nq = query.shape[:3]
     nk = key.shape[2]
-    if not _kept_masks_usable(query, key):
+    if not keeps_tensors(query, key):
         return _flex_module().create_block_mask(mask_mod, b, hq, nq, nk, device=query.device)
     signature = (*_structure_signature(query, key, params), b, hq)
     with _block_masks_lock:
